@@ -1,0 +1,278 @@
+//! Hugging Face checkpoint directories: `config.json`, `generation_config.json`,
+//! `tokenizer.json`, `tokenizer_config.json` / `chat_template.jinja`, and safetensors
+//! weights in one file or sharded with `model.safetensors.index.json`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype as StDtype, SafeTensors};
+use serde_json::Value;
+
+use super::{ModelSource, TargetDtype, source_info};
+use crate::config::{GenerationDefaults, ModelConfig};
+use crate::dtype::convert_into;
+use crate::writer::{SnapshotBuilder, TensorSpec, TokenizerData};
+use crate::{DType, Error, Result};
+
+/// Where a tensor's bytes are: shard index and byte range within that shard's map.
+#[derive(Debug)]
+struct StTensor {
+    shard: usize,
+    dtype: DType,
+    shape: Vec<u64>,
+    range: std::ops::Range<usize>,
+}
+
+/// An opened HF checkpoint with its safetensors shards mapped.
+#[derive(Debug)]
+pub struct HfCheckpoint {
+    dir: PathBuf,
+    config: ModelConfig,
+    shards: Vec<Mmap>,
+    tensors: BTreeMap<String, StTensor>,
+    /// File order of tensor names (shard order, then header order).
+    order: Vec<String>,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_slice(&text)
+        .map_err(|e| Error::InvalidSource(format!("{}: {e}", path.display())))
+}
+
+fn st_dtype(d: StDtype, name: &str) -> Result<DType> {
+    match d {
+        StDtype::F32 => Ok(DType::F32),
+        StDtype::F16 => Ok(DType::F16),
+        StDtype::BF16 => Ok(DType::BF16),
+        other => Err(Error::Unsupported(format!(
+            "tensor {name} has dtype {other:?} (f32, f16, bf16 are supported)"
+        ))),
+    }
+}
+
+impl HfCheckpoint {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_hf_json(&read_json(&dir.join("config.json"))?)?;
+        let index = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if index.exists() {
+            let v = read_json(&index)?;
+            let map = v["weight_map"].as_object().ok_or_else(|| {
+                Error::InvalidSource(format!("{}: no weight_map object", index.display()))
+            })?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            vec!["model.safetensors".to_owned()]
+        };
+        let mut shards = Vec::new();
+        let mut tensors = BTreeMap::new();
+        let mut order = Vec::new();
+        for name in shard_names {
+            if name.contains('/') || name.contains("..") {
+                return Err(Error::InvalidSource(format!(
+                    "shard name {name:?} leaves the directory"
+                )));
+            }
+            let path = dir.join(&name);
+            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: read-only map of a checkpoint file that is not modified while the
+            // conversion runs (the same assumption every safetensors loader makes).
+            #[allow(unsafe_code)]
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+            let st = SafeTensors::deserialize(&map)
+                .map_err(|e| Error::InvalidSource(format!("{}: {e}", path.display())))?;
+            let mut names: Vec<(usize, String)> = st
+                .tensors()
+                .into_iter()
+                .map(|(n, v)| (v.data().as_ptr() as usize, n))
+                .collect();
+            names.sort();
+            for (_, n) in names {
+                // Rotary caches saved by old checkpoints are recomputed, not weights.
+                if n.ends_with("rotary_emb.inv_freq") {
+                    continue;
+                }
+                let v = st
+                    .tensor(&n)
+                    .map_err(|e| Error::InvalidSource(format!("{n}: {e}")))?;
+                let start = v.data().as_ptr() as usize - map.as_ptr() as usize;
+                let t = StTensor {
+                    shard: shards.len(),
+                    dtype: st_dtype(v.dtype(), &n)?,
+                    shape: v.shape().iter().map(|&d| d as u64).collect(),
+                    range: start..start + v.data().len(),
+                };
+                if tensors.insert(n.clone(), t).is_some() {
+                    return Err(Error::InvalidSource(format!("tensor {n} in two shards")));
+                }
+                order.push(n);
+            }
+            shards.push(map);
+        }
+        let ck = HfCheckpoint {
+            dir: dir.to_path_buf(),
+            config,
+            shards,
+            tensors,
+            order,
+        };
+        ck.check_tensors()?;
+        Ok(ck)
+    }
+
+    /// Every tensor the engine will look up exists with the shape the config implies.
+    fn check_tensors(&self) -> Result<()> {
+        let c = &self.config;
+        let (h, q, kv, ff) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        let mut want: Vec<(String, Vec<u64>)> = vec![
+            ("model.embed_tokens.weight".into(), vec![c.vocab_size, h]),
+            ("model.norm.weight".into(), vec![h]),
+        ];
+        if !self.tied() {
+            want.push(("lm_head.weight".into(), vec![c.vocab_size, h]));
+        }
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            want.extend([
+                (format!("{p}.input_layernorm.weight"), vec![h]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+                (format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
+            ]);
+            if c.attention_bias {
+                want.extend([
+                    (format!("{p}.self_attn.q_proj.bias"), vec![q]),
+                    (format!("{p}.self_attn.k_proj.bias"), vec![kv]),
+                    (format!("{p}.self_attn.v_proj.bias"), vec![kv]),
+                ]);
+            }
+        }
+        let mut errs = Vec::new();
+        for (name, shape) in want {
+            match self.tensors.get(&name) {
+                None => errs.push(format!("missing tensor {name}")),
+                Some(t) if t.shape != shape => errs.push(format!(
+                    "tensor {name} has shape {:?}, config implies {shape:?}",
+                    t.shape
+                )),
+                Some(_) => {}
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::InvalidConfig(errs))
+        }
+    }
+
+    /// Tied when the config says so or when the checkpoint simply has no `lm_head`.
+    fn tied(&self) -> bool {
+        self.config.tie_word_embeddings || !self.tensors.contains_key("lm_head.weight")
+    }
+
+    fn tokenizer(&self) -> Result<(Option<TokenizerData>, Option<String>)> {
+        let tok_path = self.dir.join("tokenizer.json");
+        let tc_path = self.dir.join("tokenizer_config.json");
+        let tc = if tc_path.exists() {
+            read_json(&tc_path)?
+        } else {
+            Value::Null
+        };
+        let special = |k: &str| match &tc[k] {
+            Value::String(s) => Some(s.clone()),
+            Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+            _ => None,
+        };
+        let tokenizer = if tok_path.exists() {
+            let json = std::fs::read(&tok_path).map_err(|e| Error::io(&tok_path, e))?;
+            serde_json::from_slice::<Value>(&json)
+                .map_err(|e| Error::InvalidSource(format!("{}: {e}", tok_path.display())))?;
+            Some(TokenizerData {
+                json,
+                bos_token: special("bos_token"),
+                eos_token: special("eos_token"),
+                add_bos_token: tc["add_bos_token"].as_bool().unwrap_or(false),
+            })
+        } else {
+            None
+        };
+        // chat_template.jinja wins over the (older) string or named list in
+        // tokenizer_config.json, as in transformers.
+        let jinja = self.dir.join("chat_template.jinja");
+        let template = if jinja.exists() {
+            Some(std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?)
+        } else {
+            match &tc["chat_template"] {
+                Value::String(s) => Some(s.clone()),
+                Value::Array(list) => list
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .or_else(|| list.first())
+                    .and_then(|t| t["template"].as_str())
+                    .map(str::to_owned),
+                _ => None,
+            }
+        };
+        Ok((tokenizer, template))
+    }
+}
+
+impl ModelSource for HfCheckpoint {
+    fn builder(&self, target: TargetDtype) -> Result<SnapshotBuilder> {
+        let mut config = self.config.clone();
+        config.tie_word_embeddings = self.tied();
+        let mut b = SnapshotBuilder::new(config, source_info("hf", &self.dir));
+        let gen_path = self.dir.join("generation_config.json");
+        if gen_path.exists() {
+            b.generation = GenerationDefaults::from_hf_json(&read_json(&gen_path)?);
+        }
+        (b.tokenizer, b.chat_template) = self.tokenizer()?;
+        for name in &self.order {
+            let t = &self.tensors[name];
+            if name == "lm_head.weight" && self.config.tie_word_embeddings {
+                continue;
+            }
+            b.tensors.push(TensorSpec {
+                name: name.clone(),
+                dtype: match target {
+                    TargetDtype::Keep => t.dtype,
+                    TargetDtype::To(d) => d,
+                },
+                shape: t.shape.clone(),
+            });
+        }
+        Ok(b)
+    }
+
+    fn read_tensor(&self, spec: &TensorSpec, out: &mut Vec<u8>) -> Result<()> {
+        let t = self
+            .tensors
+            .get(&spec.name)
+            .ok_or_else(|| Error::NoSuchTensor(spec.name.clone()))?;
+        convert_into(
+            &self.shards[t.shard][t.range.clone()],
+            t.dtype,
+            spec.dtype,
+            out,
+        )
+    }
+}
