@@ -100,14 +100,17 @@ impl ModelConfig {
                 errs.push(format!("{name} must be > 0"));
             }
         }
-        if self.num_key_value_heads != 0 && self.num_attention_heads % self.num_key_value_heads != 0
+        if self.num_key_value_heads != 0
+            && !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             errs.push(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             errs.push(format!("head_dim {} must be even for RoPE", self.head_dim));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {

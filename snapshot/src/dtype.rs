@@ -68,7 +68,7 @@ impl std::str::FromStr for DType {
 /// Widening (f16/bf16 → f32) is exact; narrowing rounds to nearest even, as PyTorch's
 /// `.to()` does, so a converted checkpoint matches what the reference library computes.
 pub fn convert_into(src: &[u8], from: DType, to: DType, out: &mut Vec<u8>) -> Result<()> {
-    if src.len() % from.size() != 0 {
+    if !src.len().is_multiple_of(from.size()) {
         return Err(Error::InvalidSource(format!(
             "{} bytes is not a whole number of {from} elements",
             src.len()

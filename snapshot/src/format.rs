@@ -128,7 +128,7 @@ impl Header {
                 });
             }
         }
-        if h.data_offset % ALIGN != 0 {
+        if !h.data_offset.is_multiple_of(ALIGN) {
             return Err(Error::OutOfBounds {
                 what: format!("data offset {} is not {ALIGN}-aligned", h.data_offset),
             });

@@ -173,7 +173,10 @@ pub fn pack(
     opts: PackOptions,
     progress: &dyn Progress,
 ) -> Result<PackSummary> {
-    if opts.chunk_size == 0 || opts.chunk_size % 2 != 0 || opts.chunk_size > u32::MAX as u64 {
+    if opts.chunk_size == 0
+        || !opts.chunk_size.is_multiple_of(2)
+        || opts.chunk_size > u32::MAX as u64
+    {
         return Err(Error::InvalidPacked(format!(
             "chunk size {} must be even, > 0 and < 4 GiB",
             opts.chunk_size
@@ -194,7 +197,7 @@ pub fn pack(
     // Compress a window of chunks in parallel, write them in order.
     let window = opts.threads.max(1) * 4;
     for batch in plan.chunks(window) {
-        let results: Vec<Mutex<Option<Result<(Codec, Vec<u8>)>>>> =
+        let results: Vec<Mutex<Option<CompressedChunk>>> =
             batch.iter().map(|_| Mutex::new(None)).collect();
         let next = AtomicUsize::new(0);
         std::thread::scope(|s| {
@@ -266,6 +269,9 @@ pub fn pack(
         chunks: table.len(),
     })
 }
+
+/// A chunk's codec and bytes, or why compressing it failed.
+type CompressedChunk = Result<(Codec, Vec<u8>)>;
 
 fn compress(
     cctx: Option<&mut zstd::bulk::Compressor<'static>>,

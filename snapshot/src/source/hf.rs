@@ -260,6 +260,7 @@ impl ModelSource for HfCheckpoint {
                 shape: t.shape.clone(),
             });
         }
+        b.tensors.sort_by_key(|s| super::engine_order(&s.name));
         Ok(b)
     }
 

@@ -67,3 +67,18 @@ pub(crate) fn source_info(kind: &str, path: &Path) -> SourceInfo {
         name: path.display().to_string(),
     }
 }
+
+/// Sort key that lays tensors out in the order a loader consumes them: embeddings,
+/// then layer by layer (numerically, so layer 10 follows layer 9), then the head.
+pub(crate) fn engine_order(name: &str) -> (u8, u64, String) {
+    if name == "model.embed_tokens.weight" {
+        (0, 0, String::new())
+    } else if let Some(rest) = name.strip_prefix("model.layers.") {
+        let (l, tail) = rest.split_once('.').unwrap_or((rest, ""));
+        (1, l.parse().unwrap_or(u64::MAX), tail.to_owned())
+    } else if name == "model.norm.weight" {
+        (2, 0, String::new())
+    } else {
+        (3, 0, name.to_owned())
+    }
+}

@@ -53,7 +53,7 @@ impl GgmlType {
     #[must_use]
     pub fn bytes_for(self, numel: u64, row_len: u64) -> Option<u64> {
         let (be, bb) = self.block();
-        if row_len % be != 0 {
+        if !row_len.is_multiple_of(be) {
             return None;
         }
         (numel / be).checked_mul(bb)

@@ -170,11 +170,7 @@ fn config_from_meta(
     let head_dim = get("attention.key_length")
         .or_else(|| get("rope.dimension_count"))
         .and_then(MetaValue::as_u64)
-        .unwrap_or(if num_attention_heads > 0 {
-            hidden_size / num_attention_heads
-        } else {
-            0
-        });
+        .unwrap_or(hidden_size.checked_div(num_attention_heads).unwrap_or(0));
     let tokens = m.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array);
     let vocab_size = get("vocab_size")
         .and_then(MetaValue::as_u64)
@@ -267,8 +263,7 @@ impl ModelSource for GgufModel {
                 shape: t.shape(),
             });
         }
-        // Engine-friendly order: embeddings, then layer by layer, then the head.
-        b.tensors.sort_by_key(|s| order_key(&s.name));
+        b.tensors.sort_by_key(|s| super::engine_order(&s.name));
         Ok(b)
     }
 
@@ -313,7 +308,7 @@ impl ModelSource for GgufModel {
 /// two rotary halves apart (rows `i*half + j`); GGUF interleaves them (rows `2*j + i`).
 fn unpermute_rows(data: &mut [u8], heads: usize, row_bytes: usize) -> Result<()> {
     let rows = data.len() / row_bytes.max(1);
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(Error::InvalidGguf(format!(
             "cannot un-permute {rows} rows over {heads} heads"
         )));
@@ -332,17 +327,6 @@ fn unpermute_rows(data: &mut [u8], heads: usize, row_bytes: usize) -> Result<()>
         }
     }
     Ok(())
-}
-
-fn order_key(name: &str) -> (u8, u64, String) {
-    if name == "model.embed_tokens.weight" {
-        (0, 0, String::new())
-    } else if let Some(rest) = name.strip_prefix("model.layers.") {
-        let (l, tail) = rest.split_once('.').unwrap_or((rest, ""));
-        (1, l.parse().unwrap_or(u64::MAX), tail.to_owned())
-    } else {
-        (2, 0, name.to_owned())
-    }
 }
 
 #[cfg(test)]

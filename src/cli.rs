@@ -1,0 +1,134 @@
+//! Command-line flags as clap parses them. Validation into typed options happens in
+//! `commands`, so every subcommand's raw flags are readable in one place.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "preheat",
+    version,
+    about = "Autoscaler and cold-start accelerator for disaggregated LLM serving",
+    long_about = "preheat sizes the prefill and decode pools of a disaggregated LLM deployment \
+independently and makes new replicas serve their first token in seconds.\n\n\
+Logs go to stderr (filter with RUST_LOG, e.g. RUST_LOG=debug); results go to stdout, \
+as JSON with --json where a tool would parse them."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Model snapshots: convert, inspect, verify, pack and unpack the loading-optimised format.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Benchmarks that record the figures in BENCHMARKS.md.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCmd {
+    /// Convert a Hugging Face checkpoint directory or a GGUF file into a snapshot.
+    Convert {
+        /// HF directory (config.json + safetensors) or a .gguf file.
+        src: PathBuf,
+        /// Output snapshot file (written atomically).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Stored dtype: keep the source's (quantised GGUF tensors become f32), or convert.
+        #[arg(long, default_value = "keep", value_parser = ["keep", "f32", "f16", "bf16"])]
+        dtype: String,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Show a snapshot's model config and tensor table (no tensor data is read).
+    Inspect {
+        file: PathBuf,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Recompute every checksum; exits non-zero naming each corrupt tensor.
+    Verify {
+        file: PathBuf,
+        /// Threads hashing in parallel (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Compress a snapshot into the chunked packed encoding for storage and transfer.
+    Pack {
+        file: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        /// zstd level.
+        #[arg(long, default_value_t = 3)]
+        level: i32,
+        /// Chunk size in MiB (each chunk decompresses independently).
+        #[arg(long, default_value_t = 4)]
+        chunk_mib: u64,
+        /// Compress 16-bit tensors as they are, without the byte-plane split.
+        #[arg(long)]
+        no_byte_planes: bool,
+        #[arg(long)]
+        threads: Option<usize>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Decompress a packed snapshot; resumes an interrupted unpack from its partial file.
+    Unpack {
+        packed: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long)]
+        threads: Option<usize>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Write a synthetic snapshot of a real model shape with deterministic random weights.
+    Synth {
+        /// tiny (the llama-tiny fixture's shapes) or llama-1b (Llama-3.2-1B, ~1.24 B params).
+        #[arg(long)]
+        preset: String,
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long, default_value = "bf16", value_parser = ["f32", "f16", "bf16"])]
+        dtype: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCmd {
+    /// Snapshot load, verify and packed-encoding throughput against same-run baselines.
+    Snapshot(BenchSnapshotArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchSnapshotArgs {
+    /// Synthetic preset to measure.
+    #[arg(long, default_value = "llama-1b")]
+    pub preset: String,
+    /// Scratch directory (needs about 4× the snapshot size free).
+    #[arg(long, default_value = ".bench")]
+    pub dir: PathBuf,
+    /// Repetitions of each timed read (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args, Clone, Copy)]
+pub struct OutputArgs {
+    /// Print machine-readable JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
