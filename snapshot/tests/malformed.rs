@@ -139,11 +139,14 @@ fn random_bytes_and_random_corruption_never_panic() {
     }
 }
 
+/// One manifest mutation of the corpus.
+type Edit = Box<dyn Fn(&mut Value)>;
+
 #[test]
 fn manifest_facts_are_validated() {
     let b = good();
     let len = b.len() as u64;
-    let cases: Vec<(&str, Box<dyn Fn(&mut Value)>)> = vec![
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "offset past the end",
             Box::new(move |m| m["tensors"][0]["offset"] = (len + ALIGN).into()),
