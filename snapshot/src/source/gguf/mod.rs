@@ -71,55 +71,14 @@ impl GgufModel {
     }
 
     fn from_map(path: &Path, map: Mmap) -> Result<Self> {
-        let header = parse::parse(&map)?;
-        let arch = header
-            .metadata
-            .get("general.architecture")
-            .and_then(MetaValue::as_str)
-            .unwrap_or("")
-            .to_owned();
-        let architecture = match arch.as_str() {
-            "llama" => Architecture::Llama,
-            "mistral" => Architecture::Mistral,
-            "qwen2" => Architecture::Qwen2,
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "GGUF architecture {other:?} (llama, mistral, qwen2 are supported)"
-                )));
-            }
-        };
-        let mut by_hf_name = BTreeMap::new();
-        let mut rope_freqs = None;
-        let mut ignored = Vec::new();
-        for (i, t) in header.tensors.iter().enumerate() {
-            if t.name == "rope_freqs.weight" {
-                rope_freqs = Some(i);
-            } else if let Some(n) = hf_name(&t.name) {
-                if by_hf_name.insert(n, i).is_some() {
-                    return Err(Error::InvalidGguf(format!("tensor {} twice", t.name)));
-                }
-            } else {
-                ignored.push(t.name.clone());
-            }
-        }
-        if !ignored.is_empty() {
-            tracing::warn!(?ignored, "GGUF tensors the engine does not use are skipped");
-        }
-        let config = config_from_meta(
-            &header,
-            architecture,
-            &arch,
-            !by_hf_name.contains_key("lm_head.weight"),
-            rope_freqs.map(|i| &header.tensors[i]),
-            &map,
-        )?;
+        let a = analyze(&map)?;
         Ok(GgufModel {
             path: path.to_path_buf(),
             map,
-            permuted_qk: arch != "qwen2",
-            header,
-            config,
-            by_hf_name,
+            header: a.header,
+            config: a.config,
+            by_hf_name: a.by_hf_name,
+            permuted_qk: a.permuted_qk,
         })
     }
 
@@ -139,6 +98,73 @@ impl GgufModel {
             .map(|&i| &self.header.tensors[i])
             .ok_or_else(|| Error::NoSuchTensor(hf.to_owned()))
     }
+}
+
+/// What opening a GGUF image establishes, before any tensor data is read.
+struct Analysis {
+    header: GgufHeader,
+    config: ModelConfig,
+    by_hf_name: BTreeMap<String, usize>,
+    permuted_qk: bool,
+}
+
+fn analyze(bytes: &[u8]) -> Result<Analysis> {
+    let header = parse::parse(bytes)?;
+    let arch = header
+        .metadata
+        .get("general.architecture")
+        .and_then(MetaValue::as_str)
+        .unwrap_or("")
+        .to_owned();
+    let architecture = match arch.as_str() {
+        "llama" => Architecture::Llama,
+        "mistral" => Architecture::Mistral,
+        "qwen2" => Architecture::Qwen2,
+        other => {
+            return Err(Error::Unsupported(format!(
+                "GGUF architecture {other:?} (llama, mistral, qwen2 are supported)"
+            )));
+        }
+    };
+    let mut by_hf_name = BTreeMap::new();
+    let mut rope_freqs = None;
+    let mut ignored = Vec::new();
+    for (i, t) in header.tensors.iter().enumerate() {
+        if t.name == "rope_freqs.weight" {
+            rope_freqs = Some(i);
+        } else if let Some(n) = hf_name(&t.name) {
+            if by_hf_name.insert(n, i).is_some() {
+                return Err(Error::InvalidGguf(format!("tensor {} twice", t.name)));
+            }
+        } else {
+            ignored.push(t.name.clone());
+        }
+    }
+    if !ignored.is_empty() {
+        tracing::warn!(?ignored, "GGUF tensors the engine does not use are skipped");
+    }
+    let config = config_from_meta(
+        &header,
+        architecture,
+        &arch,
+        !by_hf_name.contains_key("lm_head.weight"),
+        rope_freqs.map(|i| &header.tensors[i]),
+        bytes,
+    )?;
+    Ok(Analysis {
+        header,
+        config,
+        by_hf_name,
+        permuted_qk: arch != "qwen2",
+    })
+}
+
+/// Validates a whole GGUF image held in memory as conversion would (container, model
+/// config, tokenizer rebuild) without converting tensors. The fuzz target's entry.
+pub fn validate_bytes(bytes: &[u8]) -> Result<ModelConfig> {
+    let a = analyze(bytes)?;
+    tokenizer::from_metadata(&a.header.metadata)?;
+    Ok(a.config)
 }
 
 fn config_from_meta(
