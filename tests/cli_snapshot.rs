@@ -14,7 +14,12 @@ fn convert_inspect_verify() {
         out.clone().into_os_string(),
     ]));
     assert!(s.contains("21 tensors"), "{s}");
-    let j = ok_json(["snapshot".as_ref(), "inspect".as_ref(), out.as_os_str(), "--json".as_ref()]);
+    let j = ok_json([
+        "snapshot".as_ref(),
+        "inspect".as_ref(),
+        out.as_os_str(),
+        "--json".as_ref(),
+    ]);
     let tensors = j["tensors"].as_array().unwrap();
     assert_eq!(tensors.len(), 21);
     let len = std::fs::metadata(&out).unwrap().len();
@@ -28,7 +33,10 @@ fn convert_inspect_verify() {
     }
     assert_eq!(j["model"]["hidden_size"], 64);
     let human = ok(["snapshot".as_ref(), "inspect".as_ref(), out.as_os_str()]);
-    assert!(human.contains("model.layers.1.mlp.down_proj.weight"), "{human}");
+    assert!(
+        human.contains("model.layers.1.mlp.down_proj.weight"),
+        "{human}"
+    );
     let v = ok(["snapshot".as_ref(), "verify".as_ref(), out.as_os_str()]);
     assert!(v.starts_with("ok:"), "{v}");
 }
@@ -37,8 +45,21 @@ fn convert_inspect_verify() {
 fn verify_fails_naming_the_corrupt_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("q.preheat");
-    ok(["snapshot".as_ref(), "convert".as_ref(), model_fixture("qwen2-tiny").as_os_str(), "-o".as_ref(), out.as_os_str(), "--dtype".as_ref(), "bf16".as_ref()]);
-    let j = ok_json(["snapshot".as_ref(), "inspect".as_ref(), out.as_os_str(), "--json".as_ref()]);
+    ok([
+        "snapshot".as_ref(),
+        "convert".as_ref(),
+        model_fixture("qwen2-tiny").as_os_str(),
+        "-o".as_ref(),
+        out.as_os_str(),
+        "--dtype".as_ref(),
+        "bf16".as_ref(),
+    ]);
+    let j = ok_json([
+        "snapshot".as_ref(),
+        "inspect".as_ref(),
+        out.as_os_str(),
+        "--json".as_ref(),
+    ]);
     let victim = &j["tensors"][3];
     assert_eq!(victim["dtype"], "bf16");
     let mut bytes = std::fs::read(&out).unwrap();
@@ -47,8 +68,16 @@ fn verify_fails_naming_the_corrupt_tensor() {
     let r = preheat(["snapshot".as_ref(), "verify".as_ref(), out.as_os_str()]);
     assert!(!r.status.success());
     let stdout = String::from_utf8_lossy(&r.stdout);
-    assert!(stdout.contains(victim["name"].as_str().unwrap()), "{stdout}");
-    let rj = preheat(["snapshot".as_ref(), "verify".as_ref(), out.as_os_str(), "--json".as_ref()]);
+    assert!(
+        stdout.contains(victim["name"].as_str().unwrap()),
+        "{stdout}"
+    );
+    let rj = preheat([
+        "snapshot".as_ref(),
+        "verify".as_ref(),
+        out.as_os_str(),
+        "--json".as_ref(),
+    ]);
     assert!(!rj.status.success());
     let v: serde_json::Value = serde_json::from_slice(&rj.stdout).unwrap();
     assert_eq!(v["ok"], false);
@@ -61,11 +90,32 @@ fn synth_pack_unpack_round_trip() {
     let snap = dir.path().join("tiny.preheat");
     let pk = dir.path().join("tiny.phpack");
     let back = dir.path().join("back.preheat");
-    let s = ok_json(["snapshot".as_ref(), "synth".as_ref(), "--preset".as_ref(), "tiny".as_ref(), "-o".as_ref(), snap.as_os_str(), "--json".as_ref()]);
+    let s = ok_json([
+        "snapshot".as_ref(),
+        "synth".as_ref(),
+        "--preset".as_ref(),
+        "tiny".as_ref(),
+        "-o".as_ref(),
+        snap.as_os_str(),
+        "--json".as_ref(),
+    ]);
     assert_eq!(s["tensors"], 21);
-    let p = ok_json(["snapshot".as_ref(), "pack".as_ref(), snap.as_os_str(), "-o".as_ref(), pk.as_os_str(), "--json".as_ref()]);
+    let p = ok_json([
+        "snapshot".as_ref(),
+        "pack".as_ref(),
+        snap.as_os_str(),
+        "-o".as_ref(),
+        pk.as_os_str(),
+        "--json".as_ref(),
+    ]);
     assert!(p["ratio"].as_f64().unwrap() > 1.0);
-    ok(["snapshot".as_ref(), "unpack".as_ref(), pk.as_os_str(), "-o".as_ref(), back.as_os_str()]);
+    ok([
+        "snapshot".as_ref(),
+        "unpack".as_ref(),
+        pk.as_os_str(),
+        "-o".as_ref(),
+        back.as_os_str(),
+    ]);
     assert_eq!(std::fs::read(&snap).unwrap(), std::fs::read(&back).unwrap());
 }
 
@@ -75,11 +125,38 @@ fn bad_input_is_a_clear_error_not_a_panic() {
     let junk = dir.path().join("junk.preheat");
     std::fs::write(&junk, b"definitely not a snapshot").unwrap();
     for args in [
-        vec!["snapshot".into(), "inspect".into(), junk.clone().into_os_string()],
-        vec!["snapshot".into(), "verify".into(), junk.clone().into_os_string()],
-        vec!["snapshot".into(), "unpack".into(), junk.clone().into_os_string(), "-o".into(), dir.path().join("x").into_os_string()],
-        vec!["snapshot".into(), "convert".into(), junk.clone().into_os_string(), "-o".into(), dir.path().join("y").into_os_string()],
-        vec!["snapshot".into(), "synth".into(), "--preset".into(), "nope".into(), "-o".into(), dir.path().join("z").into_os_string()],
+        vec![
+            "snapshot".into(),
+            "inspect".into(),
+            junk.clone().into_os_string(),
+        ],
+        vec![
+            "snapshot".into(),
+            "verify".into(),
+            junk.clone().into_os_string(),
+        ],
+        vec![
+            "snapshot".into(),
+            "unpack".into(),
+            junk.clone().into_os_string(),
+            "-o".into(),
+            dir.path().join("x").into_os_string(),
+        ],
+        vec![
+            "snapshot".into(),
+            "convert".into(),
+            junk.clone().into_os_string(),
+            "-o".into(),
+            dir.path().join("y").into_os_string(),
+        ],
+        vec![
+            "snapshot".into(),
+            "synth".into(),
+            "--preset".into(),
+            "nope".into(),
+            "-o".into(),
+            dir.path().join("z").into_os_string(),
+        ],
     ] {
         let r = preheat(&args);
         let err = String::from_utf8_lossy(&r.stderr);

@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::Context;
 use preheat_snapshot::packed::{self, PackOptions};
 use preheat_snapshot::synth::{self, SynthOptions};
-use preheat_snapshot::{DType, Snapshot, TargetDtype};
+use preheat_snapshot::{DType, Snapshot, TargetDtype, WriteSummary};
 use serde_json::json;
 
 use super::{default_threads, emit, human_bytes, print_json};
@@ -25,20 +25,7 @@ pub fn run(cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {
             let t = Instant::now();
             let s = preheat_snapshot::convert(&src, &output, target, &Bar::new())
                 .with_context(|| format!("converting {}", src.display()))?;
-            let secs = t.elapsed().as_secs_f64();
-            if out.json {
-                print_json(
-                    &json!({"path": s.path, "file_len": s.file_len, "tensors": s.tensors,
-                    "tensor_bytes": s.tensor_bytes, "seconds": secs}),
-                )?;
-            } else {
-                outln!(
-                    "wrote {}: {} tensors, {} in {secs:.2} s",
-                    s.path.display(),
-                    s.tensors,
-                    human_bytes(s.file_len)
-                );
-            }
+            report_written(&s, t.elapsed().as_secs_f64(), out.json)?;
         }
         SnapshotCmd::Inspect { file, out } => {
             let snap = Snapshot::open(&file)?;
@@ -153,23 +140,28 @@ pub fn run(cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {
             };
             let t = Instant::now();
             let s = synth::synthesize(&preset, &output, opts, &Bar::new())?;
-            let secs = t.elapsed().as_secs_f64();
-            if out.json {
-                print_json(
-                    &json!({"path": s.path, "file_len": s.file_len, "tensors": s.tensors,
-                    "tensor_bytes": s.tensor_bytes, "seconds": secs}),
-                )?;
-            } else {
-                outln!(
-                    "wrote {} ({preset}): {} tensors, {} in {secs:.2} s",
-                    s.path.display(),
-                    s.tensors,
-                    human_bytes(s.file_len)
-                );
-            }
+            report_written(&s, t.elapsed().as_secs_f64(), out.json)?;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Reports a freshly written snapshot (convert, synth).
+fn report_written(s: &WriteSummary, secs: f64, as_json: bool) -> anyhow::Result<()> {
+    if as_json {
+        print_json(
+            &json!({"path": s.path, "file_len": s.file_len, "tensors": s.tensors,
+            "tensor_bytes": s.tensor_bytes, "seconds": secs}),
+        )
+    } else {
+        outln!(
+            "wrote {}: {} tensors, {} in {secs:.2} s",
+            s.path.display(),
+            s.tensors,
+            human_bytes(s.file_len)
+        );
+        Ok(())
+    }
 }
 
 fn inspect(snap: &Snapshot, as_json: bool) -> anyhow::Result<()> {
