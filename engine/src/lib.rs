@@ -1,1 +1,12 @@
+//! # preheat-engine
+//!
+//! The bundled engine: Llama-family models (Llama 2/3, Mistral, Qwen2) computed on a
+//! [`backend::Backend`] over a paged [`kv`] cache, with tokenisation, sampling and
+//! continuous batching, served through an OpenAI-compatible API.
 
+pub mod backend;
+mod error;
+pub mod kv;
+pub mod model;
+
+pub use error::{EngineError, Result};

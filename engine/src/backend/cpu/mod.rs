@@ -1,0 +1,305 @@
+//! The CPU backend: f32 compute over f32/f16/bf16 weights mapped from a snapshot,
+//! with the paged KV cache in f32.
+
+pub mod matmul;
+pub mod ops;
+pub mod weights;
+
+use std::sync::Arc;
+
+use preheat_snapshot::{ModelConfig, Snapshot};
+use rayon::prelude::*;
+
+use self::matmul::{axpy, dot, linear};
+use self::weights::Weight;
+use super::{Backend, ForwardBatch, KvLayout};
+use crate::{EngineError, Result};
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    o: Weight,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+}
+
+/// A Llama-family model on the CPU.
+#[derive(Debug)]
+pub struct CpuBackend {
+    config: ModelConfig,
+    layout: KvLayout,
+    embed: Weight,
+    lm_head: Weight,
+    final_norm: Vec<f32>,
+    layers: Vec<Layer>,
+    inv_freq: Vec<f32>,
+    /// Per layer: K then V, each `num_blocks × block_elems`.
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+}
+
+impl CpuBackend {
+    /// Builds the model over `snap` (weights stay in the mapping) with a KV cache of
+    /// `num_blocks` blocks of `block_size` tokens.
+    pub fn new(snap: Arc<Snapshot>, num_blocks: usize, block_size: usize) -> Result<Self> {
+        let c = snap.manifest().model.clone();
+        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as usize,
+            c.num_key_value_heads as usize,
+            c.head_dim as usize,
+        );
+        let vocab = c.vocab_size as usize;
+        let w = |name: &str, shape: &[usize]| Weight::load(&snap, name, shape);
+        let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
+            if snap.tensor(name).is_some() {
+                Ok(Some(Weight::load(&snap, name, &[n])?.to_f32_vec()))
+            } else if c.attention_bias {
+                Err(EngineError::Model(format!(
+                    "config declares q/k/v bias but {name} is missing"
+                )))
+            } else {
+                Ok(None)
+            }
+        };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers as usize);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                input_norm: w(&format!("{p}.input_layernorm.weight"), &[h])?.to_f32_vec(),
+                post_norm: w(&format!("{p}.post_attention_layernorm.weight"), &[h])?.to_f32_vec(),
+                q: w(&format!("{p}.self_attn.q_proj.weight"), &[nh * hd, h])?,
+                k: w(&format!("{p}.self_attn.k_proj.weight"), &[nkv * hd, h])?,
+                v: w(&format!("{p}.self_attn.v_proj.weight"), &[nkv * hd, h])?,
+                o: w(&format!("{p}.self_attn.o_proj.weight"), &[h, nh * hd])?,
+                q_bias: bias(&format!("{p}.self_attn.q_proj.bias"), nh * hd)?,
+                k_bias: bias(&format!("{p}.self_attn.k_proj.bias"), nkv * hd)?,
+                v_bias: bias(&format!("{p}.self_attn.v_proj.bias"), nkv * hd)?,
+                gate: w(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
+                up: w(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
+                down: w(&format!("{p}.mlp.down_proj.weight"), &[h, ff])?,
+            });
+        }
+        let embed = w("model.embed_tokens.weight", &[vocab, h])?;
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            w("lm_head.weight", &[vocab, h])?
+        };
+        let layout = KvLayout {
+            num_layers: layers.len(),
+            num_blocks,
+            block_size,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let cache_len = num_blocks * layout.block_elems();
+        Ok(CpuBackend {
+            inv_freq: ops::inv_freq(&c),
+            final_norm: w("model.norm.weight", &[h])?.to_f32_vec(),
+            k_cache: (0..layers.len()).map(|_| vec![0f32; cache_len]).collect(),
+            v_cache: (0..layers.len()).map(|_| vec![0f32; cache_len]).collect(),
+            config: c,
+            layout,
+            embed,
+            lm_head,
+            layers,
+        })
+    }
+
+    /// Bytes of weights one decode step reads (every matrix once; the embedding table
+    /// only through the LM head).
+    #[must_use]
+    pub fn weight_bytes_per_step(&self) -> u64 {
+        let lw = |w: &Weight| w.bytes().len() as u64;
+        self.layers
+            .iter()
+            .map(|l| {
+                lw(&l.q) + lw(&l.k) + lw(&l.v) + lw(&l.o) + lw(&l.gate) + lw(&l.up) + lw(&l.down)
+            })
+            .sum::<u64>()
+            + lw(&self.lm_head)
+    }
+
+    /// Raw K and V of one block of one layer (for the KV transfer).
+    #[must_use]
+    pub fn block(&self, layer: usize, block: usize) -> (&[f32], &[f32]) {
+        let n = self.layout.block_elems();
+        (
+            &self.k_cache[layer][block * n..(block + 1) * n],
+            &self.v_cache[layer][block * n..(block + 1) * n],
+        )
+    }
+
+    /// Overwrites one block of one layer (for the KV transfer).
+    pub fn set_block(&mut self, layer: usize, block: usize, k: &[f32], v: &[f32]) {
+        let n = self.layout.block_elems();
+        self.k_cache[layer][block * n..(block + 1) * n].copy_from_slice(k);
+        self.v_cache[layer][block * n..(block + 1) * n].copy_from_slice(v);
+    }
+
+    fn check(&self, b: &ForwardBatch<'_>) -> Result<()> {
+        let t = b.tokens.len();
+        if b.positions.len() != t || b.seq_of.len() != t {
+            return Err(EngineError::Internal(
+                "batch arrays differ in length".into(),
+            ));
+        }
+        let bs = self.layout.block_size;
+        for i in 0..t {
+            let s = b
+                .seqs
+                .get(b.seq_of[i] as usize)
+                .ok_or_else(|| EngineError::Internal("bad seq index".into()))?;
+            let need = b.positions[i] as usize / bs + 1;
+            if s.block_table.len() < need {
+                return Err(EngineError::Internal(format!(
+                    "block table too short for position {}",
+                    b.positions[i]
+                )));
+            }
+            if s.block_table
+                .iter()
+                .any(|&blk| blk as usize >= self.layout.num_blocks)
+            {
+                return Err(EngineError::Internal("block id out of range".into()));
+            }
+            if b.tokens[i] as u64 >= self.config.vocab_size {
+                return Err(EngineError::Internal(format!(
+                    "token {} out of vocabulary",
+                    b.tokens[i]
+                )));
+            }
+        }
+        if b.logits_rows.iter().any(|&r| r as usize >= t) {
+            return Err(EngineError::Internal("logits row out of range".into()));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn forward(&mut self, b: &ForwardBatch<'_>) -> Result<Vec<f32>> {
+        self.check(b)?;
+        let c = &self.config;
+        let t = b.tokens.len();
+        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as usize,
+            c.num_key_value_heads as usize,
+            c.head_dim as usize,
+        );
+        let eps = c.rms_norm_eps as f32;
+        let bs = self.layout.block_size;
+        let slot_elems = nkv * hd;
+
+        let mut x = vec![0f32; t * h];
+        for (row, &tok) in x.chunks_exact_mut(h).zip(b.tokens) {
+            self.embed.rows_to_f32(tok as usize, tok as usize + 1, row);
+        }
+        let mut hn = vec![0f32; t * h];
+        let mut q = vec![0f32; t * nh * hd];
+        let mut k = vec![0f32; t * nkv * hd];
+        let mut v = vec![0f32; t * nkv * hd];
+        let mut attn = vec![0f32; t * nh * hd];
+        let mut o = vec![0f32; t * h];
+        let mut gate = vec![0f32; t * ff];
+        let mut up = vec![0f32; t * ff];
+        let slot = |i: usize| {
+            let p = b.positions[i] as usize;
+            b.seqs[b.seq_of[i] as usize].block_table[p / bs] as usize * bs + p % bs
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            ops::rms_norm(&x, &layer.input_norm, eps, &mut hn);
+            linear(&hn, t, &layer.q, &mut q);
+            linear(&hn, t, &layer.k, &mut k);
+            linear(&hn, t, &layer.v, &mut v);
+            for (out, bias) in [
+                (&mut q, &layer.q_bias),
+                (&mut k, &layer.k_bias),
+                (&mut v, &layer.v_bias),
+            ] {
+                if let Some(bias) = bias {
+                    for row in out.chunks_exact_mut(bias.len()) {
+                        for (r, bv) in row.iter_mut().zip(bias) {
+                            *r += bv;
+                        }
+                    }
+                }
+            }
+            ops::rope(&mut q, b.positions, nh, &self.inv_freq);
+            ops::rope(&mut k, b.positions, nkv, &self.inv_freq);
+            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            for i in 0..t {
+                let s = slot(i) * slot_elems;
+                kc[s..s + slot_elems].copy_from_slice(&k[i * slot_elems..(i + 1) * slot_elems]);
+                vc[s..s + slot_elems].copy_from_slice(&v[i * slot_elems..(i + 1) * slot_elems]);
+            }
+            let (kc, vc) = (&self.k_cache[li], &self.v_cache[li]);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let group = nh / nkv;
+            // One task per (token, head): causal attention over the token's own
+            // sequence, positions 0..=p, read through its block table.
+            attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+                let (i, head) = (idx / nh, idx % nh);
+                let g = head / group;
+                let p = b.positions[i] as usize;
+                let table = b.seqs[b.seq_of[i] as usize].block_table;
+                let qh = &q[(i * nh + head) * hd..(i * nh + head + 1) * hd];
+                let mut scores = Vec::with_capacity(p + 1);
+                for j in 0..=p {
+                    let s = (table[j / bs] as usize * bs + j % bs) * slot_elems + g * hd;
+                    scores.push(dot(qh, &kc[s..s + hd]) * scale);
+                }
+                ops::softmax(&mut scores);
+                out.fill(0.0);
+                for (j, wgt) in scores.iter().enumerate() {
+                    let s = (table[j / bs] as usize * bs + j % bs) * slot_elems + g * hd;
+                    axpy(*wgt, &vc[s..s + hd], out);
+                }
+            });
+            linear(&attn, t, &layer.o, &mut o);
+            for (xv, ov) in x.iter_mut().zip(&o) {
+                *xv += ov;
+            }
+            ops::rms_norm(&x, &layer.post_norm, eps, &mut hn);
+            linear(&hn, t, &layer.gate, &mut gate);
+            linear(&hn, t, &layer.up, &mut up);
+            ops::silu_mul(&mut gate, &up);
+            linear(&gate, t, &layer.down, &mut o);
+            for (xv, ov) in x.iter_mut().zip(&o) {
+                *xv += ov;
+            }
+        }
+        let rows = b.logits_rows.len();
+        let mut sel = vec![0f32; rows * h];
+        for (dst, &r) in sel.chunks_exact_mut(h).zip(b.logits_rows) {
+            dst.copy_from_slice(&x[r as usize * h..(r as usize + 1) * h]);
+        }
+        let mut normed = vec![0f32; rows * h];
+        ops::rms_norm(&sel, &self.final_norm, eps, &mut normed);
+        let mut logits = vec![0f32; rows * c.vocab_size as usize];
+        linear(&normed, rows, &self.lm_head, &mut logits);
+        Ok(logits)
+    }
+}
