@@ -8,5 +8,8 @@ pub mod backend;
 mod error;
 pub mod kv;
 pub mod model;
+pub mod sampling;
+pub mod scheduler;
+pub mod tokenizer;
 
 pub use error::{EngineError, Result};

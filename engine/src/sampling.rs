@@ -1,0 +1,217 @@
+//! Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, with a
+//! per-request seed so the same seed gives the same output, and logprobs.
+
+/// Sampling controls of one request (OpenAI + vLLM fields).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: Option<u64>,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Number of top logprobs to return per token (`None`: no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// The chosen token and, when asked for, its logprob and the top alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<f32>,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// SplitMix64 stream: small, fast, and reproducible from a seed.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    #[must_use]
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x6A09_E667_F3BC_C909)
+    }
+
+    /// A fresh seed for requests that gave none.
+    #[must_use]
+    pub fn entropy() -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Rng::new(t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Picks the next token from `logits`.
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+    let token = if p.temperature <= 0.0 || p.top_k == 1 {
+        argmax(logits)
+    } else {
+        sample_stochastic(logits, p, rng)
+    };
+    let (logprob, top) = match p.logprobs {
+        None => (None, Vec::new()),
+        Some(n) => {
+            // Logprobs of the model's own distribution, as vLLM reports by default.
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+            let mut top: Vec<(u32, f32)> = Vec::new();
+            if n > 0 {
+                let mut idx: Vec<usize> = (0..logits.len()).collect();
+                let n = n.min(idx.len());
+                idx.select_nth_unstable_by(n - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+                idx.truncate(n);
+                idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+                top = idx.into_iter().map(|i| (i as u32, logits[i] - lse)).collect();
+            }
+            (Some(logits[token] - lse), top)
+        }
+    };
+    Sampled { token: token as u32, logprob, top }
+}
+
+fn sample_stochastic(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> usize {
+    let inv_t = 1.0 / p.temperature;
+    // Candidates sorted by logit, cut by top-k first (cheap), then probabilities.
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    if p.top_k > 0 && p.top_k < idx.len() {
+        idx.select_nth_unstable_by(p.top_k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        idx.truncate(p.top_k);
+    }
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let max = logits[idx[0]] * inv_t;
+    let mut probs: Vec<f64> = idx.iter().map(|&i| f64::from(logits[i] * inv_t - max).exp()).collect();
+    let sum: f64 = probs.iter().sum();
+    for q in &mut probs {
+        *q /= sum;
+    }
+    let mut keep = probs.len();
+    if p.min_p > 0.0 {
+        let floor = f64::from(p.min_p) * probs[0];
+        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+    }
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut n = 0;
+        for q in &probs[..keep] {
+            acc += q;
+            n += 1;
+            if acc >= f64::from(p.top_p) {
+                break;
+            }
+        }
+        keep = n.max(1);
+    }
+    let total: f64 = probs[..keep].iter().sum();
+    let mut r = rng.uniform() * total;
+    for (k, q) in probs[..keep].iter().enumerate() {
+        if r < *q {
+            return idx[k];
+        }
+        r -= q;
+    }
+    idx[keep - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32) -> SamplingParams {
+        SamplingParams { temperature: t, ..SamplingParams::default() }
+    }
+
+    #[test]
+    fn greedy_and_filters() {
+        let logits = [0.1, 3.0, 2.9, -1.0];
+        let mut rng = Rng::new(1);
+        assert_eq!(sample(&logits, &params(0.0), &mut rng).token, 1);
+        let top1 = SamplingParams { top_k: 1, ..params(1.0) };
+        assert_eq!(sample(&logits, &top1, &mut rng).token, 1);
+        // min_p 0.99 keeps only the top token; top_p tiny keeps only the top token.
+        let mp = SamplingParams { min_p: 0.99, ..params(1.0) };
+        let tp = SamplingParams { top_p: 0.01, ..params(1.0) };
+        for _ in 0..50 {
+            assert_eq!(sample(&logits, &mp, &mut rng).token, 1);
+            assert_eq!(sample(&logits, &tp, &mut rng).token, 1);
+        }
+        // top_k 2 never picks the two unlikely tokens.
+        let tk = SamplingParams { top_k: 2, ..params(5.0) };
+        for _ in 0..200 {
+            assert!(matches!(sample(&logits, &tk, &mut rng).token, 1 | 2));
+        }
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_distribution_is_right() {
+        let logits = [0.0f32, (3.0f32).ln()];
+        let p = params(1.0);
+        let draw = |seed| {
+            let mut r = Rng::new(seed);
+            (0..100).map(|_| sample(&logits, &p, &mut r).token).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(42), draw(42));
+        assert_ne!(draw(42), draw(43));
+        let mut r = Rng::new(7);
+        let ones = (0..20_000).filter(|_| sample(&logits, &p, &mut r).token == 1).count();
+        let frac = ones as f64 / 20_000.0;
+        assert!((frac - 0.75).abs() < 0.02, "P(1) = {frac}, expected 0.75");
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let p = SamplingParams { logprobs: Some(2), ..params(0.0) };
+        let s = sample(&logits, &p, &mut Rng::new(0));
+        let lse = (1f32.exp() + 2f32.exp() + 3f32.exp()).ln();
+        assert!((s.logprob.unwrap() - (3.0 - lse)).abs() < 1e-6);
+        assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+    }
+}

@@ -1,0 +1,232 @@
+//! Text in and out: tokenisation, chat templates, incremental detokenisation that never
+//! splits a UTF-8 character across stream chunks, and stop strings.
+
+use minijinja::{Environment, Value as JValue};
+use preheat_snapshot::Snapshot;
+use serde::Serialize;
+
+use crate::{EngineError, Result};
+
+/// A chat message as templates see it.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// The model's tokenizer with its chat template and special tokens.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    add_bos: Option<u32>,
+    eos_ids: Vec<u32>,
+}
+
+impl Tokenizer {
+    /// Loads the tokenizer embedded in a snapshot.
+    pub fn from_snapshot(snap: &Snapshot) -> Result<Self> {
+        let m = snap.manifest();
+        let json = snap
+            .tokenizer_json()?
+            .ok_or_else(|| EngineError::Tokenizer("the snapshot has no tokenizer".into()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let sec = m.tokenizer.as_ref();
+        let bos_token = sec.and_then(|t| t.bos_token.clone());
+        let eos_token = sec.and_then(|t| t.eos_token.clone());
+        let add_bos = if sec.is_some_and(|t| t.add_bos_token) {
+            bos_token
+                .as_deref()
+                .and_then(|b| inner.token_to_id(b))
+                .or(m.model.bos_token_id)
+        } else {
+            None
+        };
+        let mut eos_ids = m.model.eos_token_ids.clone();
+        eos_ids.extend(&m.generation.eos_token_ids);
+        if let Some(id) = eos_token.as_deref().and_then(|e| inner.token_to_id(e)) {
+            eos_ids.push(id);
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        let template = m.chat_template.clone();
+        if let Some(t) = &template {
+            // Fail at load, not on the first chat request.
+            template_env(t)?;
+        }
+        Ok(Tokenizer { inner, template, bos_token, eos_token, add_bos, eos_ids })
+    }
+
+    /// Token ids that end generation unless the request ignores EOS.
+    #[must_use]
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    #[must_use]
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encodes `text`, adding BOS when the model wants it and the text lacks it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let Some(bos) = self.add_bos
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// Decodes ids to text (special tokens skipped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// The token's string form (for logprobs).
+    #[must_use]
+    pub fn id_to_token(&self, id: u32) -> String {
+        self.decode(&[id]).unwrap_or_default()
+    }
+
+    /// Renders a chat with the model's template.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let t = self
+            .template
+            .as_deref()
+            .ok_or_else(|| EngineError::invalid("this model has no chat template; use /v1/completions", "messages"))?;
+        let env = template_env(t)?;
+        let tmpl = env.get_template("chat").map_err(|e| EngineError::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => JValue::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        })
+        .map_err(|e| EngineError::invalid(format!("chat template: {e}"), "messages"))
+    }
+}
+
+fn template_env(src: &str) -> Result<Environment<'static>> {
+    let mut env = Environment::new();
+    // Templates written for Python Jinja call str methods (.strip(), .startswith()…).
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> std::result::Result<JValue, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_template_owned("chat".to_owned(), src.to_owned())
+        .map_err(|e| EngineError::Template(e.to_string()))?;
+    Ok(env)
+}
+
+/// Turns a growing list of token ids into text deltas. Decoding a window of recent
+/// tokens (not one token at a time) keeps multi-token characters and tokenizer-level
+/// spacing right; a delta ending in U+FFFD is held back until the character completes.
+#[derive(Debug, Default)]
+pub struct IncrementalDetokenizer {
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl IncrementalDetokenizer {
+    /// The new text after `ids` grew (ids holds every generated token so far).
+    pub fn next(&mut self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+        let prefix = tok.decode(&ids[self.prefix_offset..self.read_offset])?;
+        let full = tok.decode(&ids[self.prefix_offset..])?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+            let delta = full[prefix.len()..].to_owned();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = ids.len();
+            Ok(delta)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Whatever is still held back (at the end of generation).
+    pub fn flush(&mut self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+        let prefix = tok.decode(&ids[self.prefix_offset..self.read_offset])?;
+        let full = tok.decode(&ids[self.prefix_offset..])?;
+        self.prefix_offset = ids.len();
+        self.read_offset = ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or_default().to_owned())
+    }
+}
+
+/// Holds back text that could be the start of a stop string, and cuts at a match.
+#[derive(Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    pending: String,
+}
+
+/// What [`StopMatcher::push`] decided.
+#[derive(Debug, PartialEq, Eq)]
+pub enum StopOutcome {
+    /// Text safe to emit now.
+    Emit(String),
+    /// A stop string matched: emit this text (before the stop) and finish.
+    Stopped(String),
+}
+
+impl StopMatcher {
+    #[must_use]
+    pub fn new(stops: Vec<String>) -> Self {
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new() }
+    }
+
+    pub fn push(&mut self, delta: &str) -> StopOutcome {
+        if self.stops.is_empty() {
+            return StopOutcome::Emit(delta.to_owned());
+        }
+        self.pending.push_str(delta);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            let out = self.pending[..at].to_owned();
+            self.pending.clear();
+            return StopOutcome::Stopped(out);
+        }
+        // Keep the longest suffix that is a prefix of some stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for k in (1..s.len().min(self.pending.len() + 1)).rev() {
+                if self.pending.is_char_boundary(self.pending.len() - k) && self.pending.ends_with(&s[..k.min(s.len())]) && s.is_char_boundary(k) {
+                    keep = keep.max(k);
+                    break;
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_owned();
+        self.pending.drain(..cut);
+        StopOutcome::Emit(out)
+    }
+
+    /// Text still held back when generation ends for another reason.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_across_chunks() {
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "END".into()]);
+        assert_eq!(m.push("hello E"), StopOutcome::Emit("hello ".into()));
+        assert_eq!(m.push("N"), StopOutcome::Emit(String::new()));
+        assert_eq!(m.push("Dx"), StopOutcome::Stopped(String::new()));
+        let mut m = StopMatcher::new(vec!["ab".into()]);
+        assert_eq!(m.push("xa"), StopOutcome::Emit("x".into()));
+        assert_eq!(m.push("c"), StopOutcome::Emit("ac".into()));
+        assert_eq!(m.push("zzab tail"), StopOutcome::Stopped("zz".into()));
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("café"), StopOutcome::Emit("caf".into()));
+        assert_eq!(m.flush(), "é");
+    }
+}
