@@ -25,6 +25,9 @@ pub enum Command {
     /// Model snapshots: convert, inspect, verify, pack and unpack the loading-optimised format.
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
+    /// The bundled engine: serve a model over the OpenAI API.
+    #[command(subcommand)]
+    Engine(EngineCmd),
     /// Benchmarks that record the figures in BENCHMARKS.md.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -103,6 +106,44 @@ pub enum SnapshotCmd {
         #[command(flatten)]
         out: OutputArgs,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EngineCmd {
+    /// Serve a model (snapshot, HF directory or GGUF) with prefill and decode in one process.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A .preheat snapshot, a Hugging Face checkpoint directory, or a .gguf file.
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in the `model` field (default: the file or directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// KV-cache memory budget in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks).
+    #[arg(long, default_value_t = 256)]
+    pub max_batched_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Queued requests beyond which new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    /// Seconds SIGTERM waits for in-flight requests before exiting.
+    #[arg(long, default_value_t = 30)]
+    pub drain_grace_secs: u64,
 }
 
 #[derive(Debug, Subcommand)]

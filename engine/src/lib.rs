@@ -5,11 +5,15 @@
 //! continuous batching, served through an OpenAI-compatible API.
 
 pub mod backend;
+pub mod engine;
 mod error;
 pub mod kv;
+pub mod metrics;
 pub mod model;
 pub mod sampling;
 pub mod scheduler;
+pub mod serve;
+pub mod server;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};

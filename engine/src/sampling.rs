@@ -109,12 +109,19 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
                 idx.select_nth_unstable_by(n - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
                 idx.truncate(n);
                 idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-                top = idx.into_iter().map(|i| (i as u32, logits[i] - lse)).collect();
+                top = idx
+                    .into_iter()
+                    .map(|i| (i as u32, logits[i] - lse))
+                    .collect();
             }
             (Some(logits[token] - lse), top)
         }
     };
-    Sampled { token: token as u32, logprob, top }
+    Sampled {
+        token: token as u32,
+        logprob,
+        top,
+    }
 }
 
 fn sample_stochastic(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> usize {
@@ -127,7 +134,10 @@ fn sample_stochastic(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> usize
     }
     idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
     let max = logits[idx[0]] * inv_t;
-    let mut probs: Vec<f64> = idx.iter().map(|&i| f64::from(logits[i] * inv_t - max).exp()).collect();
+    let mut probs: Vec<f64> = idx
+        .iter()
+        .map(|&i| f64::from(logits[i] * inv_t - max).exp())
+        .collect();
     let sum: f64 = probs.iter().sum();
     for q in &mut probs {
         *q /= sum;
@@ -165,7 +175,10 @@ mod tests {
     use super::*;
 
     fn params(t: f32) -> SamplingParams {
-        SamplingParams { temperature: t, ..SamplingParams::default() }
+        SamplingParams {
+            temperature: t,
+            ..SamplingParams::default()
+        }
     }
 
     #[test]
@@ -173,17 +186,29 @@ mod tests {
         let logits = [0.1, 3.0, 2.9, -1.0];
         let mut rng = Rng::new(1);
         assert_eq!(sample(&logits, &params(0.0), &mut rng).token, 1);
-        let top1 = SamplingParams { top_k: 1, ..params(1.0) };
+        let top1 = SamplingParams {
+            top_k: 1,
+            ..params(1.0)
+        };
         assert_eq!(sample(&logits, &top1, &mut rng).token, 1);
         // min_p 0.99 keeps only the top token; top_p tiny keeps only the top token.
-        let mp = SamplingParams { min_p: 0.99, ..params(1.0) };
-        let tp = SamplingParams { top_p: 0.01, ..params(1.0) };
+        let mp = SamplingParams {
+            min_p: 0.99,
+            ..params(1.0)
+        };
+        let tp = SamplingParams {
+            top_p: 0.01,
+            ..params(1.0)
+        };
         for _ in 0..50 {
             assert_eq!(sample(&logits, &mp, &mut rng).token, 1);
             assert_eq!(sample(&logits, &tp, &mut rng).token, 1);
         }
         // top_k 2 never picks the two unlikely tokens.
-        let tk = SamplingParams { top_k: 2, ..params(5.0) };
+        let tk = SamplingParams {
+            top_k: 2,
+            ..params(5.0)
+        };
         for _ in 0..200 {
             assert!(matches!(sample(&logits, &tk, &mut rng).token, 1 | 2));
         }
@@ -195,12 +220,16 @@ mod tests {
         let p = params(1.0);
         let draw = |seed| {
             let mut r = Rng::new(seed);
-            (0..100).map(|_| sample(&logits, &p, &mut r).token).collect::<Vec<_>>()
+            (0..100)
+                .map(|_| sample(&logits, &p, &mut r).token)
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));
         assert_ne!(draw(42), draw(43));
         let mut r = Rng::new(7);
-        let ones = (0..20_000).filter(|_| sample(&logits, &p, &mut r).token == 1).count();
+        let ones = (0..20_000)
+            .filter(|_| sample(&logits, &p, &mut r).token == 1)
+            .count();
         let frac = ones as f64 / 20_000.0;
         assert!((frac - 0.75).abs() < 0.02, "P(1) = {frac}, expected 0.75");
     }
@@ -208,7 +237,10 @@ mod tests {
     #[test]
     fn logprobs_are_log_softmax() {
         let logits = [1.0f32, 2.0, 3.0];
-        let p = SamplingParams { logprobs: Some(2), ..params(0.0) };
+        let p = SamplingParams {
+            logprobs: Some(2),
+            ..params(0.0)
+        };
         let s = sample(&logits, &p, &mut Rng::new(0));
         let lse = (1f32.exp() + 2f32.exp() + 3f32.exp()).ln();
         assert!((s.logprob.unwrap() - (3.0 - lse)).abs() < 1e-6);

@@ -28,7 +28,11 @@ pub struct SchedulerConfig {
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { max_batched_tokens: 256, max_running: 64, max_waiting: 256 }
+        SchedulerConfig {
+            max_batched_tokens: 256,
+            max_running: 64,
+            max_waiting: 256,
+        }
     }
 }
 
@@ -137,11 +141,17 @@ impl Scheduler {
     }
 
     pub fn get(&self, id: u64) -> Option<&SeqState> {
-        self.running.iter().chain(&self.waiting).find(|s| s.id == id)
+        self.running
+            .iter()
+            .chain(&self.waiting)
+            .find(|s| s.id == id)
     }
 
     pub fn get_mut(&mut self, id: u64) -> Option<&mut SeqState> {
-        self.running.iter_mut().chain(self.waiting.iter_mut()).find(|s| s.id == id)
+        self.running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == id)
     }
 
     /// Removes a sequence (finished, aborted, client gone) and frees its blocks.
@@ -220,13 +230,20 @@ impl Scheduler {
                 continue;
             }
             let s = &self.running[i];
-            work.push(Work { seq: s.id, start: s.computed, len, sample: upto == s.tokens.len() });
+            work.push(Work {
+                seq: s.id,
+                start: s.computed,
+                len,
+                sample: upto == s.tokens.len(),
+            });
             budget -= len;
             i += 1;
         }
         // Admit waiting sequences while budget, slots and blocks last.
         while budget > 0 && self.running.len() < self.config.max_running {
-            let Some(mut s) = self.waiting.pop_front() else { break };
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             let bs = self.pool.block_size();
             // The last token is always recomputed: its logits are needed.
             let full = (s.tokens.len() - 1) / bs;
@@ -252,7 +269,12 @@ impl Scheduler {
             s.hashes = hashes[..hits.len()].to_vec();
             s.blocks = hits;
             s.blocks.extend(fresh);
-            work.push(Work { seq: s.id, start: s.computed, len, sample: upto == s.tokens.len() });
+            work.push(Work {
+                seq: s.id,
+                start: s.computed,
+                len,
+                sample: upto == s.tokens.len(),
+            });
             budget -= len;
             self.running.push(s);
         }
@@ -262,7 +284,9 @@ impl Scheduler {
     /// Records that `w` ran: its K/V are cached; newly full blocks join the prefix cache.
     pub fn complete(&mut self, w: &Work) {
         let bs = self.pool.block_size();
-        let Some(s) = self.running.iter_mut().find(|s| s.id == w.seq) else { return };
+        let Some(s) = self.running.iter_mut().find(|s| s.id == w.seq) else {
+            return;
+        };
         s.computed = w.start + w.len;
         while s.hashes.len() < s.computed / bs {
             let i = s.hashes.len();
@@ -270,6 +294,16 @@ impl Scheduler {
             self.pool.register(s.blocks[i], h);
             s.hashes.push(h);
         }
+    }
+
+    /// Prompt tokens not yet prefilled, over running and waiting sequences.
+    #[must_use]
+    pub fn queued_prompt_tokens(&self) -> usize {
+        self.running
+            .iter()
+            .chain(&self.waiting)
+            .map(|s| s.prompt_len.saturating_sub(s.computed))
+            .sum()
     }
 
     /// Sequences currently running, in admission order.
@@ -284,7 +318,11 @@ mod tests {
 
     fn sched(blocks: usize, budget: usize) -> Scheduler {
         Scheduler::new(
-            SchedulerConfig { max_batched_tokens: budget, max_running: 8, max_waiting: 8 },
+            SchedulerConfig {
+                max_batched_tokens: budget,
+                max_running: 8,
+                max_waiting: 8,
+            },
             BlockPool::new(blocks, 4),
         )
     }
@@ -305,14 +343,46 @@ mod tests {
         let mut s = sched(32, 6);
         s.add(SeqState::new(1, vec![1, 2, 3]));
         let w = run_step(&mut s, 9);
-        assert_eq!(w, vec![Work { seq: 1, start: 0, len: 3, sample: true }]);
+        assert_eq!(
+            w,
+            vec![Work {
+                seq: 1,
+                start: 0,
+                len: 3,
+                sample: true
+            }]
+        );
         s.add(SeqState::new(2, (0..10).collect()));
         let w = run_step(&mut s, 9);
         // Seq 1 decodes one token; seq 2 gets the remaining budget of 5.
-        assert_eq!(w[0], Work { seq: 1, start: 3, len: 1, sample: true });
-        assert_eq!(w[1], Work { seq: 2, start: 0, len: 5, sample: false });
+        assert_eq!(
+            w[0],
+            Work {
+                seq: 1,
+                start: 3,
+                len: 1,
+                sample: true
+            }
+        );
+        assert_eq!(
+            w[1],
+            Work {
+                seq: 2,
+                start: 0,
+                len: 5,
+                sample: false
+            }
+        );
         let w = run_step(&mut s, 9);
-        assert_eq!(w[1], Work { seq: 2, start: 5, len: 5, sample: true });
+        assert_eq!(
+            w[1],
+            Work {
+                seq: 2,
+                start: 5,
+                len: 5,
+                sample: true
+            }
+        );
     }
 
     #[test]
@@ -327,7 +397,15 @@ mod tests {
         s.add(SeqState::new(2, p2));
         let w = run_step(&mut s, 99);
         // 13 tokens = 3 full blocks of 4 cached; only the rest is computed.
-        assert_eq!(w, vec![Work { seq: 2, start: 12, len: 2, sample: true }]);
+        assert_eq!(
+            w,
+            vec![Work {
+                seq: 2,
+                start: 12,
+                len: 2,
+                sample: true
+            }]
+        );
         assert_eq!(s.get(2).unwrap().cached_tokens, 12);
     }
 

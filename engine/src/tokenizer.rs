@@ -32,7 +32,8 @@ impl Tokenizer {
         let json = snap
             .tokenizer_json()?
             .ok_or_else(|| EngineError::Tokenizer("the snapshot has no tokenizer".into()))?;
-        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(json)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let sec = m.tokenizer.as_ref();
         let bos_token = sec.and_then(|t| t.bos_token.clone());
         let eos_token = sec.and_then(|t| t.eos_token.clone());
@@ -56,7 +57,14 @@ impl Tokenizer {
             // Fail at load, not on the first chat request.
             template_env(t)?;
         }
-        Ok(Tokenizer { inner, template, bos_token, eos_token, add_bos, eos_ids })
+        Ok(Tokenizer {
+            inner,
+            template,
+            bos_token,
+            eos_token,
+            add_bos,
+            eos_ids,
+        })
     }
 
     /// Token ids that end generation unless the request ignores EOS.
@@ -72,7 +80,10 @@ impl Tokenizer {
 
     /// Encodes `text`, adding BOS when the model wants it and the text lacks it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let mut ids = enc.get_ids().to_vec();
         if let Some(bos) = self.add_bos
             && ids.first() != Some(&bos)
@@ -82,9 +93,20 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Encodes text that already carries its special tokens (a rendered chat).
+    pub fn encode_no_bos(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Decodes ids to text (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| EngineError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
     /// The token's string form (for logprobs).
@@ -94,13 +116,21 @@ impl Tokenizer {
     }
 
     /// Renders a chat with the model's template.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let t = self
-            .template
-            .as_deref()
-            .ok_or_else(|| EngineError::invalid("this model has no chat template; use /v1/completions", "messages"))?;
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let t = self.template.as_deref().ok_or_else(|| {
+            EngineError::invalid(
+                "this model has no chat template; use /v1/completions",
+                "messages",
+            )
+        })?;
         let env = template_env(t)?;
-        let tmpl = env.get_template("chat").map_err(|e| EngineError::Template(e.to_string()))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| EngineError::Template(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => JValue::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
@@ -115,9 +145,15 @@ fn template_env(src: &str) -> Result<Environment<'static>> {
     let mut env = Environment::new();
     // Templates written for Python Jinja call str methods (.strip(), .startswith()…).
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<JValue, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<JValue, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
     env.add_template_owned("chat".to_owned(), src.to_owned())
         .map_err(|e| EngineError::Template(e.to_string()))?;
     Ok(env)
@@ -137,7 +173,10 @@ impl IncrementalDetokenizer {
     pub fn next(&mut self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
         let prefix = tok.decode(&ids[self.prefix_offset..self.read_offset])?;
         let full = tok.decode(&ids[self.prefix_offset..])?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
             let delta = full[prefix.len()..].to_owned();
             self.prefix_offset = self.read_offset;
             self.read_offset = ids.len();
@@ -176,7 +215,10 @@ pub enum StopOutcome {
 impl StopMatcher {
     #[must_use]
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new() }
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending: String::new(),
+        }
     }
 
     pub fn push(&mut self, delta: &str) -> StopOutcome {
@@ -184,7 +226,12 @@ impl StopMatcher {
             return StopOutcome::Emit(delta.to_owned());
         }
         self.pending.push_str(delta);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
             let out = self.pending[..at].to_owned();
             self.pending.clear();
             return StopOutcome::Stopped(out);
@@ -193,7 +240,10 @@ impl StopMatcher {
         let mut keep = 0;
         for s in &self.stops {
             for k in (1..s.len().min(self.pending.len() + 1)).rev() {
-                if self.pending.is_char_boundary(self.pending.len() - k) && self.pending.ends_with(&s[..k.min(s.len())]) && s.is_char_boundary(k) {
+                if self.pending.is_char_boundary(self.pending.len() - k)
+                    && self.pending.ends_with(&s[..k.min(s.len())])
+                    && s.is_char_boundary(k)
+                {
                     keep = keep.max(k);
                     break;
                 }

@@ -8,6 +8,7 @@ macro_rules! outln {
 }
 pub(crate) use outln;
 
+mod engine;
 mod snapshot;
 
 use std::process::ExitCode;
@@ -17,6 +18,7 @@ use crate::cli::{BenchCmd, Cli, Command};
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Snapshot(cmd) => snapshot::run(cmd),
+        Command::Engine(cmd) => engine::run(cmd),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
     }
 }

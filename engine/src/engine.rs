@@ -1,0 +1,540 @@
+//! The engine loop: one thread owns the scheduler and the backend, runs a forward pass
+//! per step, samples, detokenises, and streams events to each request's channel. A
+//! request whose channel is closed (client gone) is aborted and its blocks freed at the
+//! next step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc as tmpsc;
+
+use crate::backend::{Backend, ForwardBatch, SeqSlice};
+use crate::kv::BlockPool;
+use crate::metrics::EngineMetrics;
+use crate::sampling::{Rng, SamplingParams, sample};
+use crate::scheduler::{Scheduler, SchedulerConfig, SeqState};
+use crate::tokenizer::{IncrementalDetokenizer, StopMatcher, StopOutcome, Tokenizer};
+use crate::{EngineError, Result};
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// Cancelled or failed.
+    Abort,
+}
+
+impl FinishReason {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOut {
+    pub id: u32,
+    pub logprob: Option<f32>,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+/// What a request's stream carries.
+#[derive(Debug)]
+pub enum Event {
+    /// New tokens and the text they complete (text may lag tokens by a held-back
+    /// partial character or a possible stop string).
+    Delta {
+        tokens: Vec<TokenOut>,
+        text: String,
+    },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Error(EngineError),
+}
+
+/// A request as the engine takes it: already tokenised.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct EngineConfig {
+    pub model_name: String,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub scheduler: SchedulerConfig,
+}
+
+enum Command {
+    Submit {
+        id: u64,
+        req: GenerateRequest,
+        out: tmpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    },
+    Abort(u64),
+}
+
+/// Per-request state the scheduler does not need.
+struct Live {
+    params: SamplingParams,
+    rng: Rng,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    out: tmpsc::UnboundedSender<Event>,
+    arrival: Instant,
+    scheduled: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+/// A handle to the running engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::Sender<Command>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub metrics: Arc<EngineMetrics>,
+    next_id: Arc<AtomicU64>,
+    queued: Arc<AtomicUsize>,
+    max_waiting: usize,
+    /// Longest prompt + completion a request may ask for.
+    pub max_model_len: usize,
+    pub model_name: String,
+    vocab_size: usize,
+    draining: Arc<AtomicBool>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("model_name", &self.model_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Guard that aborts the request when the consumer drops it.
+#[derive(Debug)]
+pub struct RequestHandle {
+    pub id: u64,
+    pub events: tmpsc::UnboundedReceiver<Event>,
+    tx: mpsc::Sender<Command>,
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        // Harmless if the request already finished.
+        let _ = self.tx.send(Command::Abort(self.id));
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread over `backend`.
+    pub fn start(
+        backend: Box<dyn Backend>,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+        metrics: Arc<EngineMetrics>,
+    ) -> Result<Self> {
+        let layout = backend.kv_layout();
+        if layout.block_size != cfg.block_size || layout.num_blocks != cfg.num_blocks {
+            return Err(EngineError::Internal(
+                "backend KV layout differs from the engine config".into(),
+            ));
+        }
+        let model_len = backend.config().max_position_embeddings as usize;
+        let vocab_size = backend.config().vocab_size as usize;
+        let max_model_len = model_len.min(cfg.block_size * cfg.num_blocks);
+        let (tx, rx) = mpsc::channel();
+        let tokenizer = Arc::new(tokenizer);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let worker = Worker {
+            backend,
+            sched: Scheduler::new(
+                cfg.scheduler,
+                BlockPool::new(cfg.num_blocks, cfg.block_size),
+            ),
+            live: HashMap::new(),
+            tokenizer: Arc::clone(&tokenizer),
+            metrics: Arc::clone(&metrics),
+            queued: Arc::clone(&queued),
+            in_flight: Arc::clone(&in_flight),
+        };
+        std::thread::Builder::new()
+            .name("preheat-engine".into())
+            .spawn(move || worker.run(rx))
+            .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
+        Ok(Engine {
+            tx,
+            tokenizer,
+            metrics,
+            next_id: Arc::new(AtomicU64::new(1)),
+            queued,
+            max_waiting: cfg.scheduler.max_waiting,
+            max_model_len,
+            model_name: cfg.model_name,
+            vocab_size,
+            draining: Arc::new(AtomicBool::new(false)),
+            in_flight,
+        })
+    }
+
+    /// Validates and queues a request; events arrive on the returned handle, and
+    /// dropping the handle cancels the request.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(EngineError::Unavailable("shutting down".into()));
+        }
+        if req.prompt.is_empty() {
+            return Err(EngineError::invalid("the prompt is empty", "prompt"));
+        }
+        // Token ids must index the embedding table (the tokenizer may know fewer).
+        let vocab = self.vocab_size;
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::invalid(
+                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                "prompt",
+            ));
+        }
+        let total = req.prompt.len() + req.params.max_tokens;
+        if total > self.max_model_len {
+            return Err(EngineError::invalid(
+                format!(
+                    "this model's maximum context length is {} tokens; the request has {} prompt tokens and asks for {} more",
+                    self.max_model_len,
+                    req.prompt.len(),
+                    req.params.max_tokens
+                ),
+                "max_tokens",
+            ));
+        }
+        if self.queued.load(Ordering::Relaxed) >= self.max_waiting {
+            self.metrics.rejected.inc();
+            return Err(EngineError::Overloaded {
+                retry_after_secs: 1,
+            });
+        }
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (out, events) = tmpsc::unbounded_channel();
+        self.tx
+            .send(Command::Submit {
+                id,
+                req,
+                out,
+                arrival: Instant::now(),
+            })
+            .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
+        Ok(RequestHandle {
+            id,
+            events,
+            tx: self.tx.clone(),
+        })
+    }
+
+    /// Stops accepting requests; [`Engine::in_flight`] reaches 0 when all are done.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    #[must_use]
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+}
+
+struct Worker {
+    backend: Box<dyn Backend>,
+    sched: Scheduler,
+    live: HashMap<u64, Live>,
+    tokenizer: Arc<Tokenizer>,
+    metrics: Arc<EngineMetrics>,
+    queued: Arc<AtomicUsize>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Worker {
+    fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            let first = if self.sched.is_idle() {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                self.handle(cmd);
+            }
+            self.drop_abandoned();
+            if let Err(e) = self.step() {
+                tracing::error!(error = %e, "engine step failed; failing the batch");
+                let ids: Vec<u64> = self.live.keys().copied().collect();
+                for id in ids {
+                    self.finish(
+                        id,
+                        FinishReason::Abort,
+                        Some(EngineError::Internal(e.to_string())),
+                    );
+                }
+            }
+            self.update_gauges();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit {
+                id,
+                req,
+                out,
+                arrival,
+            } => {
+                let rng = req.params.seed.map_or_else(Rng::entropy, Rng::new);
+                self.live.insert(
+                    id,
+                    Live {
+                        stop: StopMatcher::new(req.params.stop.clone()),
+                        params: req.params,
+                        rng,
+                        detok: IncrementalDetokenizer::default(),
+                        out,
+                        arrival,
+                        scheduled: None,
+                        last_token: None,
+                    },
+                );
+                self.sched.add(SeqState::new(id, req.prompt));
+            }
+            Command::Abort(id) => {
+                if self.live.contains_key(&id) {
+                    self.finish(id, FinishReason::Abort, None);
+                }
+            }
+        }
+    }
+
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.out.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            tracing::debug!(request = id, "client went away; aborting");
+            self.finish(id, FinishReason::Abort, None);
+        }
+    }
+
+    fn finish(&mut self, id: u64, reason: FinishReason, error: Option<EngineError>) {
+        let Some(seq) = self.sched.remove(id) else {
+            return;
+        };
+        let Some(mut live) = self.live.remove(&id) else {
+            return;
+        };
+        if live.scheduled.is_none() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let generated = seq.generated();
+        // Flush text held back for a partial character or a possible stop string.
+        if reason != FinishReason::Abort && error.is_none() {
+            let mut tail = live
+                .detok
+                .flush(&self.tokenizer, generated)
+                .unwrap_or_default();
+            if reason == FinishReason::Length {
+                tail = match live.stop.push(&tail) {
+                    StopOutcome::Emit(t) | StopOutcome::Stopped(t) => t,
+                } + &live.stop.flush();
+            }
+            if !tail.is_empty() {
+                let _ = live.out.send(Event::Delta {
+                    tokens: Vec::new(),
+                    text: tail,
+                });
+            }
+        }
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: generated.len(),
+            cached_tokens: seq.cached_tokens,
+        };
+        let _ = live.out.send(match error {
+            Some(e) => Event::Error(e),
+            None => Event::Finished { reason, usage },
+        });
+        self.metrics.finished(reason.as_str());
+        self.metrics
+            .e2e
+            .observe(live.arrival.elapsed().as_secs_f64());
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let work = self.sched.schedule();
+        if work.is_empty() {
+            if !self.sched.is_idle() {
+                // Nothing fits right now (blocks held by others); do not spin hot.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return Ok(());
+        }
+        let now = Instant::now();
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut seq_of = Vec::new();
+        let mut rows = Vec::new();
+        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(work.len());
+        for (k, w) in work.iter().enumerate() {
+            let s = self
+                .sched
+                .get(w.seq)
+                .ok_or_else(|| EngineError::Internal("scheduled an unknown sequence".into()))?;
+            tokens.extend_from_slice(&s.tokens[w.start..w.start + w.len]);
+            positions.extend((w.start..w.start + w.len).map(|p| p as u32));
+            seq_of.extend(std::iter::repeat_n(k as u32, w.len));
+            if w.sample {
+                rows.push((tokens.len() - 1) as u32);
+            }
+            tables.push(s.blocks.clone());
+            if let Some(l) = self.live.get_mut(&w.seq)
+                && l.scheduled.is_none()
+            {
+                l.scheduled = Some(now);
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+                self.metrics
+                    .queue_time
+                    .observe((now - l.arrival).as_secs_f64());
+            }
+            if w.start < s.prompt_len {
+                self.metrics
+                    .prompt_tokens
+                    .inc_by((w.len.min(s.prompt_len - w.start)) as u64);
+            }
+        }
+        let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
+        let logits = self.backend.forward(&ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            seq_of: &seq_of,
+            seqs: &seqs,
+            logits_rows: &rows,
+        })?;
+        let vocab = self.backend.config().vocab_size as usize;
+        let mut row = 0;
+        for w in &work {
+            self.sched.complete(w);
+            if !w.sample {
+                continue;
+            }
+            let l = &logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            self.emit(w.seq, l);
+        }
+        Ok(())
+    }
+
+    /// Samples the next token of `id` from `logits`, streams it, and finishes the
+    /// request when a stop condition holds.
+    fn emit(&mut self, id: u64, logits: &[f32]) {
+        let Some(live) = self.live.get_mut(&id) else {
+            return;
+        };
+        let s = sample(logits, &live.params, &mut live.rng);
+        let now = Instant::now();
+        match live.last_token {
+            None => self
+                .metrics
+                .ttft
+                .observe((now - live.arrival).as_secs_f64()),
+            Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+        }
+        live.last_token = Some(now);
+        self.metrics.generation_tokens.inc();
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        seq.tokens.push(s.token);
+        let n_gen = seq.generated().len();
+        let at_context_end =
+            seq.tokens.len() >= self.backend.config().max_position_embeddings as usize;
+        let is_eos = !live.params.ignore_eos && self.tokenizer.eos_ids().contains(&s.token);
+        let is_stop_token = live.params.stop_token_ids.contains(&s.token);
+        let text = if is_eos || is_stop_token {
+            String::new()
+        } else {
+            live.detok
+                .next(&self.tokenizer, seq.generated())
+                .unwrap_or_default()
+        };
+        let (text, stopped_by_string) = match live.stop.push(&text) {
+            StopOutcome::Emit(t) => (t, false),
+            StopOutcome::Stopped(t) => (t, true),
+        };
+        let tok = TokenOut {
+            id: s.token,
+            logprob: s.logprob,
+            top: s.top,
+        };
+        let _ = live.out.send(Event::Delta {
+            tokens: vec![tok],
+            text,
+        });
+        let reason = if is_eos || is_stop_token || stopped_by_string {
+            Some(FinishReason::Stop)
+        } else if n_gen >= live.params.max_tokens || at_context_end {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(r) = reason {
+            self.finish(id, r, None);
+        }
+    }
+
+    fn update_gauges(&self) {
+        let m = &self.metrics;
+        m.running.set(self.sched.num_running() as i64);
+        m.waiting.set(self.sched.num_waiting() as i64);
+        m.kv_usage.set(self.sched.pool.usage());
+        m.prefill_queue_tokens
+            .set(self.sched.queued_prompt_tokens() as i64);
+        m.prefix_queries
+            .inc_by(self.sched.prefix_queries - m.prefix_queries.get());
+        m.prefix_hits
+            .inc_by(self.sched.prefix_hits - m.prefix_hits.get());
+        m.preemptions
+            .inc_by(self.sched.preemptions - m.preemptions.get());
+    }
+}

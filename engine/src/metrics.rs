@@ -1,0 +1,206 @@
+//! Prometheus metrics. Every metric name the engine exports is in [`names`], with
+//! vLLM's names verbatim so existing dashboards and autoscalers read them unchanged.
+
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// All exported metric names.
+pub mod names {
+    pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
+    pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
+    pub const KV_CACHE_USAGE: &str = "vllm:kv_cache_usage_perc";
+    pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+    pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
+    pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries_total";
+    pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
+    pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
+    pub const NUM_PREEMPTIONS: &str = "vllm:num_preemptions_total";
+    pub const TTFT: &str = "vllm:time_to_first_token_seconds";
+    pub const ITL: &str = "vllm:inter_token_latency_seconds";
+    pub const E2E: &str = "vllm:e2e_request_latency_seconds";
+    pub const QUEUE_TIME: &str = "vllm:request_queue_time_seconds";
+    /// Prompt tokens queued and not yet prefilled.
+    pub const PREFILL_QUEUE_TOKENS: &str = "preheat:prefill_queue_tokens";
+    /// Requests refused because the queue was full.
+    pub const REJECTED: &str = "preheat:requests_rejected_total";
+    pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
+}
+
+/// Which part of a disaggregated deployment a process plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Colocated,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Colocated => "colocated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+const LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// The engine's metrics, bound to its `model_name` and `role` labels.
+#[derive(Debug)]
+pub struct EngineMetrics {
+    pub registry: Registry,
+    pub running: IntGauge,
+    pub waiting: IntGauge,
+    pub kv_usage: Gauge,
+    pub prefill_queue_tokens: IntGauge,
+    pub prompt_tokens: IntCounter,
+    pub generation_tokens: IntCounter,
+    pub prefix_queries: IntCounter,
+    pub prefix_hits: IntCounter,
+    pub preemptions: IntCounter,
+    pub rejected: IntCounter,
+    success: IntCounterVec,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+    labels: [String; 2],
+}
+
+impl EngineMetrics {
+    #[must_use]
+    pub fn new(model_name: &str, role: Role) -> Self {
+        let registry = Registry::new();
+        let labels = [model_name.to_owned(), role.as_str().to_owned()];
+        let const_labels = || {
+            [
+                ("model_name".to_owned(), labels[0].clone()),
+                ("role".to_owned(), labels[1].clone()),
+            ]
+            .into_iter()
+            .collect()
+        };
+        let opts = |name: &str, help: &str| Opts::new(name, help).const_labels(const_labels());
+        let hist = |name: &str, help: &str, buckets: &[f64]| {
+            let h = Histogram::with_opts(
+                HistogramOpts::new(name, help)
+                    .const_labels(const_labels())
+                    .buckets(buckets.to_vec()),
+            )
+            .expect("valid histogram");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
+            h
+        };
+        macro_rules! reg {
+            ($ty:ty, $name:expr, $help:expr) => {{
+                let m = <$ty>::with_opts(opts($name, $help)).expect("valid metric");
+                registry
+                    .register(Box::new(m.clone()))
+                    .expect("unique metric");
+                m
+            }};
+        }
+        use names::*;
+        let success = IntCounterVec::new(
+            opts(REQUEST_SUCCESS, "Finished requests by reason"),
+            &["finished_reason"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(success.clone()))
+            .expect("unique metric");
+        EngineMetrics {
+            running: reg!(
+                IntGauge,
+                NUM_REQUESTS_RUNNING,
+                "Requests in the running batch"
+            ),
+            waiting: reg!(
+                IntGauge,
+                NUM_REQUESTS_WAITING,
+                "Requests waiting to be scheduled"
+            ),
+            kv_usage: reg!(
+                Gauge,
+                KV_CACHE_USAGE,
+                "Fraction of KV-cache blocks in use (0-1)"
+            ),
+            prefill_queue_tokens: reg!(
+                IntGauge,
+                PREFILL_QUEUE_TOKENS,
+                "Prompt tokens queued and not yet prefilled"
+            ),
+            prompt_tokens: reg!(IntCounter, PROMPT_TOKENS, "Prefilled prompt tokens"),
+            generation_tokens: reg!(IntCounter, GENERATION_TOKENS, "Generated tokens"),
+            prefix_queries: reg!(
+                IntCounter,
+                PREFIX_CACHE_QUERIES,
+                "Prompt tokens looked up in the prefix cache"
+            ),
+            prefix_hits: reg!(
+                IntCounter,
+                PREFIX_CACHE_HITS,
+                "Prompt tokens found in the prefix cache"
+            ),
+            preemptions: reg!(
+                IntCounter,
+                NUM_PREEMPTIONS,
+                "Sequences preempted for lack of KV blocks"
+            ),
+            rejected: reg!(
+                IntCounter,
+                REJECTED,
+                "Requests refused with 429 because the queue was full"
+            ),
+            success,
+            ttft: hist(TTFT, "Time to first token", TTFT_BUCKETS),
+            itl: hist(ITL, "Time between consecutive output tokens", ITL_BUCKETS),
+            e2e: hist(
+                E2E,
+                "Request latency from arrival to last token",
+                LATENCY_BUCKETS,
+            ),
+            queue_time: hist(
+                QUEUE_TIME,
+                "Time from arrival to first scheduling",
+                LATENCY_BUCKETS,
+            ),
+            registry,
+            labels,
+        }
+    }
+
+    pub fn finished(&self, reason: &str) {
+        self.success.with_label_values(&[reason]).inc();
+    }
+
+    #[must_use]
+    pub fn model_name(&self) -> &str {
+        &self.labels[0]
+    }
+
+    /// The text exposition of every metric.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

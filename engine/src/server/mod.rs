@@ -1,0 +1,444 @@
+//! The OpenAI-compatible HTTP API over an [`Engine`].
+
+pub mod error;
+pub mod openai;
+
+use std::convert::Infallible;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{Value, json};
+
+use self::error::ApiError;
+use self::openai::{ChatRequest, CompletionRequest, Prompt};
+use crate::engine::{Engine, Event, FinishReason, GenerateRequest, RequestHandle, TokenOut, Usage};
+use crate::{EngineError, Result};
+
+/// Largest request body accepted.
+pub const DEFAULT_MAX_BODY: usize = 4 << 20;
+
+/// Shared state of the API: the engine once it is loaded.
+#[derive(Debug, Clone)]
+pub struct ApiState {
+    engine: Arc<OnceLock<Engine>>,
+    max_body: usize,
+}
+
+impl ApiState {
+    #[must_use]
+    pub fn new(max_body: usize) -> Self {
+        ApiState {
+            engine: Arc::new(OnceLock::new()),
+            max_body,
+        }
+    }
+
+    /// Installs the loaded engine; `/health` turns 200.
+    pub fn set_engine(&self, e: Engine) {
+        let _ = self.engine.set(e);
+    }
+
+    pub fn engine(&self) -> Result<&Engine> {
+        self.engine
+            .get()
+            .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))
+    }
+}
+
+/// The API routes.
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn health(State(st): State<ApiState>) -> Response {
+    match st.engine.get() {
+        Some(_) => (StatusCode::OK, "ok").into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
+    }
+}
+
+async fn metrics(State(st): State<ApiState>) -> Response {
+    let body = st
+        .engine
+        .get()
+        .map(|e| e.metrics.render())
+        .unwrap_or_default();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn models(State(st): State<ApiState>) -> std::result::Result<Json<Value>, ApiError> {
+    let e = st.engine()?;
+    Ok(Json(json!({"object": "list", "data": [{
+        "id": e.model_name, "object": "model", "created": now(), "owned_by": "preheat",
+        "root": e.model_name, "max_model_len": e.max_model_len,
+    }]})))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn request_id(prefix: &str, id: u64) -> String {
+    format!("{prefix}-{:x}{id:x}", now())
+}
+
+/// Reads and parses a JSON body, with the size limit and OpenAI-style errors.
+async fn parse_body<T: serde::de::DeserializeOwned>(body: Body, limit: usize) -> Result<T> {
+    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        EngineError::invalid(
+            format!("request body is larger than {limit} bytes or unreadable"),
+            "body",
+        )
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| EngineError::invalid(format!("invalid JSON body: {e}"), "body"))
+}
+
+fn check_model(e: &Engine, model: Option<&str>) -> Result<()> {
+    match model {
+        Some(m) if m != e.model_name => Err(EngineError::UnknownModel(m.to_owned())),
+        _ => Ok(()),
+    }
+}
+
+/// How a response presents tokens.
+#[derive(Clone, Copy, Debug)]
+struct Style {
+    chat: bool,
+    logprobs: bool,
+    token_ids: bool,
+    include_usage: bool,
+}
+
+async fn completions(State(st): State<ApiState>, body: Body) -> Response {
+    match completions_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => ApiError(e).into_response(),
+    }
+}
+
+async fn completions_inner(st: ApiState, body: Body) -> Result<Response> {
+    let req: CompletionRequest = parse_body(body, st.max_body).await?;
+    let e = st.engine()?;
+    check_model(e, req.common.model.as_deref())?;
+    if req.echo {
+        return Err(EngineError::invalid("echo is not supported", "echo"));
+    }
+    let prompt = match req.prompt {
+        Prompt::Text(t) => e.tokenizer.encode(&t)?,
+        Prompt::Tokens(ids) => ids,
+        Prompt::Texts(v) if v.len() == 1 => e.tokenizer.encode(&v[0])?,
+        Prompt::TokenLists(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
+        _ => {
+            return Err(EngineError::invalid(
+                "batched prompts are not supported; send one prompt per request",
+                "prompt",
+            ));
+        }
+    };
+    let params = openai::sampling(&req.common, req.logprobs, 16)?;
+    let style = Style {
+        chat: false,
+        logprobs: params.logprobs.is_some(),
+        token_ids: req.common.return_tokens_as_token_ids,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    let handle = e.submit(GenerateRequest { prompt, params })?;
+    respond(e.clone(), handle, style, req.common.stream).await
+}
+
+async fn chat_completions(State(st): State<ApiState>, body: Body) -> Response {
+    match chat_inner(st, body).await {
+        Ok(r) => r,
+        Err(e) => ApiError(e).into_response(),
+    }
+}
+
+async fn chat_inner(st: ApiState, body: Body) -> Result<Response> {
+    let req: ChatRequest = parse_body(body, st.max_body).await?;
+    let e = st.engine()?;
+    check_model(e, req.common.model.as_deref())?;
+    let messages = openai::to_messages(&req.messages)?;
+    let text = e
+        .tokenizer
+        .apply_chat_template(&messages, req.add_generation_prompt)?;
+    // The template already placed BOS where the model wants it.
+    let prompt = e.tokenizer.encode_no_bos(&text)?;
+    let top = if req.logprobs {
+        Some(req.top_logprobs.unwrap_or(0))
+    } else {
+        None
+    };
+    let default_max = e.max_model_len.saturating_sub(prompt.len()).max(1);
+    let params = openai::sampling(&req.common, top, default_max)?;
+    let style = Style {
+        chat: true,
+        logprobs: req.logprobs,
+        token_ids: req.common.return_tokens_as_token_ids,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    let handle = e.submit(GenerateRequest { prompt, params })?;
+    respond(e.clone(), handle, style, req.common.stream).await
+}
+
+fn token_str(e: &Engine, id: u32, style: Style) -> String {
+    if style.token_ids {
+        format!("token_id:{id}")
+    } else {
+        e.tokenizer.id_to_token(id)
+    }
+}
+
+/// Logprobs of `tokens` in the completions (legacy) or chat form.
+fn logprobs_json(e: &Engine, tokens: &[TokenOut], style: Style, text_offset: &mut usize) -> Value {
+    if style.chat {
+        let content: Vec<Value> = tokens
+            .iter()
+            .map(|t| {
+                let s = token_str(e, t.id, style);
+                json!({
+                    "token": s, "logprob": t.logprob, "bytes": s.as_bytes(),
+                    "top_logprobs": t.top.iter().map(|(id, lp)| {
+                        let s = token_str(e, *id, style);
+                        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+                    }).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        json!({"content": content})
+    } else {
+        let mut toks = Vec::new();
+        let mut lps = Vec::new();
+        let mut tops = Vec::new();
+        let mut offs = Vec::new();
+        for t in tokens {
+            let s = token_str(e, t.id, style);
+            offs.push(*text_offset);
+            *text_offset += s.len();
+            toks.push(s);
+            lps.push(t.logprob);
+            let m: serde_json::Map<String, Value> = t
+                .top
+                .iter()
+                .map(|(id, lp)| (token_str(e, *id, style), json!(lp)))
+                .collect();
+            tops.push(Value::Object(m));
+        }
+        json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+async fn respond(e: Engine, handle: RequestHandle, style: Style, stream: bool) -> Result<Response> {
+    let id = request_id(if style.chat { "chatcmpl" } else { "cmpl" }, handle.id);
+    if stream {
+        Ok(Sse::new(sse_stream(e, handle, style, id)).into_response())
+    } else {
+        collect(e, handle, style, id).await
+    }
+}
+
+async fn collect(
+    e: Engine,
+    mut handle: RequestHandle,
+    style: Style,
+    id: String,
+) -> Result<Response> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    loop {
+        match handle.events.recv().await {
+            Some(Event::Delta { tokens: t, text: s }) => {
+                text.push_str(&s);
+                tokens.extend(t);
+            }
+            Some(Event::Finished { reason, usage }) => {
+                let mut off = 0;
+                let lp = if style.logprobs {
+                    logprobs_json(&e, &tokens, style, &mut off)
+                } else {
+                    Value::Null
+                };
+                let choice = if style.chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason.as_str()})
+                } else {
+                    json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": reason.as_str()})
+                };
+                return Ok(Json(json!({
+                    "id": id, "object": if style.chat { "chat.completion" } else { "text_completion" },
+                    "created": now(), "model": e.model_name, "choices": [choice], "usage": usage_json(&usage),
+                }))
+                .into_response());
+            }
+            Some(Event::Error(err)) => return Err(err),
+            None => {
+                return Err(EngineError::Internal(
+                    "the engine dropped the request".into(),
+                ));
+            }
+        }
+    }
+}
+
+/// One SSE chunk of a stream.
+fn chunk(
+    e: &Engine,
+    id: &str,
+    style: Style,
+    text: Option<&str>,
+    first: bool,
+    lp: Value,
+    finish: Option<FinishReason>,
+) -> Value {
+    let reason = finish.map(FinishReason::as_str);
+    let choice = if style.chat {
+        let mut delta = serde_json::Map::new();
+        if first {
+            delta.insert("role".into(), json!("assistant"));
+        }
+        if let Some(t) = text {
+            delta.insert("content".into(), json!(t));
+        }
+        json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason})
+    } else {
+        json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": reason})
+    };
+    json!({
+        "id": id, "object": if style.chat { "chat.completion.chunk" } else { "text_completion" },
+        "created": now(), "model": e.model_name, "choices": [choice],
+    })
+}
+
+fn sse_stream(
+    e: Engine,
+    handle: RequestHandle,
+    style: Style,
+    id: String,
+) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
+    struct St {
+        e: Engine,
+        handle: RequestHandle,
+        style: Style,
+        id: String,
+        first: bool,
+        off: usize,
+        done: bool,
+    }
+    let st = St {
+        e,
+        handle,
+        style,
+        id,
+        first: true,
+        off: 0,
+        done: false,
+    };
+    stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let mut out: Vec<Value> = Vec::new();
+        match st.handle.events.recv().await {
+            Some(Event::Delta { tokens, text }) => {
+                let lp = if st.style.logprobs { logprobs_json(&st.e, &tokens, st.style, &mut st.off) } else { Value::Null };
+                out.push(chunk(&st.e, &st.id, st.style, Some(&text), st.first, lp, None));
+                st.first = false;
+            }
+            Some(Event::Finished { reason, usage }) => {
+                let text = if st.style.chat { None } else { Some("") };
+                out.push(chunk(&st.e, &st.id, st.style, text, st.first, Value::Null, Some(reason)));
+                if st.style.include_usage {
+                    out.push(json!({
+                        "id": st.id, "object": if st.style.chat { "chat.completion.chunk" } else { "text_completion" },
+                        "created": now(), "model": st.e.model_name, "choices": [], "usage": usage_json(&usage),
+                    }));
+                }
+                st.done = true;
+            }
+            Some(Event::Error(err)) => {
+                out.push(ApiError(err).body());
+                st.done = true;
+            }
+            None => {
+                out.push(ApiError(EngineError::Internal("the engine dropped the request".into())).body());
+                st.done = true;
+            }
+        }
+        let mut events: Vec<std::result::Result<SseEvent, Infallible>> =
+            out.into_iter().map(|v| Ok(SseEvent::default().data(v.to_string()))).collect();
+        if st.done {
+            events.push(Ok(SseEvent::default().data("[DONE]")));
+        }
+        Some((stream::iter(events), st))
+    })
+    .flatten()
+}
+
+/// Waits for SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+/// Stops new requests and waits up to `grace` for in-flight ones to finish.
+pub async fn drain(state: &ApiState, grace: Duration) {
+    let Ok(e) = state.engine() else { return };
+    e.drain();
+    let deadline = tokio::time::Instant::now() + grace;
+    while e.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if e.in_flight() > 0 {
+        tracing::warn!(
+            in_flight = e.in_flight(),
+            "grace period over; exiting with requests in flight"
+        );
+    }
+}

@@ -1,0 +1,217 @@
+//! OpenAI request bodies (with the vLLM extensions benchmarks use) and their
+//! validation into engine requests.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::sampling::SamplingParams;
+use crate::tokenizer::ChatMessage;
+use crate::{EngineError, Result};
+
+/// `prompt`: a string, a list of token ids, or a one-element list of either.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields shared by both endpoints.
+#[derive(Debug, Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub return_tokens_as_token_ids: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// Number of top logprobs per token (legacy completions form).
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<RawMessage>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<i64>,
+    #[serde(default = "yes")]
+    pub add_generation_prompt: bool,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+pub struct RawMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+}
+
+impl RawMessage {
+    /// Content as text: a string, or the text parts of a content-part list.
+    pub fn text(&self) -> Result<String> {
+        match &self.content {
+            Value::String(s) => Ok(s.clone()),
+            Value::Null => Ok(String::new()),
+            Value::Array(parts) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (p["type"].as_str(), p["text"].as_str()) {
+                        (Some("text"), Some(t)) => out.push_str(t),
+                        _ => {
+                            return Err(EngineError::invalid(
+                                "only text content parts are supported",
+                                "messages",
+                            ));
+                        }
+                    }
+                }
+                Ok(out)
+            }
+            _ => Err(EngineError::invalid(
+                "message content must be a string or a list of parts",
+                "messages",
+            )),
+        }
+    }
+}
+
+pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
+    if raw.is_empty() {
+        return Err(EngineError::invalid(
+            "messages must not be empty",
+            "messages",
+        ));
+    }
+    raw.iter()
+        .map(|m| {
+            Ok(ChatMessage {
+                role: m.role.clone(),
+                content: m.text()?,
+            })
+        })
+        .collect()
+}
+
+/// Validates sampling fields; `logprobs` is the number of top logprobs wanted.
+pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result<SamplingParams> {
+    let inv = |m: String, p: &str| EngineError::invalid(m, p);
+    if let Some(n) = c.n
+        && n != 1
+    {
+        return Err(inv("only n = 1 is supported".into(), "n"));
+    }
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        None => default_max,
+        Some(m) if m < 1 => {
+            return Err(inv(
+                format!("max_tokens must be at least 1, got {m}"),
+                "max_tokens",
+            ));
+        }
+        Some(m) => {
+            usize::try_from(m).map_err(|_| inv("max_tokens is too large".into(), "max_tokens"))?
+        }
+    };
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(inv(
+            format!("temperature must be >= 0, got {temperature}"),
+            "temperature",
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(inv(
+            format!("top_p must be in (0, 1], got {top_p}"),
+            "top_p",
+        ));
+    }
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(inv(
+            format!("min_p must be in [0, 1], got {min_p}"),
+            "min_p",
+        ));
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(inv(
+                format!("top_k must be -1 or positive, got {k}"),
+                "top_k",
+            ));
+        }
+    };
+    let logprobs = match logprobs {
+        None => None,
+        Some(n) if (0..=20).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(inv(
+                format!("logprobs must be between 0 and 20, got {n}"),
+                "logprobs",
+            ));
+        }
+    };
+    let stop = match &c.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s.clone()],
+        Some(StopField::Many(v)) => v.clone(),
+    };
+    Ok(SamplingParams {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        min_p: min_p as f32,
+        seed: c.seed.map(|s| s as u64),
+        max_tokens,
+        stop,
+        stop_token_ids: c.stop_token_ids.clone(),
+        ignore_eos: c.ignore_eos,
+        logprobs,
+    })
+}

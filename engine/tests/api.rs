@@ -1,0 +1,499 @@
+//! The OpenAI API through real HTTP on a loopback port, against the reference fixtures.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use preheat_engine::scheduler::SchedulerConfig;
+use preheat_engine::serve::{ServeOptions, serve_on};
+use serde_json::{Value, json};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures/models")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()
+}
+
+struct Server {
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<preheat_engine::Result<()>>,
+    client: reqwest::Client,
+}
+
+impl Server {
+    async fn start(model: PathBuf, tweak: impl FnOnce(&mut ServeOptions)) -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut opts = ServeOptions::new(model, addr);
+        opts.served_model_name = Some("m".into());
+        opts.kv_cache_bytes = 8 << 20;
+        tweak(&mut opts);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve_on(listener, opts, async move {
+            let _ = rx.await;
+        }));
+        let s = Server {
+            base: format!("http://{addr}"),
+            stop: Some(tx),
+            task,
+            client: reqwest::Client::new(),
+        };
+        for _ in 0..600 {
+            if let Ok(r) = s.client.get(format!("{}/health", s.base)).send().await
+                && r.status() == 200
+            {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("server did not become healthy");
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Streams a request; returns the parsed `data:` payloads (without `[DONE]`) and
+    /// whether `[DONE]` came last.
+    async fn stream(&self, path: &str, body: Value) -> (Vec<Value>, bool) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.unwrap();
+        let datas: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        let done = datas.last() == Some(&"[DONE]");
+        (
+            datas
+                .iter()
+                .filter(|d| **d != "[DONE]")
+                .map(|d| serde_json::from_str(d).unwrap())
+                .collect(),
+            done,
+        )
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn greedy_body(prompt: &[u32], n: usize) -> Value {
+    json!({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": true,
+           "logprobs": 0, "return_tokens_as_token_ids": true})
+}
+
+fn token_ids_of(resp: &Value) -> Vec<u32> {
+    resp["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            t.as_str()
+                .unwrap()
+                .strip_prefix("token_id:")
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_matches_reference_alone_concurrently_and_from_the_prefix_cache() {
+    for model in ["llama-tiny", "qwen2-tiny"] {
+        let refj = reference(model);
+        let s = Server::start(fixture(model), |_| {}).await;
+        let cases: Vec<(Vec<u32>, Vec<u32>)> = refj["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (ids(&c["input_ids"]), ids(&c["greedy_24"])))
+            .collect();
+        for (prompt, want) in &cases {
+            let (st, r) = s.post("/v1/completions", greedy_body(prompt, 24)).await;
+            assert_eq!(st, 200, "{r}");
+            assert_eq!(&token_ids_of(&r), want, "{model}");
+            assert_eq!(r["usage"]["completion_tokens"], 24);
+            assert_eq!(r["choices"][0]["finish_reason"], "length");
+        }
+        // Again: now the prompts' full blocks come from the prefix cache.
+        let (_, r) = s
+            .post("/v1/completions", greedy_body(&cases[1].0, 24))
+            .await;
+        assert!(
+            r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                >= 16,
+            "{r}"
+        );
+        assert_eq!(
+            token_ids_of(&r),
+            cases[1].1,
+            "{model}: prefix-cache hit changes the output"
+        );
+        // All three at once: continuous batching must not change any result.
+        let futs = cases
+            .iter()
+            .map(|(p, _)| s.post("/v1/completions", greedy_body(p, 24)));
+        let results = futures_util::future::join_all(futs).await;
+        for ((_, r), (_, want)) in results.iter().zip(&cases) {
+            assert_eq!(&token_ids_of(r), want, "{model}: batched");
+        }
+        assert!(s.metric("vllm:prefix_cache_hits_total").await > 0.0);
+        assert_eq!(
+            s.metric("vllm:kv_cache_usage_perc").await,
+            0.0,
+            "blocks leaked"
+        );
+        s.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streaming_usage_and_models() {
+    let refj = reference("llama-tiny");
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let models: Value = s
+        .client
+        .get(format!("{}/v1/models", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "m");
+    // The rendered template is what transformers renders.
+    let ex = &refj["chat_template_example"];
+    let body =
+        json!({"messages": ex["messages"], "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+    let (st, chat) = s.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(st, 200, "{chat}");
+    let rendered_len = {
+        let (_, c) = s.post("/v1/completions", json!({"prompt": ex["rendered"], "max_tokens": 3, "temperature": 0, "ignore_eos": true})).await;
+        assert_eq!(
+            c["choices"][0]["text"],
+            chat["choices"][0]["message"]["content"]
+        );
+        c["usage"]["prompt_tokens"].clone()
+    };
+    assert_eq!(chat["usage"]["prompt_tokens"], rendered_len);
+    assert_eq!(chat["object"], "chat.completion");
+    // Streaming: role first, content deltas, finish reason, usage chunk, [DONE].
+    let mut sbody = body;
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let (chunks, done) = s.stream("/v1/chat/completions", sbody).await;
+    assert!(done);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        text,
+        chat["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 3);
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "length"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_get_openai_errors() {
+    let s = Server::start(fixture("llama-tiny"), |o| o.max_body_bytes = 64 << 10).await;
+    let bad_json = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .body("{not json")
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad_json.status(), 400);
+    let e: Value = bad_json.json().await.unwrap();
+    for k in ["message", "type", "param", "code"] {
+        assert!(e["error"].get(k).is_some(), "{k} missing: {e}");
+    }
+    let cases = [
+        (json!({"model": "other", "prompt": "x"}), 404, "model"),
+        (
+            json!({"prompt": "x", "temperature": -1}),
+            400,
+            "temperature",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 100000}),
+            400,
+            "max_tokens",
+        ),
+        (json!({"prompt": "x", "max_tokens": 0}), 400, "max_tokens"),
+        (
+            json!({"prompt": vec![1u32; 600], "max_tokens": 1}),
+            400,
+            "max_tokens",
+        ),
+        (json!({"prompt": [99999], "max_tokens": 1}), 400, "prompt"),
+        (json!({"prompt": ""}), 400, "prompt"),
+        (json!({"prompt": "x", "top_p": 0}), 400, "top_p"),
+        (json!({"prompt": ["a", "b"]}), 400, "prompt"),
+        (json!({"prompt": "x", "n": 2}), 400, "n"),
+    ];
+    for (body, status, param) in cases {
+        let (st, e) = s.post("/v1/completions", body.clone()).await;
+        assert_eq!(st, status, "{body} → {e}");
+        assert_eq!(e["error"]["param"], param, "{body} → {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{body} → {e}");
+    }
+    let (st, _) = s
+        .post("/v1/chat/completions", json!({"messages": []}))
+        .await;
+    assert_eq!(st, 400);
+    let big = "x".repeat(100 << 10);
+    let (st, e) = s.post("/v1/completions", json!({"prompt": big})).await;
+    assert_eq!(st, 400, "{e}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_seed_stop_and_logprobs() {
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let body = json!({"prompt": "def f(x):", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": true});
+    let (_, a) = s.post("/v1/completions", body.clone()).await;
+    let (_, b) = s.post("/v1/completions", body.clone()).await;
+    assert_eq!(
+        a["choices"][0]["text"], b["choices"][0]["text"],
+        "same seed, same output"
+    );
+    let outs: std::collections::HashSet<String> = futures_util::future::join_all((0..6).map(|i| {
+        let mut b = body.clone();
+        b["seed"] = json!(i);
+        let s = &s;
+        async move {
+            s.post("/v1/completions", b).await.1["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        }
+    }))
+    .await
+    .into_iter()
+    .collect();
+    assert!(
+        outs.len() > 1,
+        "different seeds should differ at temperature 1"
+    );
+    // A stop string cuts the text before it and ends with finish_reason "stop".
+    let full = a["choices"][0]["text"].as_str().unwrap().to_owned();
+    let stop: String = full.chars().skip(3).take(2).collect();
+    let mut sb = body.clone();
+    sb["stop"] = json!([stop.clone()]);
+    let (_, c) = s.post("/v1/completions", sb).await;
+    let cut = c["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        full.starts_with(cut) && !cut.contains(&stop),
+        "{full:?} / {cut:?} / {stop:?}"
+    );
+    assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    // Logprobs: top alternatives sorted, chosen token's logprob ≤ 0.
+    let (_, l) = s.post("/v1/completions", json!({"prompt": "a", "max_tokens": 3, "temperature": 0, "logprobs": 3, "ignore_eos": true})).await;
+    let lp = &l["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    for (t, top) in lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(lp["top_logprobs"].as_array().unwrap())
+    {
+        assert!(t.as_f64().unwrap() <= 0.0);
+        assert_eq!(top.as_object().unwrap().len(), 3);
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_answers_429_and_disconnects_free_blocks() {
+    let s = Server::start(fixture("llama-tiny"), |o| {
+        o.scheduler = SchedulerConfig {
+            max_batched_tokens: 64,
+            max_running: 1,
+            max_waiting: 1,
+        };
+    })
+    .await;
+    // Long generations occupy the single running slot and the single queue slot.
+    let long = json!({"prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true});
+    let c1 = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    let mut saw_429 = false;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        let r = s
+            .client
+            .post(format!("{}/v1/completions", s.base))
+            .json(&long)
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 429 {
+            assert!(r.headers().get("retry-after").is_some());
+            let e: Value = r.json().await.unwrap();
+            assert_eq!(e["error"]["type"], "rate_limit_error");
+            saw_429 = true;
+        } else {
+            held.push(r);
+        }
+    }
+    assert!(saw_429, "a full queue must refuse with 429");
+    assert!(s.metric("vllm:kv_cache_usage_perc").await > 0.0);
+    // Clients go away mid-stream: every block comes back.
+    drop(c1);
+    drop(held);
+    let mut usage = 1.0;
+    for _ in 0..100 {
+        usage = s.metric("vllm:kv_cache_usage_perc").await
+            + s.metric("vllm:num_requests_running").await;
+        if usage == 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(usage, 0.0, "blocks of disconnected clients were not freed");
+    assert!(s.metric("vllm:request_success_total").await >= 1.0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_in_flight_requests() {
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let client = s.client.clone();
+    let url = format!("{}/v1/completions", s.base);
+    let inflight = tokio::spawn(async move {
+        client
+            .post(url)
+            .json(&json!({"prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.stop().await;
+    let r = inflight.await.unwrap();
+    assert_eq!(
+        r["usage"]["completion_tokens"], 200,
+        "the in-flight request completed: {r}"
+    );
+}
+
+/// The real SmolLM2-135M-Instruct GGUF (fetched by `.ci/fetch-models`).
+fn smollm2() -> Option<PathBuf> {
+    let p = std::env::var_os("PREHEAT_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if p.exists() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var_os("PREHEAT_REQUIRE_MODELS").is_none(),
+        "PREHEAT_REQUIRE_MODELS is set but {} is missing",
+        p.display()
+    );
+    eprintln!(
+        "skipping: {} not present (run .ci/fetch-models)",
+        p.display()
+    );
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smollm2_from_gguf_knows_the_capital_of_france() {
+    let Some(path) = smollm2() else { return };
+    let s = Server::start(path, |o| o.kv_cache_bytes = 64 << 20).await;
+    let (st, r) = s
+        .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0}))
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let answer = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "{answer}");
+    assert_eq!(
+        r["choices"][0]["finish_reason"], "stop",
+        "ends with <|im_end|>"
+    );
+    // Streaming yields the same text, split on character boundaries.
+    let (chunks, done) = s
+        .stream("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0, "stream": true}))
+        .await;
+    assert!(done);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, answer);
+    s.stop().await;
+}
