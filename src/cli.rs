@@ -150,6 +150,28 @@ pub struct ServeArgs {
 pub enum BenchCmd {
     /// Snapshot load, verify and packed-encoding throughput against same-run baselines.
     Snapshot(BenchSnapshotArgs),
+    /// Engine decode/prefill/batching throughput against same-run baselines.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchEngineArgs {
+    /// Synthetic preset to measure.
+    #[arg(long, default_value = "llama-1b")]
+    pub preset: String,
+    #[arg(long, default_value = ".bench")]
+    pub dir: PathBuf,
+    /// Decode steps timed at batch 1 (half as many at batch 32).
+    #[arg(long, default_value_t = 6)]
+    pub steps: usize,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_len: usize,
+    /// Tokens generated per stream in the batching measurement.
+    #[arg(long, default_value_t = 8)]
+    pub gen_tokens: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
 #[derive(Debug, Args)]

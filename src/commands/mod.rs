@@ -20,6 +20,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Snapshot(cmd) => snapshot::run(cmd),
         Command::Engine(cmd) => engine::run(cmd),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
+        Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
     }
 }
 

@@ -14,7 +14,7 @@ use super::weights::{Elems, Weight};
 /// Token rows from which the gemm path wins over the matvec path.
 pub const GEMM_MIN_ROWS: usize = 8;
 /// Weight rows widened at once on the gemm path (bounded scratch per panel).
-const PANEL_ROWS: usize = 256;
+const PANEL_ROWS: usize = 2048;
 /// Weight rows per parallel task on the matvec path.
 const TASK_ROWS: usize = 16;
 
