@@ -367,7 +367,7 @@ async fn sampling_seed_stop_and_logprobs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_queue_answers_429_and_disconnects_free_blocks() {
+async fn full_queue_answers_429() {
     let s = Server::start(fixture("llama-tiny"), |o| {
         o.scheduler = SchedulerConfig {
             max_batched_tokens: 64,
@@ -376,50 +376,76 @@ async fn full_queue_answers_429_and_disconnects_free_blocks() {
         };
     })
     .await;
-    // Long generations occupy the single running slot and the single queue slot.
-    let long = json!({"prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true});
-    let c1 = s
+    let body = json!({"prompt": "hello", "max_tokens": 300, "temperature": 0, "ignore_eos": true});
+    let results = futures_util::future::join_all((0..8).map(|_| {
+        let (c, url, b) = (
+            s.client.clone(),
+            format!("{}/v1/completions", s.base),
+            body.clone(),
+        );
+        async move {
+            let r = c.post(url).json(&b).send().await.unwrap();
+            let retry = r.headers().get("retry-after").is_some();
+            (r.status().as_u16(), retry, r.json::<Value>().await.unwrap())
+        }
+    }))
+    .await;
+    let refused: Vec<_> = results.iter().filter(|r| r.0 == 429).collect();
+    assert!(!refused.is_empty(), "a full queue must refuse with 429");
+    for (_, retry, e) in &refused {
+        assert!(*retry, "429 without Retry-After");
+        assert_eq!(e["error"]["type"], "rate_limit_error");
+    }
+    assert!(results.iter().all(|r| r.0 == 200 || r.0 == 429));
+    assert!(s.metric("preheat:requests_rejected_total").await >= 1.0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnected_client_is_aborted_and_its_blocks_freed() {
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let body = json!({"prompt": "hello", "max_tokens": 500, "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut r = s
         .client
         .post(format!("{}/v1/completions", s.base))
-        .json(&long)
+        .json(&body)
         .send()
         .await
         .unwrap();
-    let mut saw_429 = false;
-    let mut held = Vec::new();
-    for _ in 0..5 {
-        let r = s
-            .client
-            .post(format!("{}/v1/completions", s.base))
-            .json(&long)
-            .send()
-            .await
-            .unwrap();
-        if r.status() == 429 {
-            assert!(r.headers().get("retry-after").is_some());
-            let e: Value = r.json().await.unwrap();
-            assert_eq!(e["error"]["type"], "rate_limit_error");
-            saw_429 = true;
-        } else {
-            held.push(r);
-        }
-    }
-    assert!(saw_429, "a full queue must refuse with 429");
-    assert!(s.metric("vllm:kv_cache_usage_perc").await > 0.0);
-    // Clients go away mid-stream: every block comes back.
-    drop(c1);
-    drop(held);
-    let mut usage = 1.0;
-    for _ in 0..100 {
-        usage = s.metric("vllm:kv_cache_usage_perc").await
+    // The first chunk proves generation is under way; then the client goes away.
+    let first = r.chunk().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("data:"));
+    drop(r);
+    let mut left = f64::MAX;
+    for _ in 0..200 {
+        left = s.metric("vllm:kv_cache_usage_perc").await
             + s.metric("vllm:num_requests_running").await;
-        if usage == 0.0 {
+        if left == 0.0 {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(usage, 0.0, "blocks of disconnected clients were not freed");
-    assert!(s.metric("vllm:request_success_total").await >= 1.0);
+    assert_eq!(left, 0.0, "blocks of a disconnected client were not freed");
+    let text = s
+        .client
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let aborted = text.lines().find(|l| {
+        l.starts_with("vllm:request_success_total") && l.contains("finished_reason=\"abort\"")
+    });
+    assert!(
+        aborted.is_some_and(|l| l.ends_with(" 1")),
+        "expected one aborted request:\n{text}"
+    );
+    assert!(
+        s.metric("vllm:generation_tokens_total").await < 500.0,
+        "the request ran to completion instead of being cancelled"
+    );
     s.stop().await;
 }
 

@@ -34,7 +34,9 @@ fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
     let mut dst = vec![0u8; bytes];
     let chunk = bytes / rayon::current_num_threads().max(1) / 8;
     let (d, _) = best_of(reps, || {
-        dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
         Ok(())
     })
     .expect("infallible");
@@ -45,21 +47,37 @@ fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
 /// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each.
 fn decode_rate(be: &mut CpuBackend, batch: usize, steps: usize) -> anyhow::Result<(f64, Duration)> {
     let per_seq_blocks = 2;
-    let tables: Vec<Vec<u32>> = (0..batch).map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())
+        .collect();
     let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
     let prompt = 8usize;
     let tokens: Vec<u32> = (0..batch * prompt).map(|i| (i % 200) as u32 + 1).collect();
     let positions: Vec<u32> = (0..batch * prompt).map(|i| (i % prompt) as u32).collect();
     let seq_of: Vec<u32> = (0..batch * prompt).map(|i| (i / prompt) as u32).collect();
-    let rows: Vec<u32> = (0..batch).map(|s| (s * prompt + prompt - 1) as u32).collect();
-    be.forward(&ForwardBatch { tokens: &tokens, positions: &positions, seq_of: &seq_of, seqs: &seqs, logits_rows: &rows })?;
+    let rows: Vec<u32> = (0..batch)
+        .map(|s| (s * prompt + prompt - 1) as u32)
+        .collect();
+    be.forward(&ForwardBatch {
+        tokens: &tokens,
+        positions: &positions,
+        seq_of: &seq_of,
+        seqs: &seqs,
+        logits_rows: &rows,
+    })?;
     let seq_of: Vec<u32> = (0..batch as u32).collect();
     let rows: Vec<u32> = (0..batch as u32).collect();
     let t0 = Instant::now();
     for s in 0..steps {
         let tokens = vec![7u32; batch];
         let positions = vec![(prompt + s) as u32; batch];
-        be.forward(&ForwardBatch { tokens: &tokens, positions: &positions, seq_of: &seq_of, seqs: &seqs, logits_rows: &rows })?;
+        be.forward(&ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            seq_of: &seq_of,
+            seqs: &seqs,
+            logits_rows: &rows,
+        })?;
     }
     let d = t0.elapsed();
     Ok(((batch * steps) as f64 / d.as_secs_f64(), d / steps as u32))
@@ -67,12 +85,20 @@ fn decode_rate(be: &mut CpuBackend, batch: usize, steps: usize) -> anyhow::Resul
 
 fn prefill_rate(be: &mut CpuBackend, len: usize) -> anyhow::Result<f64> {
     let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
-    let seqs = [SeqSlice { block_table: &table }];
+    let seqs = [SeqSlice {
+        block_table: &table,
+    }];
     let tokens: Vec<u32> = (0..len).map(|i| (i % 200) as u32 + 1).collect();
     let positions: Vec<u32> = (0..len as u32).collect();
     let seq_of = vec![0u32; len];
     let t0 = Instant::now();
-    be.forward(&ForwardBatch { tokens: &tokens, positions: &positions, seq_of: &seq_of, seqs: &seqs, logits_rows: &[len as u32 - 1] })?;
+    be.forward(&ForwardBatch {
+        tokens: &tokens,
+        positions: &positions,
+        seq_of: &seq_of,
+        seqs: &seqs,
+        logits_rows: &[len as u32 - 1],
+    })?;
     Ok(len as f64 / t0.elapsed().as_secs_f64())
 }
 
@@ -81,7 +107,10 @@ fn prefill_rate(be: &mut CpuBackend, len: usize) -> anyhow::Result<f64> {
 fn matmul_only_rate(snap: &Arc<Snapshot>, len: usize) -> anyhow::Result<f64> {
     let c = &snap.manifest().model;
     let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-    let (q, kv) = ((c.num_attention_heads * c.head_dim) as usize, (c.num_key_value_heads * c.head_dim) as usize);
+    let (q, kv) = (
+        (c.num_attention_heads * c.head_dim) as usize,
+        (c.num_key_value_heads * c.head_dim) as usize,
+    );
     let p = "model.layers.0";
     let shapes = [
         (format!("{p}.self_attn.q_proj.weight"), q, h),
@@ -101,7 +130,11 @@ fn matmul_only_rate(snap: &Arc<Snapshot>, len: usize) -> anyhow::Result<f64> {
         linear(&x, len, &w, &mut y);
         per_layer += t0.elapsed();
     }
-    let head = Weight::load(snap, "model.embed_tokens.weight", &[c.vocab_size as usize, h])?;
+    let head = Weight::load(
+        snap,
+        "model.embed_tokens.weight",
+        &[c.vocab_size as usize, h],
+    )?;
     let x = vec![0.01f32; h];
     let mut y = vec![0f32; c.vocab_size as usize];
     let t0 = Instant::now();
@@ -111,18 +144,42 @@ fn matmul_only_rate(snap: &Arc<Snapshot>, len: usize) -> anyhow::Result<f64> {
 }
 
 /// Aggregate generated tokens/s with `streams` concurrent requests through the engine.
-fn engine_throughput(snap: &Arc<Snapshot>, streams: usize, tokens: usize, num_blocks: usize) -> anyhow::Result<f64> {
+fn engine_throughput(
+    snap: &Arc<Snapshot>,
+    streams: usize,
+    tokens: usize,
+    num_blocks: usize,
+) -> anyhow::Result<f64> {
     let be = CpuBackend::new(Arc::clone(snap), num_blocks, BLOCK)?;
     let engine = Engine::start(
         Box::new(be),
         Tokenizer::from_snapshot(snap)?,
-        EngineConfig { model_name: "bench".into(), block_size: BLOCK, num_blocks, scheduler: SchedulerConfig { max_batched_tokens: 512, max_running: 64, max_waiting: 64 } },
+        EngineConfig {
+            model_name: "bench".into(),
+            block_size: BLOCK,
+            num_blocks,
+            scheduler: SchedulerConfig {
+                max_batched_tokens: 512,
+                max_running: 64,
+                max_waiting: 64,
+            },
+        },
         Arc::new(EngineMetrics::new("bench", Role::Colocated)),
     )?;
-    let params = SamplingParams { temperature: 0.0, max_tokens: tokens, ignore_eos: true, ..SamplingParams::default() };
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
     let t0 = Instant::now();
     let mut handles: Vec<_> = (0..streams)
-        .map(|i| engine.submit(GenerateRequest { prompt: vec![1 + i as u32; 8], params: params.clone() }))
+        .map(|i| {
+            engine.submit(GenerateRequest {
+                prompt: vec![1 + i as u32; 8],
+                params: params.clone(),
+            })
+        })
         .collect::<Result<_, _>>()?;
     let mut generated = 0;
     for h in &mut handles {
@@ -143,7 +200,8 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<std::process::ExitCode> {
     if Snapshot::open(&path).is_err() {
         synth::synthesize(&args.preset, &path, SynthOptions::default(), &Bar::new())?;
     }
-    let snap = Arc::new(Snapshot::open(Path::new(&path)).context("opening the benchmark snapshot")?);
+    let snap =
+        Arc::new(Snapshot::open(Path::new(&path)).context("opening the benchmark snapshot")?);
     // Resident before timing: this measures compute, not disk.
     snap.advise(preheat_snapshot::AccessHint::WillNeed)?;
     let _ = snap.verify(2)?;
@@ -180,13 +238,39 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<std::process::ExitCode> {
         print_json(&report)?;
     } else {
         let f = |k: &str| report[k].as_f64().unwrap_or(f64::NAN);
-        outln!("engine benchmark: {} on {threads} threads, {:.2} GB of weights read per decode step", args.preset, bytes_per_step / 1e9);
-        outln!("  memcpy bandwidth             {:>9.2} GB/s", f("memcpy_gbps"));
-        outln!("  decode, batch 1              {:>9.2} tok/s = {:.2}× the roofline ({:.2} tok/s)", d1, f("decode_b1_vs_roofline"), roof1);
-        outln!("  decode, batch 32             {:>9.2} tok/s = {:.2}× batch 1", d32, f("decode_b32_vs_b1"));
-        outln!("  prefill {:>4} tokens          {:>9.2} tok/s = {:.2}× matmuls alone ({:.2} tok/s)", args.prefill_len, pf, f("prefill_vs_matmul"), mm);
+        outln!(
+            "engine benchmark: {} on {threads} threads, {:.2} GB of weights read per decode step",
+            args.preset,
+            bytes_per_step / 1e9
+        );
+        outln!(
+            "  memcpy bandwidth             {:>9.2} GB/s",
+            f("memcpy_gbps")
+        );
+        outln!(
+            "  decode, batch 1              {:>9.2} tok/s = {:.2}× the roofline ({:.2} tok/s)",
+            d1,
+            f("decode_b1_vs_roofline"),
+            roof1
+        );
+        outln!(
+            "  decode, batch 32             {:>9.2} tok/s = {:.2}× batch 1",
+            d32,
+            f("decode_b32_vs_b1")
+        );
+        outln!(
+            "  prefill {:>4} tokens          {:>9.2} tok/s = {:.2}× matmuls alone ({:.2} tok/s)",
+            args.prefill_len,
+            pf,
+            f("prefill_vs_matmul"),
+            mm
+        );
         outln!("  engine, 1 stream             {:>9.2} tok/s", one);
-        outln!("  engine, 32 streams           {:>9.2} tok/s = {:.2}× one stream", many, f("batching_gain"));
+        outln!(
+            "  engine, 32 streams           {:>9.2} tok/s = {:.2}× one stream",
+            many,
+            f("batching_gain")
+        );
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
