@@ -190,6 +190,37 @@ async fn greedy_matches_reference_alone_concurrently_and_from_the_prefix_cache()
             assert_eq!(&token_ids_of(r), want, "{model}: batched");
         }
         assert!(s.metric("vllm:prefix_cache_hits_total").await > 0.0);
+        let text = s
+            .client
+            .get(format!("{}/metrics", s.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        use preheat_engine::metrics::names::*;
+        for name in [
+            NUM_REQUESTS_RUNNING,
+            NUM_REQUESTS_WAITING,
+            KV_CACHE_USAGE,
+            PROMPT_TOKENS,
+            GENERATION_TOKENS,
+            PREFIX_CACHE_QUERIES,
+            PREFIX_CACHE_HITS,
+            REQUEST_SUCCESS,
+            TTFT,
+            ITL,
+            E2E,
+            QUEUE_TIME,
+            PREFILL_QUEUE_TOKENS,
+        ] {
+            assert!(
+                text.contains(&format!("{name}{{")) || text.contains(&format!("{name}_bucket{{")),
+                "{name} missing"
+            );
+        }
+        assert!(text.contains(r#"model_name="m""#) && text.contains(r#"role="colocated""#));
         assert_eq!(
             s.metric("vllm:kv_cache_usage_perc").await,
             0.0,
@@ -350,6 +381,12 @@ async fn sampling_seed_stop_and_logprobs() {
         "{full:?} / {cut:?} / {stop:?}"
     );
     assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    // A stop token id ends generation right there.
+    let (_, g) = s.post("/v1/completions", json!({"prompt": "a", "max_tokens": 5, "temperature": 0, "ignore_eos": true, "logprobs": 0, "return_tokens_as_token_ids": true})).await;
+    let second = token_ids_of(&g)[1];
+    let (_, st) = s.post("/v1/completions", json!({"prompt": "a", "max_tokens": 5, "temperature": 0, "ignore_eos": true, "stop_token_ids": [second]})).await;
+    assert_eq!(st["usage"]["completion_tokens"], 2, "{st}");
+    assert_eq!(st["choices"][0]["finish_reason"], "stop");
     // Logprobs: top alternatives sorted, chosen token's logprob ≤ 0.
     let (_, l) = s.post("/v1/completions", json!({"prompt": "a", "max_tokens": 3, "temperature": 0, "logprobs": 3, "ignore_eos": true})).await;
     let lp = &l["choices"][0]["logprobs"];

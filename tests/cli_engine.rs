@@ -1,0 +1,91 @@
+//! `preheat engine serve` as an operator runs it: a real process, real SIGTERM.
+
+mod harness;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use harness::model_fixture;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn serve_answers_then_drains_and_exits_on_sigterm() {
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_preheat"))
+        .args(["engine", "serve", "--model"])
+        .arg(model_fixture("llama-tiny"))
+        .args(["--port", &port.to_string(), "--kv-cache-mib", "8"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(r) = c.get(format!("{base}/health")).send().await
+                && r.status() == 200
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "never became healthy");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let r: serde_json::Value = c
+            .post(format!("{base}/v1/completions"))
+            .json(&serde_json::json!({"prompt": "def", "max_tokens": 4, "temperature": 0}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(r["choices"][0]["text"].is_string(), "{r}");
+    });
+    let st = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn bad_serve_flags_are_reported_together() {
+    let out = harness::preheat([
+        "engine",
+        "serve",
+        "--model",
+        "/nonexistent",
+        "--block-size",
+        "0",
+        "--max-running",
+        "0",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in ["--model", "--block-size", "--max-running"] {
+        assert!(err.contains(needle), "{needle} not reported: {err}");
+    }
+}
