@@ -1,1 +1,30 @@
+//! # preheat-scaler
+//!
+//! Sizes the prefill and decode pools of a disaggregated LLM deployment independently,
+//! and speaks KEDA's external-scaler gRPC protocol so KEDA can act on it unmodified.
+//! Depends on no other preheat crate: it reads Prometheus text and talks gRPC, so it
+//! sizes vLLM and SGLang deployments as well as preheat's own engine.
+//!
+//! - [`signals`]: scraped metrics → per-pool signals (rates, quantiles, staleness);
+//! - [`policy`]: signals → desired replicas (the `preheat` policy);
+//! - [`profile`]: per-replica capacity the policy sizes with;
+//! - [`grpc`]: the KEDA `ExternalScaler` service over a shared [`grpc::DecisionStore`].
 
+mod error;
+pub mod grpc;
+pub mod policy;
+pub mod profile;
+pub mod signals;
+
+pub use error::{Result, ScalerError};
+
+/// Code generated from `proto/externalscaler.proto`.
+#[allow(
+    missing_debug_implementations,
+    clippy::all,
+    clippy::pedantic,
+    unreachable_pub
+)]
+pub mod proto {
+    tonic::include_proto!("externalscaler");
+}

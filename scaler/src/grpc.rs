@@ -1,0 +1,232 @@
+//! The KEDA external scaler service.
+//!
+//! KEDA sends a ScaledObject's trigger `metadata` as `scalerMetadata`: `pool`
+//! (`prefill` | `decode`) and `model` select the decision. The metric reported is the
+//! policy's desired replica count with a target of 1 per replica, so KEDA's HPA
+//! (`AverageValue`: desired = ceil(value / target)) lands on exactly that count.
+//!
+//! HPA ignores changes while |1 − value / (target × current)| ≤ 0.1 (its default
+//! tolerance): going from 10 to 11 replicas is a 10% change and would be ignored.
+//! Set `behavior.scaleUp/scaleDown.tolerance` (Kubernetes ≥ 1.33) to a small value in
+//! the ScaledObject's `advanced.horizontalPodAutoscalerConfig`, as the Helm chart does,
+//! or use the direct mode that patches the Deployment's scale subresource.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::policy::Pool;
+use crate::proto::external_scaler_server::{ExternalScaler, ExternalScalerServer};
+use crate::proto::{
+    GetMetricSpecResponse, GetMetricsRequest, GetMetricsResponse, IsActiveResponse, MetricSpec,
+    MetricValue, ScaledObjectRef,
+};
+
+/// The latest decision for one (model, pool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolDecision {
+    pub desired: u32,
+    pub active: bool,
+}
+
+/// Decisions shared between the control loop (writer) and the gRPC service (readers).
+#[derive(Debug)]
+pub struct DecisionStore {
+    models: Vec<String>,
+    state: RwLock<HashMap<(String, Pool), PoolDecision>>,
+    version: watch::Sender<u64>,
+}
+
+impl DecisionStore {
+    /// A store for `models`; every pool starts inactive at zero until decided.
+    #[must_use]
+    pub fn new(models: Vec<String>) -> Arc<Self> {
+        Arc::new(DecisionStore {
+            models,
+            state: RwLock::new(HashMap::new()),
+            version: watch::channel(0).0,
+        })
+    }
+
+    /// Records a decision; wakes `StreamIsActive` watchers when anything changed.
+    pub fn set(&self, model: &str, pool: Pool, d: PoolDecision) {
+        let mut st = self.state.write().unwrap_or_else(|e| e.into_inner());
+        let key = (model.to_owned(), pool);
+        if st.get(&key) != Some(&d) {
+            st.insert(key, d);
+            drop(st);
+            self.version.send_modify(|v| *v += 1);
+        }
+    }
+
+    #[must_use]
+    pub fn get(&self, model: &str, pool: Pool) -> PoolDecision {
+        let st = self.state.read().unwrap_or_else(|e| e.into_inner());
+        st.get(&(model.to_owned(), pool))
+            .copied()
+            .unwrap_or(PoolDecision {
+                desired: 0,
+                active: false,
+            })
+    }
+
+    /// Resolves `scalerMetadata` to a (model, pool), or the gRPC error that says why not.
+    pub fn resolve(&self, meta: &HashMap<String, String>) -> Result<(String, Pool), Status> {
+        let pool = meta.get("pool").map(String::as_str).unwrap_or("");
+        let pool = Pool::parse(pool).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "scalerMetadata.pool must be \"prefill\" or \"decode\", got {pool:?}"
+            ))
+        })?;
+        let model = match (meta.get("model"), self.models.as_slice()) {
+            (Some(m), models) if models.contains(m) => m.clone(),
+            (Some(m), models) => {
+                return Err(Status::not_found(format!(
+                    "model {m:?} is not configured (configured: {})",
+                    models.join(", ")
+                )));
+            }
+            (None, [only]) => only.clone(),
+            (None, _) => {
+                return Err(Status::invalid_argument(
+                    "scalerMetadata.model is required when several models are configured",
+                ));
+            }
+        };
+        Ok((model, pool))
+    }
+}
+
+/// Metric name KEDA sees for a (model, pool): lowercase, `[a-z0-9-]`.
+#[must_use]
+pub fn metric_name(model: &str, pool: Pool) -> String {
+    let m: String = model
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    format!("preheat-{m}-{}", pool.as_str())
+}
+
+/// The tonic service.
+#[derive(Clone, Debug)]
+pub struct ScalerService {
+    store: Arc<DecisionStore>,
+}
+
+impl ScalerService {
+    #[must_use]
+    pub fn new(store: Arc<DecisionStore>) -> Self {
+        ScalerService { store }
+    }
+
+    #[must_use]
+    pub fn into_server(self) -> ExternalScalerServer<Self> {
+        ExternalScalerServer::new(self)
+    }
+}
+
+type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl ExternalScaler for ScalerService {
+    async fn is_active(
+        &self,
+        req: Request<ScaledObjectRef>,
+    ) -> Result<Response<IsActiveResponse>, Status> {
+        let (model, pool) = self.store.resolve(&req.get_ref().scaler_metadata)?;
+        Ok(Response::new(IsActiveResponse {
+            result: self.store.get(&model, pool).active,
+        }))
+    }
+
+    type StreamIsActiveStream = Stream2<IsActiveResponse>;
+
+    async fn stream_is_active(
+        &self,
+        req: Request<ScaledObjectRef>,
+    ) -> Result<Response<Self::StreamIsActiveStream>, Status> {
+        let (model, pool) = self.store.resolve(&req.get_ref().scaler_metadata)?;
+        let store = Arc::clone(&self.store);
+        let mut rx = store.version.subscribe();
+        let (tx, out) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            // The current state at once, then every change of this pool's activity.
+            let mut last = store.get(&model, pool).active;
+            if tx
+                .send(Ok(IsActiveResponse { result: last }))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            while rx.changed().await.is_ok() {
+                let now = store.get(&model, pool).active;
+                if now != last {
+                    last = now;
+                    if tx.send(Ok(IsActiveResponse { result: now })).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out),
+        )))
+    }
+
+    async fn get_metric_spec(
+        &self,
+        req: Request<ScaledObjectRef>,
+    ) -> Result<Response<GetMetricSpecResponse>, Status> {
+        let (model, pool) = self.store.resolve(&req.get_ref().scaler_metadata)?;
+        Ok(Response::new(GetMetricSpecResponse {
+            metric_specs: vec![MetricSpec {
+                metric_name: metric_name(&model, pool),
+                target_size: 1,
+                target_size_float: 1.0,
+            }],
+        }))
+    }
+
+    async fn get_metrics(
+        &self,
+        req: Request<GetMetricsRequest>,
+    ) -> Result<Response<GetMetricsResponse>, Status> {
+        let r = req.get_ref();
+        let meta = r
+            .scaled_object_ref
+            .as_ref()
+            .map(|s| s.scaler_metadata.clone())
+            .unwrap_or_default();
+        let (model, pool) = self.store.resolve(&meta)?;
+        let d = self.store.get(&model, pool);
+        Ok(Response::new(GetMetricsResponse {
+            metric_values: vec![MetricValue {
+                metric_name: metric_name(&model, pool),
+                metric_value: i64::from(d.desired),
+                metric_value_float: f64::from(d.desired),
+            }],
+        }))
+    }
+
+    type StreamMetricSpecStream = Stream2<GetMetricSpecResponse>;
+
+    async fn stream_metric_spec(
+        &self,
+        _req: Request<ScaledObjectRef>,
+    ) -> Result<Response<Self::StreamMetricSpecStream>, Status> {
+        Err(Status::unimplemented(
+            "StreamMetricSpec is optional; the metric spec does not change",
+        ))
+    }
+}

@@ -1,0 +1,505 @@
+//! The scaling policy: desired replicas per pool from signals, SLOs and the capacity
+//! profile. Pure and clocked by the caller, so the KEDA scaler, local mode and the
+//! simulator run exactly the same code.
+//!
+//! - **Prefill**: prompt tokens/s expected one start-up time ahead (Holt forecast; the
+//!   lead is the measured start time of a replica), minus prefix-cache hits, plus the
+//!   queued backlog drained within half the TTFT SLO, over one replica's prefill rate at
+//!   a utilisation that leaves the SLO room for queueing; raised when observed TTFT
+//!   exceeds the SLO.
+//! - **Decode**: concurrent sequences and KV tokens expected ahead, over one replica's
+//!   batch size at the ITL SLO and its KV capacity; raised when observed ITL exceeds
+//!   the SLO or KV pressure is high.
+//! - Scale-up is immediate (a burst is answered in the tick it is seen); scale-down waits
+//!   a stabilisation window and then steps down gradually; a pool with work in flight
+//!   or queued never goes to zero; a pool goes to zero after an idle grace period, and
+//!   comes back at once when the gateway holds requests for it.
+
+pub mod forecast;
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use self::forecast::Holt;
+use crate::profile::Profile;
+use crate::signals::PoolSignals;
+
+/// Which pool a decision is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pool {
+    Prefill,
+    Decode,
+}
+
+impl Pool {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pool::Prefill => "prefill",
+            Pool::Decode => "decode",
+        }
+    }
+
+    /// Parses `prefill` / `decode`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "prefill" => Some(Pool::Prefill),
+            "decode" => Some(Pool::Decode),
+            _ => None,
+        }
+    }
+}
+
+/// Targets and limits of one pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolPolicy {
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+    /// Time to first token target (seconds).
+    pub slo_ttft_s: f64,
+    /// Inter-token latency target (seconds).
+    pub slo_itl_s: f64,
+    /// Seconds desired must stay below current before replicas are removed.
+    pub scale_down_stabilization_s: f64,
+    /// Fraction of current replicas removed per scale-down step (at least one).
+    pub scale_down_step: f64,
+    /// Seconds with nothing running, queued or held before the pool goes to zero
+    /// (only when `min_replicas` is 0).
+    pub idle_grace_s: f64,
+    /// Start-up lead time used for the forecast when no start has been measured.
+    pub default_lead_s: f64,
+    /// Mean prompt length assumed before any traffic is seen.
+    pub default_prompt_len: f64,
+}
+
+impl Default for PoolPolicy {
+    fn default() -> Self {
+        PoolPolicy {
+            min_replicas: 0,
+            max_replicas: 64,
+            slo_ttft_s: 2.0,
+            slo_itl_s: 0.05,
+            scale_down_stabilization_s: 120.0,
+            scale_down_step: 0.25,
+            idle_grace_s: 300.0,
+            default_lead_s: 60.0,
+            default_prompt_len: 2048.0,
+        }
+    }
+}
+
+impl PoolPolicy {
+    /// Every problem with the values at once.
+    pub fn validate(&self, what: &str) -> Vec<String> {
+        let mut e = Vec::new();
+        if self.min_replicas > self.max_replicas {
+            e.push(format!(
+                "{what}: min_replicas {} > max_replicas {}",
+                self.min_replicas, self.max_replicas
+            ));
+        }
+        if self.max_replicas == 0 {
+            e.push(format!("{what}: max_replicas must be > 0"));
+        }
+        for (n, v) in [
+            ("slo_ttft_s", self.slo_ttft_s),
+            ("slo_itl_s", self.slo_itl_s),
+            ("default_prompt_len", self.default_prompt_len),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                e.push(format!("{what}: {n} must be > 0"));
+            }
+        }
+        for (n, v) in [
+            (
+                "scale_down_stabilization_s",
+                self.scale_down_stabilization_s,
+            ),
+            ("idle_grace_s", self.idle_grace_s),
+            ("default_lead_s", self.default_lead_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                e.push(format!("{what}: {n} must be >= 0"));
+            }
+        }
+        if !(self.scale_down_step > 0.0 && self.scale_down_step <= 1.0) {
+            e.push(format!("{what}: scale_down_step must be in (0, 1]"));
+        }
+        e
+    }
+}
+
+/// What the policy sees at a tick.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observation {
+    pub signals: PoolSignals,
+    /// Replicas that exist now (ready or starting).
+    pub current: u32,
+    /// Requests the gateway holds for this pool (pool at zero).
+    pub held_requests: f64,
+    /// Measured start-up time of a replica of this pool, if known.
+    pub measured_startup_s: Option<f64>,
+    /// Mean prompt length over the window, if known.
+    pub mean_prompt_len: Option<f64>,
+    /// Decode only: mean tokens held per running sequence (prompt + generated so far).
+    pub mean_seq_tokens: Option<f64>,
+}
+
+/// A decision.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub desired: u32,
+    /// KEDA activation: false lets the pool go to zero.
+    pub active: bool,
+    /// Why, for logs and the simulator's report.
+    pub reason: &'static str,
+}
+
+/// The `preheat` policy for one pool, with its memory (forecast, stabilisation).
+#[derive(Clone, Debug)]
+pub struct PreheatPolicy {
+    pub pool: Pool,
+    pub cfg: PoolPolicy,
+    pub profile: Profile,
+    demand: Holt,
+    /// (time, raw desired) over the stabilisation window.
+    recent: VecDeque<(f64, u32)>,
+    idle_since: Option<f64>,
+    last_scale_down: f64,
+}
+
+impl PreheatPolicy {
+    #[must_use]
+    pub fn new(pool: Pool, cfg: PoolPolicy, profile: Profile) -> Self {
+        PreheatPolicy {
+            pool,
+            cfg,
+            profile,
+            demand: Holt::default(),
+            recent: VecDeque::new(),
+            idle_since: None,
+            last_scale_down: f64::NEG_INFINITY,
+        }
+    }
+
+    /// Replicas needed for the observed and forecast load, before limits and damping.
+    fn raw_desired(&mut self, t: f64, o: &Observation) -> f64 {
+        let s = &o.signals;
+        let lead = o.measured_startup_s.unwrap_or(self.cfg.default_lead_s);
+        match self.pool {
+            Pool::Prefill => {
+                let rate = s.prompt_rate * (1.0 - s.prefix_hit_rate);
+                self.demand.observe(t, rate);
+                let ahead = self.demand.forecast(lead).max(rate);
+                let len = o.mean_prompt_len.unwrap_or(self.cfg.default_prompt_len);
+                let per_replica = self.profile.prefill_rate(len);
+                // Leave the SLO room for queueing: at service time x, waiting must stay
+                // under SLO − x; M/D/1-style utilisation cap, kept within [0.3, 0.85].
+                let service = len / per_replica;
+                let util = (1.0 - service / self.cfg.slo_ttft_s).clamp(0.3, 0.85);
+                let backlog = s.queued_prompt_tokens + (s.waiting + o.held_requests) * len;
+                let drain = backlog / (0.5 * self.cfg.slo_ttft_s);
+                let mut n = (ahead + drain) / (per_replica * util);
+                if let Some(p90) = s.ttft_p90
+                    && p90 > self.cfg.slo_ttft_s
+                    && o.current > 0
+                {
+                    n = n.max(o.current as f64 * (p90 / self.cfg.slo_ttft_s).min(2.0));
+                }
+                n
+            }
+            Pool::Decode => {
+                let seqs = s.running + s.waiting + o.held_requests;
+                // Sequence growth tracks the generation rate forecast.
+                self.demand.observe(t, s.generation_rate);
+                let now_rate = s.generation_rate.max(1e-9);
+                let growth = if s.generation_rate > 0.0 {
+                    (self.demand.forecast(lead) / now_rate).clamp(1.0, 4.0)
+                } else {
+                    1.0
+                };
+                let batch = self.profile.max_batch_at(self.cfg.slo_itl_s * 0.9);
+                let by_batch = seqs * growth / batch;
+                let seq_tokens = o.mean_seq_tokens.unwrap_or(self.cfg.default_prompt_len);
+                let kv_now = (s.kv_usage * o.current as f64 * self.profile.kv_tokens)
+                    .max(s.running * seq_tokens);
+                let by_kv = kv_now * growth / (0.85 * self.profile.kv_tokens);
+                let mut n = by_batch.max(by_kv);
+                if let Some(p90) = s.itl_p90
+                    && p90 > self.cfg.slo_itl_s
+                    && o.current > 0
+                {
+                    n = n.max(o.current as f64 * (p90 / self.cfg.slo_itl_s).min(2.0));
+                }
+                n
+            }
+        }
+    }
+
+    /// Decides desired replicas at time `t` (seconds, monotonic).
+    pub fn decide(&mut self, t: f64, o: &Observation) -> Decision {
+        let s = &o.signals;
+        // Work in flight or queued: never zero. Traffic of any kind: not idle.
+        let work = s.running + s.waiting + s.queued_prompt_tokens + o.held_requests > 0.0;
+        let busy = work || s.prompt_rate > 0.0 || s.generation_rate > 0.0;
+        if s.is_blind() {
+            // Nothing known: hold (a dead endpoint is not an idle one), but answer
+            // requests the gateway holds.
+            self.idle_since = None;
+            let desired = o
+                .current
+                .max(u32::from(o.held_requests > 0.0))
+                .clamp(self.cfg.min_replicas, self.cfg.max_replicas);
+            return Decision {
+                desired,
+                active: true,
+                reason: "metrics unavailable: holding",
+            };
+        }
+        let raw = self.raw_desired(t, o);
+        let mut desired = raw.ceil().clamp(0.0, self.cfg.max_replicas as f64) as u32;
+        if work {
+            desired = desired.max(1);
+        }
+        desired = desired.clamp(self.cfg.min_replicas, self.cfg.max_replicas);
+        // Idle tracking for scale to zero.
+        if busy {
+            self.idle_since = None;
+        } else if self.idle_since.is_none() {
+            self.idle_since = Some(t);
+        }
+        let idle_long = self
+            .idle_since
+            .is_some_and(|i| t - i >= self.cfg.idle_grace_s);
+        self.recent.push_back((t, desired));
+        while self
+            .recent
+            .front()
+            .is_some_and(|(ts, _)| *ts < t - self.cfg.scale_down_stabilization_s)
+        {
+            self.recent.pop_front();
+        }
+        if o.held_requests > 0.0 && o.current == 0 {
+            return Decision {
+                desired: desired.max(1),
+                active: true,
+                reason: "requests held at zero: activate",
+            };
+        }
+        if desired >= o.current {
+            let reason = if desired > o.current {
+                "scale up"
+            } else {
+                "steady"
+            };
+            let active = !(idle_long && self.cfg.min_replicas == 0 && !busy);
+            if !active {
+                return Decision {
+                    desired: 0,
+                    active: false,
+                    reason: "idle past grace: scale to zero",
+                };
+            }
+            return Decision {
+                desired,
+                active: true,
+                reason,
+            };
+        }
+        // Scale down: only to the highest desired seen over the stabilisation window,
+        // one step at a time.
+        let window_max = self.recent.iter().map(|(_, d)| *d).max().unwrap_or(desired);
+        if idle_long && self.cfg.min_replicas == 0 && !busy {
+            return Decision {
+                desired: 0,
+                active: false,
+                reason: "idle past grace: scale to zero",
+            };
+        }
+        let floor = window_max.max(desired).max(u32::from(work));
+        if floor >= o.current
+            || t - self.last_scale_down < self.cfg.scale_down_stabilization_s / 4.0
+        {
+            return Decision {
+                desired: o.current,
+                active: true,
+                reason: "scale down deferred (stabilisation)",
+            };
+        }
+        let step = ((o.current as f64 * self.cfg.scale_down_step).ceil() as u32).max(1);
+        self.last_scale_down = t;
+        let target = floor
+            .max(o.current.saturating_sub(step))
+            .max(self.cfg.min_replicas);
+        Decision {
+            desired: target,
+            active: true,
+            reason: "scale down",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(current: u32, f: impl FnOnce(&mut PoolSignals)) -> Observation {
+        let mut s = PoolSignals {
+            endpoints_ok: current as usize,
+            ..PoolSignals::default()
+        };
+        f(&mut s);
+        Observation {
+            signals: s,
+            current,
+            ..Observation::default()
+        }
+    }
+
+    fn policy(pool: Pool) -> PreheatPolicy {
+        PreheatPolicy::new(
+            pool,
+            PoolPolicy {
+                scale_down_stabilization_s: 60.0,
+                idle_grace_s: 100.0,
+                ..PoolPolicy::default()
+            },
+            Profile::default(),
+        )
+    }
+
+    #[test]
+    fn prefill_sizes_from_prompt_rate_and_backlog() {
+        // Table: (prompt tokens/s, queued tokens, expected replicas range).
+        let cases = [
+            (0.0, 0.0, 0..=0),
+            (10_000.0, 0.0, 1..=1),
+            (100_000.0, 0.0, 7..=9),
+            (10_000.0, 200_000.0, 15..=16),
+        ];
+        for (rate, queued, want) in cases {
+            let mut p = policy(Pool::Prefill);
+            let d = p.decide(
+                0.0,
+                &obs(0, |s| {
+                    s.prompt_rate = rate;
+                    s.queued_prompt_tokens = queued;
+                }),
+            );
+            assert!(
+                want.contains(&d.desired),
+                "rate {rate} queued {queued}: {d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn decode_sizes_from_concurrency_and_kv() {
+        let mut p = policy(Pool::Decode);
+        let d = p.decide(0.0, &obs(1, |s| s.running = 500.0));
+        // ITL SLO 50 ms → 0.9 × 50 = 45 ms → batch ~230 per replica.
+        assert!((2..=3).contains(&d.desired), "{d:?}");
+        let mut p = policy(Pool::Decode);
+        let d = p.decide(
+            0.0,
+            &obs(4, |s| {
+                s.running = 40.0;
+                s.kv_usage = 0.95;
+            }),
+        );
+        assert!(d.desired >= 5, "KV pressure must add replicas: {d:?}");
+    }
+
+    #[test]
+    fn slo_violations_raise_replicas() {
+        let mut p = policy(Pool::Prefill);
+        let d = p.decide(
+            0.0,
+            &obs(4, |s| {
+                s.prompt_rate = 1000.0;
+                s.ttft_p90 = Some(6.0);
+            }),
+        );
+        assert_eq!(d.desired, 8, "3× over the TTFT SLO doubles (capped): {d:?}");
+    }
+
+    #[test]
+    fn scale_down_waits_and_steps() {
+        let mut p = policy(Pool::Prefill);
+        let busy = |s: &mut PoolSignals| s.prompt_rate = 100_000.0;
+        let d = p.decide(0.0, &obs(8, busy));
+        assert!(d.desired >= 7);
+        // Load drops: nothing is removed inside the stabilisation window.
+        let quiet = |s: &mut PoolSignals| s.prompt_rate = 1_000.0;
+        for t in 1..60 {
+            let d = p.decide(t as f64, &obs(8, quiet));
+            assert_eq!(d.desired, 8, "t={t}: {d:?}");
+        }
+        // After it, one step of 25%.
+        let d = p.decide(61.0, &obs(8, quiet));
+        assert_eq!(d.desired, 6, "{d:?}");
+    }
+
+    #[test]
+    fn never_zero_with_work_and_zero_after_idle_grace() {
+        let mut p = policy(Pool::Decode);
+        let d = p.decide(0.0, &obs(1, |s| s.waiting = 1.0));
+        assert!(d.desired >= 1 && d.active);
+        for t in 1..100 {
+            let d = p.decide(t as f64, &obs(1, |_| {}));
+            assert!(d.active, "t={t}: still inside the idle grace");
+        }
+        let d = p.decide(101.0, &obs(1, |_| {}));
+        assert_eq!((d.desired, d.active), (0, false));
+        // Held requests at zero: active at once.
+        let mut o = obs(0, |_| {});
+        o.held_requests = 1.0;
+        let d = p.decide(102.0, &o);
+        assert_eq!((d.desired, d.active), (1, true));
+    }
+
+    #[test]
+    fn blind_holds_and_limits_apply() {
+        let mut p = policy(Pool::Prefill);
+        let mut o = obs(5, |_| {});
+        o.signals.endpoints_ok = 0;
+        o.signals.endpoints_failed = 5;
+        let d = p.decide(1000.0, &o);
+        assert_eq!((d.desired, d.active), (5, true));
+        let limits = PoolPolicy {
+            min_replicas: 2,
+            max_replicas: 3,
+            ..PoolPolicy::default()
+        };
+        let mut p = PreheatPolicy::new(Pool::Prefill, limits.clone(), Profile::default());
+        assert_eq!(p.decide(0.0, &obs(2, |s| s.prompt_rate = 1e9)).desired, 3);
+        let mut q = PreheatPolicy::new(Pool::Prefill, limits, Profile::default());
+        assert_eq!(q.decide(0.0, &obs(2, |_| {})).desired, 2);
+    }
+
+    #[test]
+    fn forecast_adds_capacity_ahead_of_a_ramp() {
+        let mut ramp = policy(Pool::Prefill);
+        let mut flat = policy(Pool::Prefill);
+        let mut d_ramp = 0;
+        let mut d_flat = 0;
+        for t in 0..120 {
+            d_ramp = ramp
+                .decide(
+                    t as f64,
+                    &obs(d_ramp, |s| s.prompt_rate = 1_000.0 + 500.0 * t as f64),
+                )
+                .desired;
+            d_flat = flat
+                .decide(t as f64, &obs(d_flat, |s| s.prompt_rate = 60_500.0))
+                .desired;
+        }
+        assert!(
+            d_ramp > d_flat,
+            "a ramp ending at the same rate needs more ahead: {d_ramp} vs {d_flat}"
+        );
+    }
+}

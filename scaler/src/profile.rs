@@ -1,0 +1,145 @@
+//! Per-replica capacity: what one prefill or decode replica can do at the SLOs.
+//! `preheat engine profile` measures it on a real engine; the shipped default
+//! describes a GPU-class replica.
+
+use serde::{Deserialize, Serialize};
+
+/// Capacity of one replica of each pool, and how long replicas take to start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Where the numbers come from (shown in logs and reports).
+    pub source: String,
+    /// Prefill throughput in prompt tokens/s, by prompt length: (length, tokens/s),
+    /// ascending in length; interpolated linearly, clamped at the ends.
+    pub prefill_tokens_per_s: Vec<(f64, f64)>,
+    /// Decode inter-token latency in seconds by running batch size: (batch, seconds).
+    pub decode_itl_s: Vec<(f64, f64)>,
+    /// KV-cache capacity of one decode replica, in tokens.
+    pub kv_tokens: f64,
+    /// Seconds from "start a replica" to serving, by how warm its node is.
+    pub startup_s: Startup,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Startup {
+    pub cold: f64,
+    pub staged: f64,
+    pub hot: f64,
+    pub standby: f64,
+}
+
+impl Default for Profile {
+    /// An 8B Llama-class model in bf16 on one H100-class GPU under vLLM. The figures
+    /// are representative values from public vLLM benchmark reports, not measured by
+    /// this project: replace them with `preheat engine profile` output for real use.
+    fn default() -> Self {
+        Profile {
+            source: "default: 8B bf16 model on one H100-class GPU (public vLLM figures, not measured here)".into(),
+            prefill_tokens_per_s: vec![(128.0, 9_000.0), (512.0, 14_000.0), (2048.0, 16_000.0), (8192.0, 12_000.0), (32768.0, 7_000.0)],
+            decode_itl_s: vec![(1.0, 0.008), (16.0, 0.011), (64.0, 0.018), (128.0, 0.028), (256.0, 0.048)],
+            kv_tokens: 450_000.0,
+            startup_s: Startup { cold: 300.0, staged: 60.0, hot: 20.0, standby: 2.0 },
+        }
+    }
+}
+
+fn interp(table: &[(f64, f64)], x: f64) -> f64 {
+    match table {
+        [] => 0.0,
+        [(_, y)] => *y,
+        _ => {
+            if x <= table[0].0 {
+                return table[0].1;
+            }
+            for w in table.windows(2) {
+                let ((x0, y0), (x1, y1)) = (w[0], w[1]);
+                if x <= x1 {
+                    return y0 + (y1 - y0) * (x - x0) / (x1 - x0).max(f64::EPSILON);
+                }
+            }
+            table[table.len() - 1].1
+        }
+    }
+}
+
+impl Profile {
+    /// Prompt tokens/s of one prefill replica for prompts of `len` tokens.
+    #[must_use]
+    pub fn prefill_rate(&self, len: f64) -> f64 {
+        interp(&self.prefill_tokens_per_s, len)
+    }
+
+    /// Inter-token latency of one decode replica at `batch` running sequences.
+    #[must_use]
+    pub fn itl(&self, batch: f64) -> f64 {
+        interp(&self.decode_itl_s, batch)
+    }
+
+    /// Largest batch whose ITL stays within `slo`.
+    #[must_use]
+    pub fn max_batch_at(&self, slo: f64) -> f64 {
+        let last = self.decode_itl_s.last().map_or(1.0, |p| p.0);
+        // Step through the table with interpolation; fine-grained enough for sizing.
+        let mut best = 1.0;
+        let mut b = 1.0;
+        while b <= last {
+            if self.itl(b) <= slo {
+                best = b;
+            }
+            b += 1.0;
+        }
+        best
+    }
+
+    /// Checks the tables; every problem at once.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errs = Vec::new();
+        for (name, t) in [
+            ("prefill_tokens_per_s", &self.prefill_tokens_per_s),
+            ("decode_itl_s", &self.decode_itl_s),
+        ] {
+            if t.is_empty() {
+                errs.push(format!("{name} is empty"));
+            }
+            if t.windows(2).any(|w| w[1].0 <= w[0].0) {
+                errs.push(format!("{name} must be ascending in its first column"));
+            }
+            if t.iter()
+                .any(|p| !(p.0.is_finite() && p.1.is_finite() && p.1 > 0.0))
+            {
+                errs.push(format!("{name} holds a non-positive or non-finite value"));
+            }
+        }
+        if !(self.kv_tokens.is_finite() && self.kv_tokens > 0.0) {
+            errs.push("kv_tokens must be > 0".into());
+        }
+        let s = &self.startup_s;
+        if [s.cold, s.staged, s.hot, s.standby]
+            .iter()
+            .any(|v| !(v.is_finite() && *v >= 0.0))
+        {
+            errs.push("startup_s values must be >= 0".into());
+        }
+        if errs.is_empty() { Ok(()) } else { Err(errs) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_profile_is_valid_and_monotone_where_it_matters() {
+        let p = Profile::default();
+        p.validate().unwrap();
+        assert_eq!(p.prefill_rate(10.0), 9_000.0);
+        assert!((p.prefill_rate(1280.0) - 15_000.0).abs() < 1e-6);
+        assert_eq!(
+            p.max_batch_at(0.005),
+            1.0,
+            "nothing meets an impossible SLO but one sequence"
+        );
+        assert_eq!(p.max_batch_at(0.018), 64.0);
+        assert!(p.max_batch_at(0.05) >= 256.0);
+    }
+}

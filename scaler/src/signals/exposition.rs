@@ -1,0 +1,250 @@
+//! One scrape of a Prometheus text endpoint, reduced to the values the policy reads.
+
+use std::collections::BTreeMap;
+
+use super::names;
+use crate::{Result, ScalerError};
+
+/// Cumulative histogram buckets: (upper bound, cumulative count), ascending, `+Inf` last.
+pub type Buckets = Vec<(f64, f64)>;
+
+/// What one endpoint exposed at one instant. Gauges are summed over label sets
+/// (several models or ranks behind one endpoint); counters and histograms are
+/// cumulative and turned into rates and quantiles by [`super::window`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Reading {
+    pub waiting: Option<f64>,
+    pub running: Option<f64>,
+    pub kv_usage: Option<f64>,
+    pub prefill_queue_tokens: Option<f64>,
+    pub gateway_pending: Option<f64>,
+    pub prompt_tokens: Option<f64>,
+    pub generation_tokens: Option<f64>,
+    pub prefix_queries: Option<f64>,
+    pub prefix_hits: Option<f64>,
+    pub ttft: Option<Buckets>,
+    pub itl: Option<Buckets>,
+    /// (phase, source) → seconds of the last start.
+    pub startup: BTreeMap<(String, String), f64>,
+}
+
+/// Parses exposition text, keeping only samples whose labels match `model` (when
+/// given, on `model_name`, as vLLM labels them).
+pub fn parse(text: &str, model: Option<&str>) -> Result<Reading> {
+    let lines = text.lines().map(|l| Ok(escape_name(l)));
+    let scrape = prometheus_parse::Scrape::parse(lines)
+        .map_err(|e| ScalerError::Scrape(format!("exposition: {e}")))?;
+    let mut scalars: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut hists: BTreeMap<String, BTreeMap<u64, (f64, f64)>> = BTreeMap::new();
+    let mut r = Reading::default();
+    let wanted = |s: &prometheus_parse::Sample| match (model, s.labels.get("model_name")) {
+        (Some(m), Some(v)) => v == m,
+        _ => true,
+    };
+    for s in &scrape.samples {
+        if !wanted(s) {
+            continue;
+        }
+        let metric = s.metric.replace(COLON, ":");
+        use prometheus_parse::Value as V;
+        match &s.value {
+            V::Counter(v) | V::Gauge(v) | V::Untyped(v) => {
+                if !v.is_finite() {
+                    continue;
+                }
+                if metric == names::STARTUP_PHASE {
+                    let key = (
+                        s.labels.get("phase").unwrap_or("").to_owned(),
+                        s.labels.get("source").unwrap_or("").to_owned(),
+                    );
+                    r.startup.insert(key, *v);
+                    continue;
+                }
+                // Only names the scaler knows are kept: `&'static str` keys.
+                if let Some(name) = known(&metric) {
+                    *scalars.entry(name).or_default() += v;
+                }
+            }
+            V::Histogram(buckets) => {
+                let h = hists.entry(metric).or_default();
+                for b in buckets {
+                    if b.count.is_finite() {
+                        let e = h.entry(b.less_than.to_bits()).or_insert((b.less_than, 0.0));
+                        e.1 += b.count;
+                    }
+                }
+            }
+            V::Summary(_) => {}
+        }
+    }
+    let first = |group: &[&str]| group.iter().find_map(|n| scalars.get(n).copied());
+    let hist = |group: &[&str]| {
+        group.iter().find_map(|n| hists.get(*n)).map(|h| {
+            let mut v: Buckets = h.values().copied().collect();
+            v.sort_by(|a, b| a.0.total_cmp(&b.0));
+            v
+        })
+    };
+    r.waiting = first(names::WAITING);
+    r.running = first(names::RUNNING);
+    r.kv_usage = first(names::KV_USAGE);
+    r.prefill_queue_tokens = first(names::PREFILL_QUEUE_TOKENS);
+    r.gateway_pending = first(names::GATEWAY_PENDING);
+    r.prompt_tokens = first(names::PROMPT_TOKENS);
+    r.generation_tokens = first(names::GENERATION_TOKENS);
+    r.prefix_queries = first(names::PREFIX_QUERIES);
+    r.prefix_hits = first(names::PREFIX_HITS);
+    r.ttft = hist(names::TTFT);
+    r.itl = hist(names::ITL);
+    Ok(r)
+}
+
+/// `prometheus-parse` matches metric names with `\w+`, which excludes the colons of
+/// recording-rule style names (`vllm:…`, `sglang:…`); such lines would be dropped
+/// silently. Colons in the name token (never in label values) are swapped for this
+/// marker before parsing and restored after.
+const COLON: &str = "__colon__";
+
+fn escape_name(line: &str) -> String {
+    let t = line.trim_start();
+    if let Some(rest) = t.strip_prefix('#') {
+        // "# HELP name …" / "# TYPE name …": the third token is the name.
+        let mut parts = rest.trim_start().splitn(3, ' ');
+        return match (parts.next(), parts.next(), parts.next()) {
+            (Some(kw @ ("HELP" | "TYPE")), Some(name), rest) => {
+                format!("# {kw} {} {}", name.replace(':', COLON), rest.unwrap_or(""))
+            }
+            _ => line.to_owned(),
+        };
+    }
+    let end = t
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(t.len());
+    format!("{}{}", t[..end].replace(':', COLON), &t[end..])
+}
+
+fn known(name: &str) -> Option<&'static str> {
+    [
+        names::WAITING,
+        names::RUNNING,
+        names::KV_USAGE,
+        names::PREFILL_QUEUE_TOKENS,
+        names::GATEWAY_PENDING,
+        names::PROMPT_TOKENS,
+        names::GENERATION_TOKENS,
+        names::PREFIX_QUERIES,
+        names::PREFIX_HITS,
+    ]
+    .iter()
+    .flat_map(|g| g.iter())
+    .find(|n| **n == name)
+    .copied()
+}
+
+/// Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
+/// quantile `q` of `buckets` (cumulative counts, typically a window's deltas).
+#[must_use]
+pub fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                // Above the largest finite bound: report that bound, as Prometheus does.
+                return Some(prev.0);
+            }
+            let in_bucket = count - prev.1;
+            let frac = if in_bucket > 0.0 {
+                (rank - prev.1) / in_bucket
+            } else {
+                1.0
+            };
+            return Some(prev.0 + (le - prev.0) * frac);
+        }
+        prev = (le, count);
+    }
+    Some(prev.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_waiting Requests waiting
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a"} 3
+vllm:num_requests_waiting{model_name="b"} 100
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="a"} 0.25
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{model_name="a"} 1200
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{model_name="a",le="0.1"} 5
+vllm:time_to_first_token_seconds_bucket{model_name="a",le="1"} 9
+vllm:time_to_first_token_seconds_bucket{model_name="a",le="+Inf"} 10
+vllm:time_to_first_token_seconds_sum{model_name="a"} 3
+vllm:time_to_first_token_seconds_count{model_name="a"} 10
+# TYPE preheat:startup_phase_seconds gauge
+preheat:startup_phase_seconds{phase="first_token",source="hot"} 2.5
+"#;
+
+    #[test]
+    fn old_vllm_names_filtered_by_model() {
+        let r = parse(VLLM, Some("a")).unwrap();
+        assert_eq!(r.waiting, Some(3.0));
+        assert_eq!(r.kv_usage, Some(0.25), "old gpu_cache_usage_perc name");
+        assert_eq!(r.prompt_tokens, Some(1200.0));
+        assert_eq!(r.ttft.as_ref().unwrap().last().unwrap().1, 10.0);
+        assert_eq!(r.startup[&("first_token".into(), "hot".into())], 2.5);
+        let all = parse(VLLM, None).unwrap();
+        assert_eq!(all.waiting, Some(103.0), "gauges sum over label sets");
+    }
+
+    #[test]
+    fn regression_prometheus_parse_dropped_names_with_colons() {
+        // The parser's `\w+` name regex silently skipped every `vllm:` sample.
+        let text = "# HELP vllm:num_requests_running Running\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"org/m:v2\"} 4\n";
+        let r = parse(text, Some("org/m:v2")).unwrap();
+        assert_eq!(
+            r.running,
+            Some(4.0),
+            "colon in the name and in a label value"
+        );
+    }
+
+    #[test]
+    fn sglang_names() {
+        let text = "# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs 7\n# TYPE sglang:token_usage gauge\nsglang:token_usage 0.5\n# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 2\n";
+        let r = parse(text, None).unwrap();
+        assert_eq!(
+            (r.waiting, r.kv_usage, r.running),
+            (Some(7.0), Some(0.5), Some(2.0))
+        );
+    }
+
+    #[test]
+    fn quantiles_interpolate_like_prometheus() {
+        let b = vec![(0.1, 5.0), (1.0, 9.0), (f64::INFINITY, 10.0)];
+        assert!((quantile(&b, 0.5).unwrap() - 0.1).abs() < 1e-12);
+        // rank 7 of 10: 2 of the 4 in (0.1, 1] → 0.1 + 0.9 / 2.
+        assert!((quantile(&b, 0.7).unwrap() - 0.55).abs() < 1e-12);
+        assert_eq!(quantile(&b, 0.99), Some(1.0));
+        assert_eq!(quantile(&[(1.0, 0.0), (f64::INFINITY, 0.0)], 0.5), None);
+    }
+
+    #[test]
+    fn garbage_is_an_error_or_empty_never_a_panic() {
+        for t in [
+            "",
+            "x y z",
+            "vllm:num_requests_waiting NaN",
+            "# TYPE a histogram\na_bucket{le=\"x\"} 1",
+        ] {
+            let _ = parse(t, None);
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! From scraped metrics to the per-pool signals the policy reads.
+
+pub mod exposition;
+pub mod names;
+pub mod window;
+
+use std::collections::BTreeMap;
+
+use self::exposition::Reading;
+use self::window::{Window, merge, window_quantile};
+
+/// What the policy knows about one pool at one instant.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolSignals {
+    /// Endpoints scraped successfully in this tick.
+    pub endpoints_ok: usize,
+    /// Endpoints that should have answered but did not (timeouts, errors, garbage).
+    pub endpoints_failed: usize,
+    pub waiting: f64,
+    pub running: f64,
+    /// Mean KV-cache usage over endpoints (0–1).
+    pub kv_usage: f64,
+    /// Prompt tokens queued and not yet prefilled (preheat engines; 0 elsewhere).
+    pub queued_prompt_tokens: f64,
+    /// Prompt tokens per second arriving at the pool (window rate).
+    pub prompt_rate: f64,
+    pub generation_rate: f64,
+    /// Fraction of prompt tokens served from the prefix cache over the window.
+    pub prefix_hit_rate: f64,
+    pub ttft_p50: Option<f64>,
+    pub ttft_p90: Option<f64>,
+    pub itl_p50: Option<f64>,
+    pub itl_p90: Option<f64>,
+}
+
+impl PoolSignals {
+    /// No endpoint answered although some were expected: the data says nothing, and
+    /// must never be read as "idle".
+    #[must_use]
+    pub fn is_blind(&self) -> bool {
+        self.endpoints_ok == 0 && self.endpoints_failed > 0
+    }
+}
+
+/// Sliding windows of every endpoint of one pool.
+#[derive(Clone, Debug)]
+pub struct PoolWindows {
+    span: f64,
+    endpoints: BTreeMap<String, Window>,
+}
+
+impl PoolWindows {
+    #[must_use]
+    pub fn new(span_secs: f64) -> Self {
+        PoolWindows {
+            span: span_secs,
+            endpoints: BTreeMap::new(),
+        }
+    }
+
+    /// Records one tick: `readings` of endpoints that answered, and the names of
+    /// those that failed. Endpoints absent from both (scaled away) are forgotten.
+    pub fn tick(
+        &mut self,
+        t: f64,
+        readings: Vec<(String, Reading)>,
+        failed: &[String],
+    ) -> PoolSignals {
+        let answered: Vec<String> = readings.iter().map(|(n, _)| n.clone()).collect();
+        self.endpoints
+            .retain(|n, _| answered.contains(n) || failed.contains(n));
+        for (name, r) in readings {
+            self.endpoints
+                .entry(name)
+                .or_insert_with(|| Window::new(self.span))
+                .push(t, r);
+        }
+        let mut s = PoolSignals {
+            endpoints_ok: answered.len(),
+            endpoints_failed: failed.len(),
+            ..PoolSignals::default()
+        };
+        let (mut ttft, mut itl) = (None, None);
+        let (mut queries, mut hits) = (0.0, 0.0);
+        let mut kv_n = 0;
+        for (name, w) in &self.endpoints {
+            if !answered.contains(name) {
+                continue;
+            }
+            let Some((_, r)) = w.latest() else { continue };
+            s.waiting += r.waiting.unwrap_or(0.0) + r.gateway_pending.unwrap_or(0.0);
+            s.running += r.running.unwrap_or(0.0);
+            if let Some(k) = r.kv_usage {
+                s.kv_usage += k;
+                kv_n += 1;
+            }
+            s.queued_prompt_tokens += r.prefill_queue_tokens.unwrap_or(0.0);
+            s.prompt_rate += w.rate(|r| r.prompt_tokens).unwrap_or(0.0);
+            s.generation_rate += w.rate(|r| r.generation_tokens).unwrap_or(0.0);
+            queries += w.rate(|r| r.prefix_queries).unwrap_or(0.0);
+            hits += w.rate(|r| r.prefix_hits).unwrap_or(0.0);
+            ttft = merge(ttft, w.delta_buckets(|r| r.ttft.as_ref()));
+            itl = merge(itl, w.delta_buckets(|r| r.itl.as_ref()));
+        }
+        if kv_n > 0 {
+            s.kv_usage /= kv_n as f64;
+        }
+        if queries > 0.0 {
+            s.prefix_hit_rate = (hits / queries).clamp(0.0, 1.0);
+        }
+        s.ttft_p50 = window_quantile(&ttft, 0.5);
+        s.ttft_p90 = window_quantile(&ttft, 0.9);
+        s.itl_p50 = window_quantile(&itl, 0.5);
+        s.itl_p90 = window_quantile(&itl, 0.9);
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_endpoint_is_not_idle() {
+        let mut w = PoolWindows::new(30.0);
+        let s = w.tick(0.0, vec![], &["10.0.0.1:8000".into()]);
+        assert!(s.is_blind());
+        let ok = Reading {
+            waiting: Some(2.0),
+            running: Some(1.0),
+            kv_usage: Some(0.5),
+            ..Reading::default()
+        };
+        let s = w.tick(1.0, vec![("a".into(), ok.clone()), ("b".into(), ok)], &[]);
+        assert!(!s.is_blind());
+        assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 2.0, 0.5));
+        // No endpoints at all (pool at zero) is not blind: it is genuinely empty.
+        assert!(!w.tick(2.0, vec![], &[]).is_blind());
+    }
+}

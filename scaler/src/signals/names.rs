@@ -1,0 +1,34 @@
+//! Every metric name the scaler reads, grouped by the signal it feeds. Engines differ
+//! in naming (preheat and vLLM ≥ 0.10, older vLLM, SGLang); the first name present in
+//! a scrape wins.
+
+pub const WAITING: &[&str] = &["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
+pub const RUNNING: &[&str] = &["vllm:num_requests_running", "sglang:num_running_reqs"];
+pub const KV_USAGE: &[&str] = &[
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+];
+pub const PROMPT_TOKENS: &[&str] = &["vllm:prompt_tokens_total", "sglang:prompt_tokens_total"];
+pub const GENERATION_TOKENS: &[&str] = &[
+    "vllm:generation_tokens_total",
+    "sglang:generation_tokens_total",
+];
+pub const PREFIX_QUERIES: &[&str] = &["vllm:prefix_cache_queries_total"];
+pub const PREFIX_HITS: &[&str] = &["vllm:prefix_cache_hits_total"];
+pub const TTFT: &[&str] = &[
+    "vllm:time_to_first_token_seconds",
+    "sglang:time_to_first_token_seconds",
+];
+pub const ITL: &[&str] = &[
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:time_per_output_token_seconds",
+];
+/// preheat engines only: prompt tokens queued and not yet prefilled.
+pub const PREFILL_QUEUE_TOKENS: &[&str] = &["preheat:prefill_queue_tokens"];
+/// preheat gateway only: requests held while a pool is at zero.
+pub const GATEWAY_PENDING: &[&str] = &["preheat:gateway_pending_requests"];
+/// preheat workers: seconds spent in each start-up phase, by `phase` and `source`.
+pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";

@@ -1,0 +1,135 @@
+//! Per-endpoint history over a sliding window: counter rates and latency quantiles
+//! from histogram bucket deltas, robust to counter resets (a restarted engine).
+
+use std::collections::VecDeque;
+
+use super::exposition::{Buckets, Reading, quantile};
+
+/// Readings of one endpoint within the last `span` seconds.
+#[derive(Clone, Debug)]
+pub struct Window {
+    span: f64,
+    points: VecDeque<(f64, Reading)>,
+}
+
+impl Window {
+    #[must_use]
+    pub fn new(span_secs: f64) -> Self {
+        Window {
+            span: span_secs,
+            points: VecDeque::new(),
+        }
+    }
+
+    /// Adds a reading taken at time `t` (seconds, monotonic).
+    pub fn push(&mut self, t: f64, r: Reading) {
+        self.points.push_back((t, r));
+        // Keep one point at or before the window start, so rates cover the full span.
+        while self.points.len() > 2 && self.points[1].0 <= t - self.span {
+            self.points.pop_front();
+        }
+    }
+
+    #[must_use]
+    pub fn latest(&self) -> Option<&(f64, Reading)> {
+        self.points.back()
+    }
+
+    /// Per-second increase of a counter over the window; a decrease is a reset, and
+    /// the increase since the reset is counted from zero.
+    pub fn rate(&self, f: impl Fn(&Reading) -> Option<f64>) -> Option<f64> {
+        let mut total = 0.0;
+        let mut prev: Option<f64> = None;
+        for (_, r) in &self.points {
+            let Some(v) = f(r) else { continue };
+            if let Some(p) = prev {
+                total += if v >= p { v - p } else { v };
+            }
+            prev = Some(v);
+        }
+        let (t0, t1) = (self.points.front()?.0, self.points.back()?.0);
+        (t1 > t0).then(|| total / (t1 - t0))
+    }
+
+    /// Bucket deltas of a histogram over the window (reset-aware like [`Window::rate`]).
+    pub fn delta_buckets(&self, f: impl Fn(&Reading) -> Option<&Buckets>) -> Option<Buckets> {
+        let mut acc: Option<Buckets> = None;
+        let mut prev: Option<&Buckets> = None;
+        for (_, r) in &self.points {
+            let Some(b) = f(r) else { continue };
+            if let Some(p) = prev {
+                let reset = b.last().map(|x| x.1) < p.last().map(|x| x.1) || b.len() != p.len();
+                let d: Buckets = if reset {
+                    b.clone()
+                } else {
+                    b.iter()
+                        .zip(p)
+                        .map(|(x, y)| (x.0, (x.1 - y.1).max(0.0)))
+                        .collect()
+                };
+                acc = Some(match acc {
+                    Some(a) if a.len() == d.len() => {
+                        a.iter().zip(&d).map(|(x, y)| (x.0, x.1 + y.1)).collect()
+                    }
+                    _ => d,
+                });
+            }
+            prev = Some(b);
+        }
+        acc
+    }
+}
+
+/// Adds bucket lists with the same bounds (several endpoints of one pool).
+#[must_use]
+pub fn merge(a: Option<Buckets>, b: Option<Buckets>) -> Option<Buckets> {
+    match (a, b) {
+        (Some(a), Some(b)) if a.len() == b.len() => {
+            Some(a.iter().zip(&b).map(|(x, y)| (x.0, x.1 + y.1)).collect())
+        }
+        (Some(a), _) => Some(a),
+        (None, b) => b,
+    }
+}
+
+/// `quantile` of merged deltas, for convenience.
+#[must_use]
+pub fn window_quantile(b: &Option<Buckets>, q: f64) -> Option<f64> {
+    b.as_ref().and_then(|b| quantile(b, q))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(prompt: f64, ttft: &[f64]) -> Reading {
+        Reading {
+            prompt_tokens: Some(prompt),
+            ttft: Some(vec![(0.5, ttft[0]), (f64::INFINITY, ttft[1])]),
+            ..Reading::default()
+        }
+    }
+
+    #[test]
+    fn rates_and_resets() {
+        let mut w = Window::new(30.0);
+        w.push(0.0, r(100.0, &[0.0, 0.0]));
+        w.push(10.0, r(300.0, &[4.0, 5.0]));
+        assert_eq!(w.rate(|r| r.prompt_tokens), Some(20.0));
+        // The engine restarted: counter back to 50.
+        w.push(20.0, r(50.0, &[1.0, 1.0]));
+        assert_eq!(w.rate(|r| r.prompt_tokens), Some(250.0 / 20.0));
+        let d = w.delta_buckets(|r| r.ttft.as_ref()).unwrap();
+        assert_eq!(d, vec![(0.5, 5.0), (f64::INFINITY, 6.0)]);
+    }
+
+    #[test]
+    fn old_points_leave_the_window() {
+        let mut w = Window::new(10.0);
+        for t in 0..100 {
+            w.push(t as f64, r(t as f64 * 10.0, &[0.0, 0.0]));
+        }
+        assert!(w.points.len() <= 12);
+        assert_eq!(w.rate(|r| r.prompt_tokens), Some(10.0));
+    }
+}
