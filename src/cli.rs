@@ -28,6 +28,9 @@ pub enum Command {
     /// The bundled engine: serve a model over the OpenAI API.
     #[command(subcommand)]
     Engine(EngineCmd),
+    /// The KEDA external scaler: sizes prefill and decode pools from their metrics.
+    #[command(subcommand)]
+    Scaler(ScalerCmd),
     /// Benchmarks that record the figures in BENCHMARKS.md.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -144,6 +147,22 @@ pub struct ServeArgs {
     /// Seconds SIGTERM waits for in-flight requests before exiting.
     #[arg(long, default_value_t = 30)]
     pub drain_grace_secs: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ScalerCmd {
+    /// Serve KEDA's ExternalScaler gRPC API and run the scrape-and-decide loop.
+    Run {
+        /// YAML config (pools, models, SLOs, endpoints, limits).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override any config value: `--set models.0.decode.max_replicas=8` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        overrides: Vec<String>,
+        /// Capacity profile JSON (default: the documented GPU-class profile).
+        #[arg(long)]
+        profile: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

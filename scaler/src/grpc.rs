@@ -39,6 +39,7 @@ pub struct DecisionStore {
     models: Vec<String>,
     state: RwLock<HashMap<(String, Pool), PoolDecision>>,
     version: watch::Sender<u64>,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl DecisionStore {
@@ -49,7 +50,19 @@ impl DecisionStore {
             models,
             state: RwLock::new(HashMap::new()),
             version: watch::channel(0).0,
+            closed: false.into(),
         })
+    }
+
+    /// Ends every `StreamIsActive` stream (shutdown: KEDA reconnects elsewhere, and
+    /// a graceful shutdown would otherwise wait on streams that never end).
+    pub fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Records a decision; wakes `StreamIsActive` watchers when anything changed.
@@ -170,6 +183,9 @@ impl ExternalScaler for ScalerService {
                 return;
             }
             while rx.changed().await.is_ok() {
+                if store.is_closed() {
+                    return;
+                }
                 let now = store.get(&model, pool).active;
                 if now != last {
                     last = now;

@@ -10,10 +10,14 @@
 //! - [`profile`]: per-replica capacity the policy sizes with;
 //! - [`grpc`]: the KEDA `ExternalScaler` service over a shared [`grpc::DecisionStore`].
 
+pub mod config;
+pub mod controller;
 mod error;
 pub mod grpc;
 pub mod policy;
 pub mod profile;
+pub mod scrape;
+pub mod server;
 pub mod signals;
 
 pub use error::{Result, ScalerError};

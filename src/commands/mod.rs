@@ -9,6 +9,7 @@ macro_rules! outln {
 pub(crate) use outln;
 
 mod engine;
+mod scaler;
 mod snapshot;
 
 use std::process::ExitCode;
@@ -19,6 +20,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Snapshot(cmd) => snapshot::run(cmd),
         Command::Engine(cmd) => engine::run(cmd),
+        Command::Scaler(cmd) => scaler::run(cmd),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
     }

@@ -1,0 +1,99 @@
+//! `preheat scaler run`: the KEDA gRPC endpoint, a health and metrics endpoint, and the
+//! control loop, together.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+
+use crate::config::Config;
+use crate::controller::Controller;
+use crate::grpc::{DecisionStore, ScalerService};
+use crate::policy::Pool;
+use crate::profile::Profile;
+use crate::{Result, ScalerError};
+
+/// The scaler's own metrics: the decisions it publishes.
+fn render(store: &DecisionStore, models: &[String]) -> String {
+    let mut out = String::new();
+    out.push_str("# HELP preheat:scaler_desired_replicas Replicas the policy wants per pool\n# TYPE preheat:scaler_desired_replicas gauge\n");
+    for m in models {
+        for p in [Pool::Prefill, Pool::Decode] {
+            let _ = writeln!(
+                out,
+                "preheat:scaler_desired_replicas{{model=\"{m}\",pool=\"{}\"}} {}",
+                p.as_str(),
+                store.get(m, p).desired
+            );
+        }
+    }
+    out.push_str("# HELP preheat:scaler_active Whether the pool is active (KEDA activation)\n# TYPE preheat:scaler_active gauge\n");
+    for m in models {
+        for p in [Pool::Prefill, Pool::Decode] {
+            let _ = writeln!(
+                out,
+                "preheat:scaler_active{{model=\"{m}\",pool=\"{}\"}} {}",
+                p.as_str(),
+                u8::from(store.get(m, p).active)
+            );
+        }
+    }
+    out
+}
+
+/// Runs until `stop` resolves.
+pub async fn run(
+    cfg: Config,
+    profile: Profile,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let models: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
+    let store = DecisionStore::new(models.clone());
+    let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
+    let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
+    tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, models = ?models, profile = %profile.source, "scaler listening");
+    let controller = tokio::spawn(Controller::new(cfg, profile, Arc::clone(&store)).run());
+    let app =
+        Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route(
+                "/metrics",
+                get(
+                    |State((s, m)): State<(Arc<DecisionStore>, Vec<String>)>| async move {
+                        render(&s, &m)
+                    },
+                ),
+            )
+            .with_state((Arc::clone(&store), models));
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let closing = Arc::clone(&store);
+    tokio::spawn(async move {
+        stop.await;
+        tracing::info!("scaler shutting down");
+        closing.close();
+        let _ = tx.send(true);
+    });
+    let mut rx_http = rx.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx_http.wait_for(|v| *v).await;
+            })
+            .await
+    });
+    let mut rx_grpc = rx;
+    let grpc = tonic::transport::Server::builder()
+        .add_service(ScalerService::new(store).into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            async move {
+                let _ = rx_grpc.wait_for(|v| *v).await;
+            },
+        );
+    let r = grpc.await;
+    controller.abort();
+    let _ = http.await;
+    r.map_err(|e| ScalerError::Io(std::io::Error::other(e.to_string())))
+}

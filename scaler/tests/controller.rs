@@ -1,0 +1,172 @@
+//! The scaler end to end: fake engine and gateway `/metrics` endpoints, the real
+//! control loop and gRPC service, and a KEDA-style client.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::get;
+use preheat_scaler::config::Config;
+use preheat_scaler::profile::Profile;
+use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+use tokio_stream::StreamExt;
+
+/// A `/metrics` endpoint whose body (or failure) the test controls.
+async fn fake(body: Arc<Mutex<Option<String>>>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let b = body.lock().unwrap().clone();
+            async move {
+                match b {
+                    Some(t) => (StatusCode::OK, t),
+                    None => (StatusCode::INTERNAL_SERVER_ERROR, String::new()),
+                }
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    format!("http://{addr}/metrics")
+}
+
+fn engine_text(running: u32) -> String {
+    format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"llama\"}} {running}\n# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{model_name=\"llama\"}} 100\n"
+    )
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn sref(pool: &str) -> ScaledObjectRef {
+    ScaledObjectRef {
+        name: format!("llama-{pool}"),
+        namespace: "default".into(),
+        scaler_metadata: [("pool".to_owned(), pool.to_owned())].into_iter().collect(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero() {
+    let d0 = Arc::new(Mutex::new(Some(engine_text(600))));
+    let d1 = Arc::new(Mutex::new(Some(engine_text(600))));
+    let gw = Arc::new(Mutex::new(Some(
+        "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 0\n"
+            .to_owned(),
+    )));
+    let (u0, u1, ug) = (
+        fake(d0.clone()).await,
+        fake(d1.clone()).await,
+        fake(gw.clone()).await,
+    );
+    let (gport, hport) = (free_port(), free_port());
+    let sets = vec![
+        format!("grpc_listen=127.0.0.1:{gport}"),
+        format!("http_listen=127.0.0.1:{hport}"),
+        "interval_s=0.1".into(),
+        "window_s=2".into(),
+        format!(
+            "models=[{{name: llama, gateway: [{ug}], prefill: {{idle_grace_s: 0.5}}, decode: {{endpoints: [{u0}, {u1}]}}}}]"
+        ),
+    ];
+    let cfg = Config::load(None, &sets).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(preheat_scaler::server::run(
+        cfg,
+        Profile::default(),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let mut client = loop {
+        if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{gport}")).await {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let desired = |c: &mut ExternalScalerClient<tonic::transport::Channel>, pool: &'static str| {
+        let mut c = c.clone();
+        async move {
+            c.get_metrics(GetMetricsRequest {
+                scaled_object_ref: Some(sref(pool)),
+                metric_name: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .metric_values[0]
+                .metric_value
+        }
+    };
+    // 1200 running sequences, ~230 per replica at a 45 ms ITL budget → about 6.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = desired(&mut client, "decode").await;
+        if (5..=7).contains(&d) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "decode desired stuck at {d}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Both endpoints die: the scaler holds instead of reading the silence as idle.
+    *d0.lock().unwrap() = None;
+    *d1.lock().unwrap() = None;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        desired(&mut client, "decode").await,
+        2,
+        "blind: hold the 2 replicas that exist"
+    );
+    // The prefill pool has no replicas and no traffic: inactive after its idle grace.
+    let mut active = client
+        .stream_is_active(sref("prefill"))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut state = active.next().await.unwrap().unwrap().result;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while state {
+        assert!(Instant::now() < deadline, "prefill never went inactive");
+        state = active.next().await.unwrap().unwrap().result;
+    }
+    // A request held at the gateway: pushed active within a second.
+    *gw.lock().unwrap() = Some(
+        "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 1\n"
+            .to_owned(),
+    );
+    let t0 = Instant::now();
+    let woke = tokio::time::timeout(Duration::from_secs(1), active.next())
+        .await
+        .expect("no push within 1 s")
+        .unwrap()
+        .unwrap();
+    assert!(woke.result);
+    assert!(t0.elapsed() < Duration::from_secs(1));
+    assert!(desired(&mut client, "prefill").await >= 1);
+    // The scaler's own metrics.
+    let m = reqwest::get(format!("http://127.0.0.1:{hport}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("preheat:scaler_active{model=\"llama\",pool=\"prefill\"} 1"),
+        "{m}"
+    );
+    let _ = stop_tx.send(());
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

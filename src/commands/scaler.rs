@@ -1,0 +1,46 @@
+//! `preheat scaler …`
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use preheat_scaler::config::Config;
+use preheat_scaler::profile::Profile;
+
+use crate::cli::ScalerCmd;
+
+pub fn run(cmd: ScalerCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        ScalerCmd::Run {
+            config,
+            overrides,
+            profile,
+        } => {
+            let mut cfg = Config::load(config.as_deref(), &overrides)?;
+            if profile.is_some() {
+                cfg.profile = profile;
+            }
+            let profile = match &cfg.profile {
+                Some(p) => {
+                    let text = std::fs::read_to_string(p)
+                        .with_context(|| format!("reading profile {}", p.display()))?;
+                    let prof: Profile = serde_json::from_str(&text)
+                        .with_context(|| format!("parsing profile {}", p.display()))?;
+                    prof.validate().map_err(|e| {
+                        anyhow::anyhow!("profile {}: {}", p.display(), e.join("; "))
+                    })?;
+                    prof
+                }
+                None => Profile::default(),
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(preheat_scaler::server::run(
+                cfg,
+                profile,
+                preheat_engine::server::shutdown_signal(),
+            ))?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
