@@ -523,8 +523,8 @@ fn smollm2() -> Option<PathBuf> {
         return Some(p);
     }
     assert!(
-        std::env::var_os("PREHEAT_REQUIRE_MODELS").is_none(),
-        "PREHEAT_REQUIRE_MODELS is set but {} is missing",
+        std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
+        "PREHEAT_REQUIRE_FETCHED is set but {} is missing",
         p.display()
     );
     eprintln!(

