@@ -115,6 +115,26 @@ pub enum SnapshotCmd {
 pub enum EngineCmd {
     /// Serve a model (snapshot, HF directory or GGUF) with prefill and decode in one process.
     Serve(ServeArgs),
+    /// Measure one replica's capacity (prefill tokens/s by prompt length, ITL by batch)
+    /// on this machine and write the scaler's profile JSON.
+    Profile {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Prompt lengths to time prefill at.
+        #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+        lengths: Vec<usize>,
+        /// Batch sizes to time decode at.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        batches: Vec<usize>,
+        /// Decode steps timed per batch size.
+        #[arg(long, default_value_t = 4)]
+        steps: usize,
+        /// KV-cache budget in MiB (sets the profile's KV capacity).
+        #[arg(long, default_value_t = 512)]
+        kv_cache_mib: usize,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -89,3 +89,42 @@ fn bad_serve_flags_are_reported_together() {
         assert!(err.contains(needle), "{needle} not reported: {err}");
     }
 }
+
+#[test]
+fn profile_writes_what_the_scaler_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("profile.json");
+    let o = harness::preheat([
+        "engine".as_ref(),
+        "profile".as_ref(),
+        "--model".as_ref(),
+        model_fixture("llama-tiny").as_os_str(),
+        "-o".as_ref(),
+        out.as_os_str(),
+        "--lengths".as_ref(),
+        "8,32".as_ref(),
+        "--batches".as_ref(),
+        "1,2".as_ref(),
+        "--steps".as_ref(),
+        "2".as_ref(),
+        "--kv-cache-mib".as_ref(),
+        "4".as_ref(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let p: preheat_scaler::profile::Profile =
+        serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    p.validate().unwrap();
+    assert_eq!(
+        p.prefill_tokens_per_s
+            .iter()
+            .map(|x| x.0)
+            .collect::<Vec<_>>(),
+        vec![8.0, 32.0]
+    );
+    assert_eq!(p.decode_itl_s.len(), 2);
+    assert!(
+        p.prefill_tokens_per_s.iter().all(|x| x.1 > 0.0)
+            && p.decode_itl_s.iter().all(|x| x.1 > 0.0)
+    );
+    assert!(p.source.contains("measured"));
+}

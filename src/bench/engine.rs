@@ -45,7 +45,11 @@ fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
 }
 
 /// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each.
-fn decode_rate(be: &mut CpuBackend, batch: usize, steps: usize) -> anyhow::Result<(f64, Duration)> {
+pub(crate) fn decode_rate(
+    be: &mut CpuBackend,
+    batch: usize,
+    steps: usize,
+) -> anyhow::Result<(f64, Duration)> {
     let per_seq_blocks = 2;
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())
@@ -83,7 +87,7 @@ fn decode_rate(be: &mut CpuBackend, batch: usize, steps: usize) -> anyhow::Resul
     Ok(((batch * steps) as f64 / d.as_secs_f64(), d / steps as u32))
 }
 
-fn prefill_rate(be: &mut CpuBackend, len: usize) -> anyhow::Result<f64> {
+pub(crate) fn prefill_rate(be: &mut CpuBackend, len: usize) -> anyhow::Result<f64> {
     let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
     let seqs = [SeqSlice {
         block_table: &table,

@@ -20,7 +20,108 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
             rt.block_on(serve(opts))?;
             Ok(ExitCode::SUCCESS)
         }
+        EngineCmd::Profile {
+            model,
+            output,
+            lengths,
+            batches,
+            steps,
+            kv_cache_mib,
+        } => {
+            profile(&model, &output, &lengths, &batches, steps, kv_cache_mib)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+/// Measures the replica and writes a `preheat_scaler::profile::Profile`.
+fn profile(
+    model: &std::path::Path,
+    output: &std::path::Path,
+    lengths: &[usize],
+    batches: &[usize],
+    steps: usize,
+    kv_mib: usize,
+) -> anyhow::Result<()> {
+    use preheat_engine::backend::cpu::CpuBackend;
+    use preheat_engine::model::{ModelSource, open_model};
+    let mut errs = Vec::new();
+    if lengths.is_empty() || lengths.iter().any(|&l| l == 0) {
+        errs.push("--lengths must be positive".to_owned());
+    }
+    if batches.is_empty() || batches.iter().any(|&b| b == 0) {
+        errs.push("--batches must be positive".to_owned());
+    }
+    if steps == 0 {
+        errs.push("--steps must be > 0".to_owned());
+    }
+    if !errs.is_empty() {
+        anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
+    }
+    let t0 = std::time::Instant::now();
+    let (snap, source) = open_model(model)?;
+    let c = snap.manifest().model.clone();
+    let block_bytes = 2
+        * c.num_hidden_layers as usize
+        * 16
+        * c.num_key_value_heads as usize
+        * c.head_dim as usize
+        * 4;
+    let max_len = *lengths.iter().max().unwrap_or(&16);
+    let max_batch = *batches.iter().max().unwrap_or(&1);
+    let num_blocks = ((kv_mib << 20) / block_bytes.max(1))
+        .max(max_len.div_ceil(16))
+        .max(2 * max_batch);
+    let mut be = CpuBackend::new(std::sync::Arc::clone(&snap), num_blocks, 16)?;
+    let load = t0.elapsed().as_secs_f64();
+    let mut prefill = Vec::new();
+    for &len in lengths {
+        let len = len.min(c.max_position_embeddings as usize);
+        let tps = crate::bench::engine::prefill_rate(&mut be, len)?;
+        tracing::info!(len, tokens_per_s = tps, "prefill");
+        prefill.push((len as f64, tps));
+    }
+    prefill.sort_by(|a, b| a.0.total_cmp(&b.0));
+    prefill.dedup_by(|a, b| a.0 == b.0);
+    let mut itl = Vec::new();
+    for &b in batches {
+        let (_, step) = crate::bench::engine::decode_rate(&mut be, b, steps)?;
+        tracing::info!(batch = b, itl_s = step.as_secs_f64(), "decode");
+        itl.push((b as f64, step.as_secs_f64()));
+    }
+    itl.sort_by(|a, b| a.0.total_cmp(&b.0));
+    itl.dedup_by(|a, b| a.0 == b.0);
+    let defaults = preheat_scaler::profile::Profile::default();
+    let mut startup = defaults.startup_s.clone();
+    let which = match source {
+        ModelSource::Converted => {
+            startup.cold = load;
+            "cold"
+        }
+        ModelSource::Snapshot => {
+            startup.staged = load;
+            startup.hot = load;
+            "staged/hot"
+        }
+    };
+    let p = preheat_scaler::profile::Profile {
+        source: format!(
+            "measured by `preheat engine profile` on {} ({} backend, {} threads); startup {which} measured ({load:.2} s), other startup values are defaults",
+            model.display(),
+            preheat_engine::backend::Backend::name(&be),
+            rayon::current_num_threads()
+        ),
+        prefill_tokens_per_s: prefill,
+        decode_itl_s: itl,
+        kv_tokens: (num_blocks * 16) as f64,
+        startup_s: startup,
+    };
+    p.validate()
+        .map_err(|e| anyhow::anyhow!("measured profile is invalid: {}", e.join("; ")))?;
+    std::fs::write(output, serde_json::to_vec_pretty(&p)?)
+        .with_context(|| format!("writing {}", output.display()))?;
+    crate::commands::outln!("wrote {}", output.display());
+    Ok(())
 }
 
 /// Raw flags → validated options, with every problem reported at once.
