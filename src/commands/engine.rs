@@ -46,10 +46,10 @@ fn profile(
     use preheat_engine::backend::cpu::CpuBackend;
     use preheat_engine::model::{ModelSource, open_model};
     let mut errs = Vec::new();
-    if lengths.is_empty() || lengths.iter().any(|&l| l == 0) {
+    if lengths.is_empty() || lengths.contains(&0) {
         errs.push("--lengths must be positive".to_owned());
     }
-    if batches.is_empty() || batches.iter().any(|&b| b == 0) {
+    if batches.is_empty() || batches.contains(&0) {
         errs.push("--batches must be positive".to_owned());
     }
     if steps == 0 {
