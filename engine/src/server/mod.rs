@@ -126,19 +126,15 @@ struct Style {
     include_usage: bool,
 }
 
-async fn completions(State(st): State<ApiState>, body: Body) -> Response {
-    match completions_inner(st, body).await {
-        Ok(r) => r,
-        Err(e) => ApiError(e).into_response(),
-    }
-}
-
-async fn completions_inner(st: ApiState, body: Body) -> Result<Response> {
+async fn completions(
+    State(st): State<ApiState>,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body, st.max_body).await?;
     let e = st.engine()?;
     check_model(e, req.common.model.as_deref())?;
     if req.echo {
-        return Err(EngineError::invalid("echo is not supported", "echo"));
+        return Err(EngineError::invalid("echo is not supported", "echo").into());
     }
     let prompt = match req.prompt {
         Prompt::Text(t) => e.tokenizer.encode(&t)?,
@@ -149,7 +145,8 @@ async fn completions_inner(st: ApiState, body: Body) -> Result<Response> {
             return Err(EngineError::invalid(
                 "batched prompts are not supported; send one prompt per request",
                 "prompt",
-            ));
+            )
+            .into());
         }
     };
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
@@ -164,17 +161,13 @@ async fn completions_inner(st: ApiState, body: Body) -> Result<Response> {
             .is_some_and(|o| o.include_usage),
     };
     let handle = e.submit(GenerateRequest { prompt, params })?;
-    respond(e.clone(), handle, style, req.common.stream).await
+    Ok(respond(e.clone(), handle, style, req.common.stream).await?)
 }
 
-async fn chat_completions(State(st): State<ApiState>, body: Body) -> Response {
-    match chat_inner(st, body).await {
-        Ok(r) => r,
-        Err(e) => ApiError(e).into_response(),
-    }
-}
-
-async fn chat_inner(st: ApiState, body: Body) -> Result<Response> {
+async fn chat_completions(
+    State(st): State<ApiState>,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body, st.max_body).await?;
     let e = st.engine()?;
     check_model(e, req.common.model.as_deref())?;
@@ -202,7 +195,7 @@ async fn chat_inner(st: ApiState, body: Body) -> Result<Response> {
             .is_some_and(|o| o.include_usage),
     };
     let handle = e.submit(GenerateRequest { prompt, params })?;
-    respond(e.clone(), handle, style, req.common.stream).await
+    Ok(respond(e.clone(), handle, style, req.common.stream).await?)
 }
 
 fn token_str(e: &Engine, id: u32, style: Style) -> String {
