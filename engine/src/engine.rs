@@ -109,6 +109,7 @@ struct Live {
     arrival: Instant,
     scheduled: Option<Instant>,
     last_token: Option<Instant>,
+    stopped_by_string: bool,
 }
 
 /// A handle to the running engine; cheap to clone.
@@ -331,6 +332,7 @@ impl Worker {
                         arrival,
                         scheduled: None,
                         last_token: None,
+                        stopped_by_string: false,
                     },
                 );
                 self.sched.add(SeqState::new(id, req.prompt));
@@ -368,17 +370,17 @@ impl Worker {
         }
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         let generated = seq.generated();
-        // Flush text held back for a partial character or a possible stop string.
-        if reason != FinishReason::Abort && error.is_none() {
-            let mut tail = live
+        // Flush text held back for a partial character or a possible stop string,
+        // unless a stop string ended the request (nothing after it may be sent).
+        if reason != FinishReason::Abort && error.is_none() && !live.stopped_by_string {
+            let tail = live
                 .detok
                 .flush(&self.tokenizer, generated)
                 .unwrap_or_default();
-            if reason == FinishReason::Length {
-                tail = match live.stop.push(&tail) {
-                    StopOutcome::Emit(t) | StopOutcome::Stopped(t) => t,
-                } + &live.stop.flush();
-            }
+            let tail = match live.stop.push(&tail) {
+                StopOutcome::Emit(t) => t + &live.stop.flush(),
+                StopOutcome::Stopped(t) => t,
+            };
             if !tail.is_empty() {
                 let _ = live.out.send(Event::Delta {
                     tokens: Vec::new(),
@@ -502,6 +504,7 @@ impl Worker {
             StopOutcome::Emit(t) => (t, false),
             StopOutcome::Stopped(t) => (t, true),
         };
+        live.stopped_by_string = stopped_by_string;
         let tok = TokenOut {
             id: s.token,
             logprob: s.logprob,

@@ -381,6 +381,18 @@ async fn sampling_seed_stop_and_logprobs() {
         "{full:?} / {cut:?} / {stop:?}"
     );
     assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    // Text held back as a possible stop-string prefix is still delivered when the
+    // request ends another way.
+    let tail: String = full.chars().rev().take(1).collect();
+    let mut hb = body.clone();
+    hb["stop"] = json!([format!("{tail}\u{1}never")]);
+    let (_, h) = s.post("/v1/completions", hb).await;
+    assert_eq!(
+        h["choices"][0]["text"],
+        full.as_str(),
+        "held-back text was lost"
+    );
+    assert_eq!(h["choices"][0]["finish_reason"], "length");
     // A stop token id ends generation right there.
     let (_, g) = s.post("/v1/completions", json!({"prompt": "a", "max_tokens": 5, "temperature": 0, "ignore_eos": true, "logprobs": 0, "return_tokens_as_token_ids": true})).await;
     let second = token_ids_of(&g)[1];
