@@ -128,3 +128,64 @@ fn profile_writes_what_the_scaler_reads() {
     );
     assert!(p.source.contains("measured"));
 }
+
+#[test]
+fn health_is_503_while_the_model_loads() {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.exists() {
+        assert!(
+            std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
+            "{} missing",
+            model.display()
+        );
+        eprintln!(
+            "skipping: {} not present (run .ci/fetch-models)",
+            model.display()
+        );
+        return;
+    }
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_preheat"))
+        .args(["engine", "serve", "--model"])
+        .arg(&model)
+        .args(["--port", &port.to_string(), "--kv-cache-mib", "16"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let seen = rt.block_on(async {
+        let c = reqwest::Client::new();
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if let Ok(r) = c
+                .get(format!("http://127.0.0.1:{port}/health"))
+                .send()
+                .await
+            {
+                let s = r.status().as_u16();
+                if seen.last() != Some(&s) {
+                    seen.push(s);
+                }
+                if s == 200 {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        seen
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(
+        seen,
+        vec![503, 200],
+        "health while converting a GGUF, then ready"
+    );
+}
