@@ -150,18 +150,8 @@ async fn completions(
         }
     };
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
-    let style = Style {
-        chat: false,
-        logprobs: params.logprobs.is_some(),
-        token_ids: req.common.return_tokens_as_token_ids,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
-    let handle = e.submit(GenerateRequest { prompt, params })?;
-    Ok(respond(e.clone(), handle, style, req.common.stream).await?)
+    let style = Style::new(false, params.logprobs.is_some(), &req.common);
+    Ok(generate(e, prompt, params, style, req.common.stream).await?)
 }
 
 async fn chat_completions(
@@ -184,18 +174,31 @@ async fn chat_completions(
     };
     let default_max = e.max_model_len.saturating_sub(prompt.len()).max(1);
     let params = openai::sampling(&req.common, top, default_max)?;
-    let style = Style {
-        chat: true,
-        logprobs: req.logprobs,
-        token_ids: req.common.return_tokens_as_token_ids,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
+    let style = Style::new(true, req.logprobs, &req.common);
+    Ok(generate(e, prompt, params, style, req.common.stream).await?)
+}
+
+impl Style {
+    fn new(chat: bool, logprobs: bool, c: &openai::Common) -> Self {
+        Style {
+            chat,
+            logprobs,
+            token_ids: c.return_tokens_as_token_ids,
+            include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        }
+    }
+}
+
+/// Queues a validated request and answers it, streamed or whole.
+async fn generate(
+    e: &Engine,
+    prompt: Vec<u32>,
+    params: crate::sampling::SamplingParams,
+    style: Style,
+    stream: bool,
+) -> Result<Response> {
     let handle = e.submit(GenerateRequest { prompt, params })?;
-    Ok(respond(e.clone(), handle, style, req.common.stream).await?)
+    respond(e.clone(), handle, style, stream).await
 }
 
 fn token_str(e: &Engine, id: u32, style: Style) -> String {
