@@ -191,6 +191,28 @@ pub enum BenchCmd {
     Snapshot(BenchSnapshotArgs),
     /// Engine decode/prefill/batching throughput against same-run baselines.
     Engine(BenchEngineArgs),
+    /// KEDA GetMetrics latency at 1,000 ScaledObjects and scrape-and-decide at 1,000 pods.
+    Scaler(BenchScalerArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchScalerArgs {
+    /// ScaledObjects polling GetMetrics concurrently.
+    #[arg(long, default_value_t = 1000)]
+    pub objects: usize,
+    /// GetMetrics calls per ScaledObject.
+    #[arg(long, default_value_t = 10)]
+    pub polls: usize,
+    /// Milliseconds between one ScaledObject's polls (KEDA's default is 30,000).
+    #[arg(long, default_value_t = 1000)]
+    pub interval_ms: u64,
+    /// Pods scraped per tick (half prefill, half decode).
+    #[arg(long, default_value_t = 1000)]
+    pub pods: usize,
+    #[arg(long, default_value_t = 5)]
+    pub ticks: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
 #[derive(Debug, Args)]

@@ -3,6 +3,7 @@
 //! shared machine are not stable.
 
 pub mod engine;
+pub mod scaler;
 pub mod snapshot;
 
 use std::time::{Duration, Instant};

@@ -23,6 +23,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Scaler(cmd) => scaler::run(cmd),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
+        Command::Bench(BenchCmd::Scaler(args)) => crate::bench::scaler::run(&args),
     }
 }
 
