@@ -28,8 +28,12 @@ impl ModelSource {
 
 /// Opens `path` as a snapshot, converting HF directories and GGUF files on the way.
 pub fn open_model(path: &Path) -> Result<(Arc<Snapshot>, ModelSource)> {
-    if path.is_file() && Snapshot::open(path).is_ok() {
-        return Ok((Arc::new(Snapshot::open(path)?), ModelSource::Snapshot));
+    // A file that opens as a snapshot is served as is (opened once); anything else
+    // (HF directory, GGUF) is converted.
+    if path.is_file()
+        && let Ok(snap) = Snapshot::open(path)
+    {
+        return Ok((Arc::new(snap), ModelSource::Snapshot));
     }
     // A private directory per conversion: concurrent loads never share a path.
     let dir = tempfile::Builder::new()

@@ -170,16 +170,22 @@ impl Scheduler {
         let Some(i) = self.running.iter().rposition(|s| s.id != except) else {
             return false;
         };
-        let mut s = self.running.remove(i);
+        let s = self.running.remove(i);
+        self.preemptions += 1;
+        tracing::debug!(seq = s.id, "preempted (blocks exhausted); will recompute");
+        self.requeue_front(s, true);
+        true
+    }
+
+    /// Frees `s`'s blocks and puts it first in the queue, to be recomputed from its
+    /// tokens (its cached prefix may still be found again at re-admission).
+    fn requeue_front(&mut self, mut s: SeqState, preempted: bool) {
         self.pool.release(&s.blocks);
         s.blocks.clear();
         s.hashes.clear();
         s.computed = 0;
-        s.preemptions += 1;
-        self.preemptions += 1;
-        tracing::debug!(seq = s.id, "preempted (blocks exhausted); will recompute");
+        s.preemptions += u32::from(preempted);
         self.waiting.push_front(s);
-        true
     }
 
     /// Grows `seq`'s block table to hold `upto` tokens, preempting others if needed.
@@ -221,12 +227,7 @@ impl Scheduler {
                     tracing::warn!(seq = id, "sequence does not fit the KV cache");
                 }
                 let s = self.running.remove(i);
-                self.pool.release(&s.blocks);
-                let mut s = s;
-                s.blocks.clear();
-                s.hashes.clear();
-                s.computed = 0;
-                self.waiting.push_front(s);
+                self.requeue_front(s, false);
                 continue;
             }
             let s = &self.running[i];

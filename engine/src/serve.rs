@@ -52,12 +52,7 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
     let t0 = Instant::now();
     let (snap, source) = open_model(&opts.model)?;
     let c = &snap.manifest().model;
-    let block_bytes = 2
-        * c.num_hidden_layers as usize
-        * opts.block_size
-        * c.num_key_value_heads as usize
-        * c.head_dim as usize
-        * 4;
+    let block_bytes = CpuBackend::kv_block_bytes(c, opts.block_size);
     let num_blocks = (opts.kv_cache_bytes / block_bytes.max(1)).max(1);
     let name = opts
         .served_model_name

@@ -61,12 +61,7 @@ fn profile(
     let t0 = std::time::Instant::now();
     let (snap, source) = open_model(model)?;
     let c = snap.manifest().model.clone();
-    let block_bytes = 2
-        * c.num_hidden_layers as usize
-        * 16
-        * c.num_key_value_heads as usize
-        * c.head_dim as usize
-        * 4;
+    let block_bytes = CpuBackend::kv_block_bytes(&c, 16);
     let max_len = *lengths.iter().max().unwrap_or(&16);
     let max_batch = *batches.iter().max().unwrap_or(&1);
     let num_blocks = ((kv_mib << 20) / block_bytes.max(1))

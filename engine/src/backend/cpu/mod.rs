@@ -115,6 +115,17 @@ impl CpuBackend {
         })
     }
 
+    /// Bytes of one KV block (K and V, every layer, f32) for `config`: what a KV-cache
+    /// memory budget is divided by.
+    #[must_use]
+    pub fn kv_block_bytes(config: &ModelConfig, block_size: usize) -> usize {
+        2 * config.num_hidden_layers as usize
+            * block_size
+            * config.num_key_value_heads as usize
+            * config.head_dim as usize
+            * std::mem::size_of::<f32>()
+    }
+
     /// Bytes of weights one decode step reads (every matrix once; the embedding table
     /// only through the LM head).
     #[must_use]
