@@ -31,9 +31,48 @@ pub enum Command {
     /// The KEDA external scaler: sizes prefill and decode pools from their metrics.
     #[command(subcommand)]
     Scaler(ScalerCmd),
+    /// Replay a request trace against autoscaling policies in a discrete-event simulation.
+    Simulate(SimulateArgs),
     /// Benchmarks that record the figures in BENCHMARKS.md.
     #[command(subcommand)]
     Bench(BenchCmd),
+}
+
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Policies to compare, comma-separated: preheat, static-peak, hpa-utilization,
+    /// keda-queue, kpa, sla-planner, or all.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    pub policy: Vec<String>,
+    /// Capacity profile JSON (`preheat engine profile`); default: the GPU-class profile.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Scaler YAML config whose first model's pool settings the simulation uses
+    /// (default: the scaler's shipped defaults).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a config value, as for `scaler run` (repeatable).
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    pub overrides: Vec<String>,
+    /// TTFT target in seconds (prompts up to the reference length; longer ones scale).
+    #[arg(long)]
+    pub slo_ttft: Option<f64>,
+    /// Mean inter-token latency target in seconds.
+    #[arg(long)]
+    pub slo_itl: Option<f64>,
+    /// How warm new replicas start: cold, staged, hot or standby (start-up time from
+    /// the profile).
+    #[arg(long, default_value = "hot")]
+    pub start: String,
+    /// Write the full report (every policy, timelines) as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write an SVG plot of load and each policy's replicas over time here.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

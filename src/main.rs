@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod commands;
+mod plot;
 mod progress_bar;
 
 use std::io::IsTerminal;

@@ -19,6 +19,7 @@ pub mod profile;
 pub mod scrape;
 pub mod server;
 pub mod signals;
+pub mod sim;
 
 pub use error::{Result, ScalerError};
 

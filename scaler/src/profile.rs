@@ -63,6 +63,17 @@ fn interp(table: &[(f64, f64)], x: f64) -> f64 {
 }
 
 impl Profile {
+    /// Reads and validates a profile JSON file; every problem at once.
+    pub fn from_file(path: &std::path::Path) -> crate::Result<Self> {
+        let at = |e: String| {
+            crate::ScalerError::Config(vec![format!("profile {}: {e}", path.display())])
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
+        let p: Profile = serde_json::from_str(&text).map_err(|e| at(e.to_string()))?;
+        p.validate().map_err(|errs| at(errs.join("; ")))?;
+        Ok(p)
+    }
+
     /// Prompt tokens/s of one prefill replica for prompts of `len` tokens.
     #[must_use]
     pub fn prefill_rate(&self, len: f64) -> f64 {

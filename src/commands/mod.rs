@@ -10,6 +10,7 @@ pub(crate) use outln;
 
 mod engine;
 mod scaler;
+mod simulate;
 mod snapshot;
 
 use std::process::ExitCode;
@@ -21,6 +22,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Snapshot(cmd) => snapshot::run(cmd),
         Command::Engine(cmd) => engine::run(cmd),
         Command::Scaler(cmd) => scaler::run(cmd),
+        Command::Simulate(args) => simulate::run(&args),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
         Command::Bench(BenchCmd::Scaler(args)) => crate::bench::scaler::run(&args),

@@ -2,7 +2,6 @@
 
 use std::process::ExitCode;
 
-use anyhow::Context;
 use preheat_scaler::config::Config;
 use preheat_scaler::profile::Profile;
 
@@ -20,16 +19,7 @@ pub fn run(cmd: ScalerCmd) -> anyhow::Result<ExitCode> {
                 cfg.profile = profile;
             }
             let profile = match &cfg.profile {
-                Some(p) => {
-                    let text = std::fs::read_to_string(p)
-                        .with_context(|| format!("reading profile {}", p.display()))?;
-                    let prof: Profile = serde_json::from_str(&text)
-                        .with_context(|| format!("parsing profile {}", p.display()))?;
-                    prof.validate().map_err(|e| {
-                        anyhow::anyhow!("profile {}: {}", p.display(), e.join("; "))
-                    })?;
-                    prof
-                }
+                Some(p) => Profile::from_file(p)?,
                 None => Profile::default(),
             };
             let rt = tokio::runtime::Builder::new_multi_thread()

@@ -58,8 +58,12 @@ impl Pool {
 pub struct PoolPolicy {
     pub min_replicas: u32,
     pub max_replicas: u32,
-    /// Time to first token target (seconds).
+    /// Time to first token target (seconds) for prompts up to `slo_ttft_ref_tokens`.
     pub slo_ttft_s: f64,
+    /// Longer prompts get a proportionally longer TTFT target: prefill time grows with
+    /// the prompt, so a fixed target would be unreachable for long-context requests
+    /// however many replicas run.
+    pub slo_ttft_ref_tokens: f64,
     /// Inter-token latency target (seconds).
     pub slo_itl_s: f64,
     /// Seconds desired must stay below current before replicas are removed.
@@ -81,8 +85,9 @@ impl Default for PoolPolicy {
             min_replicas: 0,
             max_replicas: 64,
             slo_ttft_s: 2.0,
+            slo_ttft_ref_tokens: 8192.0,
             slo_itl_s: 0.05,
-            scale_down_stabilization_s: 120.0,
+            scale_down_stabilization_s: 300.0,
             scale_down_step: 0.25,
             idle_grace_s: 300.0,
             default_lead_s: 60.0,
@@ -92,6 +97,12 @@ impl Default for PoolPolicy {
 }
 
 impl PoolPolicy {
+    /// The TTFT target of a prompt of `len` tokens.
+    #[must_use]
+    pub fn ttft_slo_for(&self, len: f64) -> f64 {
+        self.slo_ttft_s * (len / self.slo_ttft_ref_tokens).max(1.0)
+    }
+
     /// Every problem with the values at once.
     pub fn validate(&self, what: &str) -> Vec<String> {
         let mut e = Vec::new();
@@ -107,6 +118,7 @@ impl PoolPolicy {
         for (n, v) in [
             ("slo_ttft_s", self.slo_ttft_s),
             ("slo_itl_s", self.slo_itl_s),
+            ("slo_ttft_ref_tokens", self.slo_ttft_ref_tokens),
             ("default_prompt_len", self.default_prompt_len),
         ] {
             if !(v.is_finite() && v > 0.0) {
@@ -191,24 +203,58 @@ impl PreheatPolicy {
         let lead = o.measured_startup_s.unwrap_or(self.cfg.default_lead_s);
         match self.pool {
             Pool::Prefill => {
-                let rate = s.prompt_rate * (1.0 - s.prefix_hit_rate);
+                let uncached = 1.0 - s.prefix_hit_rate;
+                let rate = s.prompt_rate * uncached;
                 self.demand.observe(t, rate);
                 let ahead = self.demand.forecast(lead).max(rate);
                 let len = o.mean_prompt_len.unwrap_or(self.cfg.default_prompt_len);
                 let per_replica = self.profile.prefill_rate(len);
+                let slo = self.cfg.ttft_slo_for(len);
                 // Leave the SLO room for queueing: at service time x, waiting must stay
                 // under SLO − x; M/D/1-style utilisation cap, kept within [0.3, 0.85].
                 let service = len / per_replica;
-                let util = (1.0 - service / self.cfg.slo_ttft_s).clamp(0.3, 0.85);
-                let backlog = s.queued_prompt_tokens + (s.waiting + o.held_requests) * len;
-                let drain = backlog / (0.5 * self.cfg.slo_ttft_s);
+                let util = (1.0 - service / slo).clamp(0.3, 0.85);
+                // Engines that report queued prompt tokens count them exactly; others
+                // only report waiting requests.
+                let queued = if s.queued_prompt_tokens > 0.0 {
+                    s.queued_prompt_tokens
+                } else {
+                    s.waiting * len
+                };
+                let backlog = queued + o.held_requests * len;
+                // Replicas started now help only after a start-up: the backlog is
+                // drained over that lead plus half the SLO, by old and new together.
+                let drain = backlog / (0.5 * slo + lead);
                 let mut n = (ahead + drain) / (per_replica * util);
-                if let Some(p90) = s.ttft_p90
-                    && p90 > self.cfg.slo_ttft_s
-                    && o.current > 0
-                {
-                    n = n.max(o.current as f64 * (p90 / self.cfg.slo_ttft_s).min(2.0));
+                // Bursts shorter than a start-up cannot be met by replicas started when
+                // they come: keep enough to drain the recent short-term peak (a rate
+                // held over one scrape interval) within the SLO.
+                let peak = s.prompt_rate_peak * uncached;
+                if peak > 0.0 && s.peak_span_s > 0.0 {
+                    let span = s.peak_span_s;
+                    n = n.max((peak * span / (span + slo) + drain) / per_replica);
                 }
+                // Observed latency corrects the model while a real queue persists: a factor
+                // on the modelled need, not on current replicas, so replicas still
+                // starting do not compound it; an emptied queue means it is history.
+                let queue_wait = backlog / (s.endpoints_ok.max(1) as f64 * per_replica);
+                if let Some(p90) = s.ttft_p90
+                    && p90 > slo
+                    && queue_wait > 0.25 * slo
+                {
+                    n *= (p90 / slo).min(1.5);
+                }
+                tracing::trace!(
+                    t,
+                    rate,
+                    ahead,
+                    backlog,
+                    len,
+                    per_replica,
+                    util,
+                    n,
+                    "prefill need"
+                );
                 n
             }
             Pool::Decode => {
@@ -230,9 +276,9 @@ impl PreheatPolicy {
                 let mut n = by_batch.max(by_kv);
                 if let Some(p90) = s.itl_p90
                     && p90 > self.cfg.slo_itl_s
-                    && o.current > 0
+                    && s.running > 0.0
                 {
-                    n = n.max(o.current as f64 * (p90 / self.cfg.slo_itl_s).min(2.0));
+                    n *= (p90 / self.cfg.slo_itl_s).min(1.5);
                 }
                 n
             }
@@ -319,7 +365,8 @@ impl PreheatPolicy {
                 reason: "idle past grace: scale to zero",
             };
         }
-        let floor = window_max.max(desired).max(u32::from(work));
+        // Zero is reached only through the idle grace above.
+        let floor = window_max.max(desired).max(1);
         if floor >= o.current
             || t - self.last_scale_down < self.cfg.scale_down_stabilization_s / 4.0
         {
@@ -378,17 +425,18 @@ mod tests {
             (0.0, 0.0, 0..=0),
             (10_000.0, 0.0, 1..=1),
             (100_000.0, 0.0, 7..=9),
-            (10_000.0, 200_000.0, 15..=16),
+            // The backlog drains over the 2 s start-up plus half the SLO:
+            // (10k + 200k / 3 s) / (16k × 0.85) ≈ 5.6.
+            (10_000.0, 200_000.0, 6..=6),
         ];
         for (rate, queued, want) in cases {
             let mut p = policy(Pool::Prefill);
-            let d = p.decide(
-                0.0,
-                &obs(0, |s| {
-                    s.prompt_rate = rate;
-                    s.queued_prompt_tokens = queued;
-                }),
-            );
+            let mut o = obs(0, |s| {
+                s.prompt_rate = rate;
+                s.queued_prompt_tokens = queued;
+            });
+            o.measured_startup_s = Some(2.0);
+            let d = p.decide(0.0, &o);
             assert!(
                 want.contains(&d.desired),
                 "rate {rate} queued {queued}: {d:?}"
@@ -414,16 +462,23 @@ mod tests {
     }
 
     #[test]
-    fn slo_violations_raise_replicas() {
-        let mut p = policy(Pool::Prefill);
-        let d = p.decide(
-            0.0,
-            &obs(4, |s| {
-                s.prompt_rate = 1000.0;
-                s.ttft_p90 = Some(6.0);
-            }),
-        );
-        assert_eq!(d.desired, 8, "3× over the TTFT SLO doubles (capped): {d:?}");
+    fn slo_violations_raise_replicas_while_a_queue_persists() {
+        let queued = |p90: Option<f64>, backlog: f64| {
+            let mut p = policy(Pool::Prefill);
+            let mut o = obs(1, |s| {
+                s.prompt_rate = 20_000.0;
+                s.queued_prompt_tokens = backlog;
+                s.ttft_p90 = p90;
+            });
+            o.measured_startup_s = Some(2.0);
+            p.decide(0.0, &o).desired
+        };
+        let base = queued(None, 200_000.0);
+        // 3× over the SLO with a real queue: the modelled need × 1.5 (the cap).
+        let raised = queued(Some(6.0), 200_000.0);
+        assert!(raised as f64 >= 1.4 * base as f64, "{base} → {raised}");
+        // The same latency with the queue gone is history: no correction.
+        assert_eq!(queued(Some(6.0), 0.0), queued(None, 0.0));
     }
 
     #[test]

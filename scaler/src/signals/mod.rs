@@ -24,6 +24,10 @@ pub struct PoolSignals {
     pub queued_prompt_tokens: f64,
     /// Prompt tokens per second arriving at the pool (window rate).
     pub prompt_rate: f64,
+    /// Highest prompt-token rate between two consecutive scrapes in the window.
+    pub prompt_rate_peak: f64,
+    /// Seconds between the scrapes that peak was measured over.
+    pub peak_span_s: f64,
     pub generation_rate: f64,
     /// Fraction of prompt tokens served from the prefix cache over the window.
     pub prefix_hit_rate: f64,
@@ -96,6 +100,8 @@ impl PoolWindows {
             }
             s.queued_prompt_tokens += r.prefill_queue_tokens.unwrap_or(0.0);
             s.prompt_rate += w.rate(|r| r.prompt_tokens).unwrap_or(0.0);
+            s.prompt_rate_peak += w.peak_rate(|r| r.prompt_tokens).unwrap_or(0.0);
+            s.peak_span_s = s.peak_span_s.max(w.mean_spacing().unwrap_or(0.0));
             s.generation_rate += w.rate(|r| r.generation_tokens).unwrap_or(0.0);
             queries += w.rate(|r| r.prefix_queries).unwrap_or(0.0);
             hits += w.rate(|r| r.prefix_hits).unwrap_or(0.0);

@@ -51,6 +51,32 @@ impl Window {
         (t1 > t0).then(|| total / (t1 - t0))
     }
 
+    /// Mean seconds between readings.
+    #[must_use]
+    pub fn mean_spacing(&self) -> Option<f64> {
+        let (a, b) = (self.points.front()?.0, self.points.back()?.0);
+        (self.points.len() > 1).then(|| (b - a) / (self.points.len() - 1) as f64)
+    }
+
+    /// Highest per-second increase between consecutive readings in the window: the
+    /// short-term peak that a window-average rate smooths away.
+    pub fn peak_rate(&self, f: impl Fn(&Reading) -> Option<f64>) -> Option<f64> {
+        let mut peak: Option<f64> = None;
+        let mut prev: Option<(f64, f64)> = None;
+        for (t, r) in &self.points {
+            let Some(v) = f(r) else { continue };
+            if let Some((pt, pv)) = prev
+                && *t > pt
+            {
+                let inc = if v >= pv { v - pv } else { v };
+                let rate = inc / (t - pt);
+                peak = Some(peak.map_or(rate, |p: f64| p.max(rate)));
+            }
+            prev = Some((*t, v));
+        }
+        peak
+    }
+
     /// Bucket deltas of a histogram over the window (reset-aware like [`Window::rate`]).
     pub fn delta_buckets(&self, f: impl Fn(&Reading) -> Option<&Buckets>) -> Option<Buckets> {
         let mut acc: Option<Buckets> = None;

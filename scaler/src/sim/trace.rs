@@ -1,0 +1,262 @@
+//! Request traces: the Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`)
+//! and Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids` of
+//! 512-token prefix blocks). Both become one list of [`TraceRequest`]s, arrival times in
+//! seconds from the first request, sorted.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// Tokens per Mooncake `hash_ids` block.
+pub const MOONCAKE_BLOCK_TOKENS: u32 = 512;
+
+/// One request of a trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceRequest {
+    /// Arrival, seconds after the trace's first request.
+    pub t: f64,
+    pub input_tokens: u32,
+    pub output_tokens: u32,
+    /// Prefix blocks of [`MOONCAKE_BLOCK_TOKENS`] tokens (equal ids = equal prefix);
+    /// empty when the trace has none.
+    pub blocks: Vec<u64>,
+}
+
+/// A problem with a trace file, with the line it is on.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {msg}")]
+    Parse {
+        path: String,
+        line: usize,
+        msg: String,
+    },
+    #[error("{0}: the trace holds no requests")]
+    Empty(String),
+}
+
+/// Reads a trace, telling the format from its first non-empty line (`{` → JSONL).
+pub fn load(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse(&text, &path.display().to_string())
+}
+
+/// Parses trace text; `name` labels errors.
+pub fn parse(text: &str, name: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let mut reqs = if first.trim_start().starts_with('{') {
+        parse_jsonl(text, name)?
+    } else {
+        parse_azure_csv(text, name)?
+    };
+    if reqs.is_empty() {
+        return Err(TraceError::Empty(name.to_owned()));
+    }
+    // Stable: requests with equal times keep file order.
+    reqs.sort_by(|a, b| a.t.total_cmp(&b.t));
+    let t0 = reqs[0].t;
+    for r in &mut reqs {
+        r.t -= t0;
+    }
+    Ok(reqs)
+}
+
+#[derive(Deserialize)]
+struct MooncakeLine {
+    timestamp: f64,
+    input_length: u32,
+    output_length: u32,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+}
+
+fn parse_jsonl(text: &str, name: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let err = |msg: String| TraceError::Parse {
+            path: name.to_owned(),
+            line: i + 1,
+            msg,
+        };
+        let m: MooncakeLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
+        if !m.timestamp.is_finite() || m.timestamp < 0.0 {
+            return Err(err(format!("timestamp {} is not a time", m.timestamp)));
+        }
+        check_lengths(m.input_length, m.output_length).map_err(err)?;
+        out.push(TraceRequest {
+            t: m.timestamp / 1000.0,
+            input_tokens: m.input_length,
+            output_tokens: m.output_length,
+            blocks: m.hash_ids,
+        });
+    }
+    Ok(out)
+}
+
+fn check_lengths(input: u32, output: u32) -> Result<(), String> {
+    if input == 0 {
+        return Err("input length 0".into());
+    }
+    if output == 0 {
+        return Err("output length 0".into());
+    }
+    Ok(())
+}
+
+fn parse_azure_csv(text: &str, name: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut lines = text.lines().enumerate();
+    let err = |line: usize, msg: String| TraceError::Parse {
+        path: name.to_owned(),
+        line,
+        msg,
+    };
+    let (_, header) = lines
+        .next()
+        .ok_or_else(|| TraceError::Empty(name.to_owned()))?;
+    let cols: Vec<&str> = header.split(',').map(str::trim).collect();
+    let col = |want: &str| {
+        cols.iter()
+            .position(|c| c.eq_ignore_ascii_case(want))
+            .ok_or_else(|| err(1, format!("no {want} column (header {header:?})")))
+    };
+    let (ti, ci, gi) = (
+        col("TIMESTAMP")?,
+        col("ContextTokens")?,
+        col("GeneratedTokens")?,
+    );
+    let mut out = Vec::new();
+    for (i, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        let get = |k: usize| {
+            f.get(k).copied().ok_or_else(|| {
+                err(
+                    i + 1,
+                    format!("{} fields, expected {}", f.len(), cols.len()),
+                )
+            })
+        };
+        let t = parse_timestamp(get(ti)?).map_err(|m| err(i + 1, m))?;
+        let num = |k: usize| -> Result<u32, TraceError> {
+            let s = get(k)?;
+            s.parse()
+                .map_err(|_| err(i + 1, format!("{s:?} is not a token count")))
+        };
+        let (input, output) = (num(ci)?, num(gi)?);
+        check_lengths(input, output).map_err(|m| err(i + 1, m))?;
+        out.push(TraceRequest {
+            t,
+            input_tokens: input,
+            output_tokens: output,
+            blocks: Vec::new(),
+        });
+    }
+    Ok(out)
+}
+
+/// `YYYY-MM-DD HH:MM:SS[.fraction]` → seconds since 1970 (UTC, proleptic Gregorian).
+fn parse_timestamp(s: &str) -> Result<f64, String> {
+    let bad = || format!("{s:?} is not a YYYY-MM-DD HH:MM:SS timestamp");
+    let (date, time) = s.split_once([' ', 'T']).ok_or_else(bad)?;
+    let d: Vec<i64> = date
+        .split('-')
+        .map(|p| p.parse().map_err(|_| bad()))
+        .collect::<Result<_, _>>()?;
+    let [y, m, day] = d[..] else {
+        return Err(bad());
+    };
+    let mut hms = time.splitn(3, ':');
+    let h: i64 = hms.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+    let mi: i64 = hms.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+    let sec: f64 = hms.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+    if !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+        || h > 23
+        || mi > 59
+        || !(0.0..61.0).contains(&sec)
+    {
+        return Err(bad());
+    }
+    Ok(days_from_civil(y, m, day) as f64 * 86_400.0 + (h * 3600 + mi * 60) as f64 + sec)
+}
+
+/// Days since 1970-01-01 (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn azure_csv_across_midnight() {
+        let t = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                 2023-11-16 23:59:59.5000000,100,5\n\
+                 2023-11-17 00:00:01.0000000,200,6\n";
+        let r = parse(t, "x").unwrap();
+        assert_eq!(r.len(), 2);
+        assert!((r[1].t - 1.5).abs() < 1e-9, "{}", r[1].t);
+        assert_eq!((r[1].input_tokens, r[1].output_tokens), (200, 6));
+        assert_eq!(days_from_civil(1970, 1, 1), 0);
+        assert_eq!(days_from_civil(2000, 3, 1), 11_017);
+    }
+
+    #[test]
+    fn mooncake_jsonl_sorted_from_zero() {
+        let t = "{\"timestamp\": 2000, \"input_length\": 1024, \"output_length\": 3, \"hash_ids\": [0, 1]}\n\
+                 {\"timestamp\": 1000, \"input_length\": 10, \"output_length\": 1}\n";
+        let r = parse(t, "x").unwrap();
+        assert_eq!(r[0].t, 0.0);
+        assert_eq!(r[1].t, 1.0);
+        assert_eq!(r[1].blocks, vec![0, 1]);
+    }
+
+    #[test]
+    fn bad_lines_name_the_line() {
+        for (text, want) in [
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,abc,4\n",
+                ":2:",
+            ),
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 18:17:03,1,4\n",
+                ":2:",
+            ),
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,1\n",
+                ":2:",
+            ),
+            ("TIMESTAMP,Foo\n", "no ContextTokens"),
+            ("{\"timestamp\": 1}\n", ":1:"),
+            (
+                "{\"timestamp\": 1, \"input_length\": 0, \"output_length\": 1}\n",
+                "input length 0",
+            ),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+            ("", "no"),
+        ] {
+            let e = parse(text, "trace").unwrap_err().to_string();
+            assert!(e.contains(want), "{text:?}: {e}");
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! `preheat simulate`: replays a trace against the scaling policies and reports SLO
+//! attainment against GPU-seconds.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use preheat_scaler::config::Config;
+use preheat_scaler::policy::PoolPolicy;
+use preheat_scaler::profile::Profile;
+use preheat_scaler::sim::{self, SimConfig, SimReport, StartClass};
+
+use crate::cli::SimulateArgs;
+use crate::plot::{Panel, Series, svg};
+
+/// Validated options.
+struct Options {
+    sim: SimConfig,
+    policies: Vec<String>,
+}
+
+fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
+    let mut errs = Vec::new();
+    let profile = match &a.profile {
+        Some(p) => Profile::from_file(p)
+            .map_err(|e| errs.push(e.to_string()))
+            .ok(),
+        None => Some(Profile::default()),
+    };
+    let (mut prefill, mut decode, mut interval, mut window) =
+        (PoolPolicy::default(), PoolPolicy::default(), None, None);
+    if a.config.is_some() || !a.overrides.is_empty() {
+        match Config::load(a.config.as_deref(), &a.overrides) {
+            Ok(c) => {
+                let m = &c.models[0];
+                prefill = m.prefill.policy.clone();
+                decode = m.decode.policy.clone();
+                interval = Some(c.interval_s);
+                window = Some(c.window_s);
+            }
+            Err(e) => errs.push(e.to_string()),
+        }
+    }
+    if let Some(s) = a.slo_ttft {
+        prefill.slo_ttft_s = s;
+        decode.slo_ttft_s = s;
+    }
+    if let Some(s) = a.slo_itl {
+        prefill.slo_itl_s = s;
+        decode.slo_itl_s = s;
+    }
+    errs.extend(prefill.validate("prefill"));
+    errs.extend(decode.validate("decode"));
+    let start = StartClass::parse(&a.start);
+    if start.is_none() {
+        errs.push(format!(
+            "--start {:?}: expected cold, staged, hot or standby",
+            a.start
+        ));
+    }
+    if a.policy.is_empty() {
+        errs.push("--policy: name at least one policy".into());
+    }
+    for p in &a.policy {
+        if p != "all" && !sim::autoscalers::POLICIES.contains(&p.as_str()) {
+            errs.push(sim::UnknownPolicy(p.clone()).to_string());
+        }
+    }
+    let (Some(profile), Some(start), true) = (profile, start, errs.is_empty()) else {
+        bail!("{}", errs.join("\n"));
+    };
+    let mut sim = SimConfig::new(prefill, decode, profile);
+    sim.start = start;
+    if let Some(i) = interval {
+        sim.interval_s = i;
+    }
+    if let Some(w) = window {
+        sim.window_s = w;
+    }
+    Ok(Options {
+        sim,
+        policies: a.policy.clone(),
+    })
+}
+
+pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
+    let o = options(a)?;
+    let trace = sim::trace::load(&a.trace)?;
+    let name = a.trace.display().to_string();
+    let started = std::time::Instant::now();
+    let report = sim::run(&o.policies, &o.sim, &trace, &name, |p| {
+        tracing::info!(policy = p, "simulating");
+    })?;
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        requests = trace.len(),
+        "simulation done"
+    );
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        std::fs::write(path, plot(&report))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    print_table(&report)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_table(r: &SimReport) -> anyhow::Result<()> {
+    outln!(
+        "{}: {} requests over {:.0} s; SLO TTFT {} s (per {} prompt tokens), ITL {} s; replicas start in {} s ({:?})",
+        r.trace,
+        r.requests,
+        r.trace_span_s,
+        r.slo_ttft_s,
+        r.slo_ttft_ref_tokens,
+        r.slo_itl_s,
+        r.startup_s,
+        r.start_class
+    );
+    outln!("profile: {}", r.profile_source);
+    outln!(
+        "{:<16} {:>8} {:>11} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7}",
+        "policy",
+        "SLO %",
+        "GPU-s",
+        "starts",
+        "events",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "max P/D"
+    );
+    for p in &r.policies {
+        outln!(
+            "{:<16} {:>8.2} {:>11.0} {:>7} {:>7} {:>8.3} {:>8.3} {:>8.4} {:>8.4} {:>7}",
+            p.name,
+            p.slo_attainment * 100.0,
+            p.gpu_seconds,
+            p.cold_starts,
+            p.scale_events,
+            p.ttft_p50,
+            p.ttft_p99,
+            p.itl_p50,
+            p.itl_p99,
+            format!("{}/{}", p.max_prefill_replicas, p.max_decode_replicas)
+        );
+    }
+    Ok(())
+}
+
+fn plot(r: &SimReport) -> String {
+    let load = Panel {
+        y_label: "prompt tokens/s".into(),
+        series: vec![Series {
+            name: "load".into(),
+            points: r.load.iter().map(|&(t, tok, _)| (t, tok)).collect(),
+            step: false,
+        }],
+    };
+    let pool = |label: &str, pick: fn(&(f64, u32, u32)) -> u32| Panel {
+        y_label: label.into(),
+        series: r
+            .policies
+            .iter()
+            .map(|p| Series {
+                name: p.name.clone(),
+                points: p
+                    .timeline
+                    .iter()
+                    .map(|x| (x.0, f64::from(pick(x))))
+                    .collect(),
+                step: true,
+            })
+            .collect(),
+    };
+    svg(
+        &format!(
+            "{}: load and replicas per policy",
+            std::path::Path::new(&r.trace)
+                .file_name()
+                .map_or(r.trace.clone(), |f| f.to_string_lossy().into_owned())
+        ),
+        "seconds",
+        &[
+            load,
+            pool("prefill replicas", |x| x.1),
+            pool("decode replicas", |x| x.2),
+        ],
+    )
+}

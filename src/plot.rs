@@ -1,0 +1,249 @@
+//! Minimal SVG line charts for reports: stacked panels sharing one time axis. Written by
+//! hand because the reports need only lines, axes and a legend, and a plotting crate
+//! would cost more build time than this file.
+
+use std::fmt::Write;
+
+/// One line of a panel.
+#[derive(Clone, Debug)]
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+    /// Draw as a step function (replica counts), not straight segments.
+    pub step: bool,
+}
+
+/// One chart of the stack.
+#[derive(Clone, Debug)]
+pub struct Panel {
+    pub y_label: String,
+    pub series: Vec<Series>,
+}
+
+const PALETTE: [&str; 8] = [
+    "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+];
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// A "nice" tick step for a range: 1, 2 or 5 × 10^k, about five ticks.
+fn tick_step(range: f64) -> f64 {
+    if !(range.is_finite() && range > 0.0) {
+        return 1.0;
+    }
+    let raw = range / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let n = raw / mag;
+    mag * if n < 1.5 {
+        1.0
+    } else if n < 3.5 {
+        2.0
+    } else if n < 7.5 {
+        5.0
+    } else {
+        10.0
+    }
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.abs() >= 10_000.0 {
+        format!("{:.0}k", v / 1000.0)
+    } else if v.fract().abs() < 1e-9 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+/// Renders the panels one above the other; series keep their colour across panels by
+/// name, so one legend serves all.
+#[must_use]
+pub fn svg(title: &str, x_label: &str, panels: &[Panel]) -> String {
+    let (w, panel_h, left, right, top, gap) = (960.0, 200.0, 70.0, 170.0, 40.0, 40.0);
+    let h = top + panels.len() as f64 * (panel_h + gap) + 20.0;
+    let plot_w = w - left - right;
+    let mut names: Vec<&str> = Vec::new();
+    for s in panels.iter().flat_map(|p| &p.series) {
+        if !names.contains(&s.name.as_str()) {
+            names.push(&s.name);
+        }
+    }
+    let color = |name: &str| {
+        let i = names.iter().position(|n| *n == name).unwrap_or(0);
+        PALETTE[i % PALETTE.len()]
+    };
+    let all = panels
+        .iter()
+        .flat_map(|p| &p.series)
+        .flat_map(|s| &s.points)
+        .map(|p| p.0)
+        .filter(|x| x.is_finite());
+    let (x0, x1) = all.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+        (a.min(x), b.max(x))
+    });
+    let (x0, x1) = if x0.is_finite() && x1 > x0 {
+        (x0, x1)
+    } else {
+        (0.0, 1.0)
+    };
+    let sx = |x: f64| left + (x - x0) / (x1 - x0) * plot_w;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(o, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        o,
+        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
+        left + plot_w / 2.0,
+        esc(title)
+    );
+    for (pi, panel) in panels.iter().enumerate() {
+        let py = top + pi as f64 * (panel_h + gap);
+        let ymax = panel
+            .series
+            .iter()
+            .flat_map(|s| &s.points)
+            .map(|p| p.1)
+            .filter(|y| y.is_finite())
+            .fold(0.0f64, f64::max);
+        let ystep = tick_step(ymax.max(1.0));
+        let ymax = (ymax / ystep).ceil().max(1.0) * ystep;
+        let sy = |y: f64| py + panel_h - (y / ymax) * panel_h;
+        let _ = writeln!(
+            o,
+            r##"<rect x="{left}" y="{py}" width="{plot_w}" height="{panel_h}" fill="none" stroke="#888"/>"##
+        );
+        let mut y = 0.0;
+        while y <= ymax + 1e-9 {
+            let yy = sy(y);
+            let _ = writeln!(
+                o,
+                r##"<line x1="{left}" y1="{yy}" x2="{}" y2="{yy}" stroke="#eee"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
+                left + plot_w,
+                left - 6.0,
+                yy + 4.0,
+                fmt_num(y)
+            );
+            y += ystep;
+        }
+        let _ = writeln!(
+            o,
+            r#"<text transform="translate(18,{}) rotate(-90)" text-anchor="middle">{}</text>"#,
+            py + panel_h / 2.0,
+            esc(&panel.y_label)
+        );
+        for s in &panel.series {
+            let mut d = String::new();
+            let mut prev: Option<(f64, f64)> = None;
+            for &(x, y) in s
+                .points
+                .iter()
+                .filter(|p| p.0.is_finite() && p.1.is_finite())
+            {
+                let (px, pyy) = (sx(x), sy(y));
+                match prev {
+                    None => {
+                        let _ = write!(d, "M{px:.1},{pyy:.1}");
+                    }
+                    Some((_, ly)) if s.step => {
+                        let _ = write!(d, " L{px:.1},{ly:.1} L{px:.1},{pyy:.1}");
+                    }
+                    Some(_) => {
+                        let _ = write!(d, " L{px:.1},{pyy:.1}");
+                    }
+                }
+                prev = Some((px, pyy));
+            }
+            let _ = writeln!(
+                o,
+                r#"<path d="{d}" fill="none" stroke="{}" stroke-width="1.4"/>"#,
+                color(&s.name)
+            );
+        }
+        // x ticks on every panel's bottom edge.
+        let xstep = tick_step(x1 - x0);
+        let mut x = (x0 / xstep).ceil() * xstep;
+        while x <= x1 + 1e-9 {
+            let _ = writeln!(
+                o,
+                r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+                sx(x),
+                py + panel_h + 14.0,
+                fmt_num(x)
+            );
+            x += xstep;
+        }
+    }
+    let _ = writeln!(
+        o,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+        left + plot_w / 2.0,
+        h - 4.0,
+        esc(x_label)
+    );
+    for (i, n) in names.iter().enumerate() {
+        let y = top + 10.0 + i as f64 * 18.0;
+        let x = left + plot_w + 14.0;
+        let _ = writeln!(
+            o,
+            r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            x + 18.0,
+            color(n),
+            x + 24.0,
+            y + 4.0,
+            esc(n)
+        );
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_are_round() {
+        assert_eq!(tick_step(100.0), 20.0);
+        assert_eq!(tick_step(3600.0), 1000.0);
+        assert_eq!(tick_step(7.0), 1.0);
+        assert_eq!(tick_step(0.0), 1.0);
+    }
+
+    #[test]
+    fn renders_every_series_once_in_the_legend() {
+        let p = |name: &str| Series {
+            name: name.into(),
+            points: vec![(0.0, 1.0), (10.0, 3.0), (20.0, f64::NAN)],
+            step: true,
+        };
+        let s = svg(
+            "t <&>",
+            "seconds",
+            &[
+                Panel {
+                    y_label: "a".into(),
+                    series: vec![p("x"), p("y")],
+                },
+                Panel {
+                    y_label: "b".into(),
+                    series: vec![p("x")],
+                },
+            ],
+        );
+        assert!(s.starts_with("<svg") && s.ends_with("</svg>\n"));
+        assert_eq!(s.matches("<path").count(), 3);
+        assert_eq!(
+            s.matches(">x</text>").count(),
+            1,
+            "one legend entry per name"
+        );
+        assert!(s.contains("t &lt;&amp;&gt;"));
+    }
+}

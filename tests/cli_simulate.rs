@@ -1,0 +1,122 @@
+//! `preheat simulate` on the shared production traces: every policy runs, the report
+//! has the documented shape, and bad input is a clear error.
+
+mod harness;
+
+use harness::{ok, preheat, shared};
+
+#[test]
+fn simulate_all_policies_on_the_azure_trace_writes_json_and_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, svg) = (dir.path().join("r.json"), dir.path().join("r.svg"));
+    let trace = shared().join("traces/azure_code_2023.csv");
+    let out = ok([
+        "simulate".as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--policy".as_ref(),
+        "all".as_ref(),
+        "--json".as_ref(),
+        json.as_os_str(),
+        "--plot".as_ref(),
+        svg.as_os_str(),
+    ]);
+    assert!(out.contains("8819 requests"), "{out}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let policies = r["policies"].as_array().unwrap();
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "preheat",
+            "static-peak",
+            "hpa-utilization",
+            "keda-queue",
+            "kpa",
+            "sla-planner"
+        ]
+    );
+    for p in policies {
+        for k in [
+            "slo_attainment",
+            "gpu_seconds",
+            "cold_starts",
+            "scale_events",
+            "ttft_p50",
+            "ttft_p99",
+            "itl_p50",
+            "itl_p99",
+        ] {
+            assert!(p[k].is_number(), "{k} in {}", p["name"]);
+        }
+        assert_eq!(p["unfinished"], 0, "{}", p["name"]);
+    }
+    // static-peak is, by construction, a fixed size that reaches 99%.
+    let st = &policies[1];
+    assert!(st["slo_attainment"].as_f64().unwrap() >= 0.99);
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("prefill replicas"));
+    for n in names {
+        assert!(plot.contains(&format!(">{n}</text>")), "{n} in the legend");
+    }
+}
+
+#[test]
+fn simulate_the_mooncake_trace_reuses_prefixes() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let trace = shared().join("traces/mooncake_synthetic.jsonl");
+    ok([
+        "simulate".as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--policy".as_ref(),
+        "preheat,kpa".as_ref(),
+        "--json".as_ref(),
+        json.as_os_str(),
+    ]);
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let hit = r["policies"][0]["prefix_hit_rate"].as_f64().unwrap();
+    assert!(
+        hit > 0.1 && hit < 0.64,
+        "hit rate {hit} (at most the trace's 64% reuse)"
+    );
+}
+
+#[test]
+fn simulate_bad_input_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(
+        &bad,
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,12,3\n2023-11-16 18:17:04.1,x,3\n",
+    )
+    .unwrap();
+    for (args, want) in [
+        (vec!["--trace", bad.to_str().unwrap()], "bad.csv:3:"),
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--policy", "magic"],
+            "unknown policy",
+        ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--start",
+                "tepid",
+                "--slo-ttft=-1",
+            ],
+            "slo_ttft_s must be > 0\n--start \"tepid\"",
+        ),
+        (vec!["--trace", "/nonexistent.csv"], "/nonexistent.csv"),
+    ] {
+        let out = preheat(std::iter::once("simulate").chain(args.iter().copied()));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
