@@ -27,7 +27,40 @@ pub struct Config {
     /// Capacity profile JSON (`preheat engine profile` output); the documented
     /// default GPU-class profile when absent.
     pub profile: Option<PathBuf>,
+    /// `keda`: publish decisions for KEDA over gRPC. `direct`: also set each pool's
+    /// Deployment replicas through the scale subresource (clusters without KEDA).
+    pub mode: Mode,
+    /// Kubernetes API access for pod discovery and direct mode.
+    pub kubernetes: KubeSettings,
+    /// Prometheus server root URL, for pools with a `prometheus_selector`.
+    pub prometheus_url: Option<String>,
     pub models: Vec<ModelConfig>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Keda,
+    Direct,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubeSettings {
+    /// Namespace of the engine pods and Deployments.
+    pub namespace: String,
+    /// API server URL; default: in-cluster service account, else the kubeconfig.
+    pub api_url: Option<String>,
+}
+
+impl Default for KubeSettings {
+    fn default() -> Self {
+        KubeSettings {
+            namespace: "default".into(),
+            api_url: None,
+        }
+    }
 }
 
 impl Default for Config {
@@ -39,6 +72,9 @@ impl Default for Config {
             window_s: 60.0,
             scrape_timeout_s: 2.0,
             profile: None,
+            mode: Mode::Keda,
+            kubernetes: KubeSettings::default(),
+            prometheus_url: None,
             models: Vec::new(),
         }
     }
@@ -65,8 +101,40 @@ pub struct PoolConfig {
     /// Static `/metrics` URLs of this pool's replicas.
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// Label selector of this pool's pods (watched through the Kubernetes API).
+    #[serde(default)]
+    pub selector: Option<String>,
+    /// Port and path of a discovered pod's metrics.
+    #[serde(default = "default_metrics_port")]
+    pub metrics_port: u16,
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
+    /// PromQL label matchers of this pool's series (`namespace="llm",pool="decode"`),
+    /// read from `prometheus_url` instead of scraping.
+    #[serde(default)]
+    pub prometheus_selector: Option<String>,
+    /// Direct mode: the Deployment whose replicas this pool sets.
+    #[serde(default)]
+    pub deployment: Option<String>,
     #[serde(flatten)]
     pub policy: PoolPolicy,
+}
+
+fn default_metrics_port() -> u16 {
+    8000
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+
+impl PoolConfig {
+    /// How many metrics sources the pool names.
+    fn sources(&self) -> usize {
+        usize::from(!self.endpoints.is_empty())
+            + usize::from(self.selector.is_some())
+            + usize::from(self.prometheus_selector.is_some())
+    }
 }
 
 /// Applies one `path=value` override to a YAML tree; `path` is dot-separated, with
@@ -110,6 +178,20 @@ fn apply_override(root: &mut Value, spec: &str) -> std::result::Result<(), Strin
 impl Config {
     /// Loads `path` (if any), applies `overrides`, and validates; all errors together.
     pub fn load(path: Option<&std::path::Path>, overrides: &[String]) -> Result<Self> {
+        Self::load_checked(path, overrides, true)
+    }
+
+    /// As [`Config::load`], without requiring metrics sources and deployments: for the
+    /// simulator, which reads only the pools' policies.
+    pub fn load_policies(path: Option<&std::path::Path>, overrides: &[String]) -> Result<Self> {
+        Self::load_checked(path, overrides, false)
+    }
+
+    fn load_checked(
+        path: Option<&std::path::Path>,
+        overrides: &[String],
+        sources: bool,
+    ) -> Result<Self> {
         let mut errs = Vec::new();
         let mut tree: Value = match path {
             Some(p) => {
@@ -135,7 +217,7 @@ impl Config {
                 return Err(ScalerError::Config(errs));
             }
         };
-        errs.extend(cfg.problems());
+        errs.extend(cfg.problems(sources));
         if errs.is_empty() {
             Ok(cfg)
         } else {
@@ -143,9 +225,10 @@ impl Config {
         }
     }
 
-    /// Every semantic problem of a parsed config.
+    /// Every semantic problem of a parsed config (`sources`: also where each pool's
+    /// metrics come from and, in direct mode, what it scales).
     #[must_use]
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self, sources: bool) -> Vec<String> {
         let mut e = Vec::new();
         if self.models.is_empty() {
             e.push("models: at least one model is required".into());
@@ -166,6 +249,14 @@ impl Config {
                 self.interval_s * 2.0
             ));
         }
+        if let Some(u) = &self.prometheus_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            e.push(format!("prometheus_url {u:?} is not an http(s) URL"));
+        }
+        if self.kubernetes.namespace.is_empty() {
+            e.push("kubernetes.namespace is empty".into());
+        }
         let mut names = std::collections::HashSet::new();
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {
@@ -175,7 +266,28 @@ impl Config {
                 e.push(format!("models.{i}.name {:?} appears twice", m.name));
             }
             for (pool, p) in [("prefill", &m.prefill), ("decode", &m.decode)] {
-                e.extend(p.policy.validate(&format!("models.{i}.{pool}")));
+                let at = format!("models.{i}.{pool}");
+                e.extend(p.policy.validate(&at));
+                if !sources {
+                    continue;
+                }
+                // No source at all is a static pool with no replicas (the gateway's
+                // held requests still wake it).
+                match p.sources() {
+                    0 | 1 => {}
+                    _ => e.push(format!(
+                        "{at}: endpoints, selector and prometheus_selector are alternatives; give one"
+                    )),
+                }
+                if p.prometheus_selector.is_some() && self.prometheus_url.is_none() {
+                    e.push(format!("{at}.prometheus_selector needs prometheus_url"));
+                }
+                if self.mode == Mode::Direct && p.deployment.is_none() {
+                    e.push(format!("{at}.deployment is required in direct mode"));
+                }
+                if !p.metrics_path.starts_with('/') {
+                    e.push(format!("{at}.metrics_path must start with /"));
+                }
                 for url in &p.endpoints {
                     if !(url.starts_with("http://") || url.starts_with("https://")) {
                         e.push(format!(
@@ -224,6 +336,49 @@ models:
         );
         let _ = std::fs::remove_file(&dir);
         r
+    }
+
+    #[test]
+    fn sources_and_direct_mode_are_checked() {
+        let e = load(
+            "mode: direct\nmodels:\n  - name: m\n    prefill:\n      selector: app=p\n      endpoints: [http://x/metrics]\n    decode:\n      prometheus_selector: 'pool=\"d\"'\n      metrics_path: metrics\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        for want in [
+            "models.0.prefill: endpoints, selector and prometheus_selector are alternatives",
+            "models.0.decode.prometheus_selector needs prometheus_url",
+            "models.0.prefill.deployment is required in direct mode",
+            "models.0.decode.deployment is required in direct mode",
+            "models.0.decode.metrics_path must start with /",
+        ] {
+            assert!(e.contains(want), "{want} missing from: {e}");
+        }
+        let ok = load(
+            "mode: direct\nkubernetes: {namespace: llm}\nmodels:\n  - name: m\n    prefill: {selector: 'app=p', deployment: p}\n    decode: {selector: 'app=d', deployment: d, metrics_port: 9000}\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(ok.mode, Mode::Direct);
+        assert_eq!(ok.kubernetes.namespace, "llm");
+        assert_eq!(ok.models[0].decode.metrics_port, 9000);
+        assert_eq!(ok.models[0].prefill.metrics_path, "/metrics");
+        assert!(
+            load(
+                "models:\n  - name: m\n    prefill: {}\n    decode: {}\n",
+                &[]
+            )
+            .is_ok(),
+            "a pool with no source is a static pool with no replicas"
+        );
+        assert!(
+            Config::load_policies(
+                None,
+                &["models=[{name: m, prefill: {}, decode: {}}]".into()]
+            )
+            .is_ok()
+        );
     }
 
     #[test]

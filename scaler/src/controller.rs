@@ -1,21 +1,37 @@
-//! The control loop: every interval, scrape each pool's endpoints (and the gateway's),
-//! turn them into signals, run the policy, and publish decisions for KEDA.
+//! The control loop: every interval, read each pool's signals (scraping its endpoints
+//! — static or discovered through Kubernetes — or querying Prometheus), run the
+//! policy, publish decisions for KEDA and, in direct mode, set Deployment replicas.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, Mode, ModelConfig, PoolConfig};
 use crate::grpc::{DecisionStore, PoolDecision};
+use crate::kube::PodSet;
 use crate::policy::{Observation, Pool, PreheatPolicy};
 use crate::profile::Profile;
+use crate::prom::PromSource;
 use crate::scrape::scrape_all;
-use crate::signals::PoolWindows;
+use crate::signals::{PoolSignals, PoolWindows};
+
+/// Where a pool's signals come from.
+#[derive(Debug)]
+enum Source {
+    Static(Vec<String>),
+    Pods(PodSet),
+    Prometheus(String),
+}
 
 struct PoolLoop {
     pool: Pool,
     windows: PoolWindows,
     policy: PreheatPolicy,
-    endpoints: Vec<String>,
+    source: Source,
+    deployment: Option<String>,
+    /// Replicas last set in direct mode.
+    applied: Option<u32>,
+    /// Replicas last known, for ticks where the source cannot say.
+    last_current: u32,
 }
 
 struct ModelLoop {
@@ -24,25 +40,69 @@ struct ModelLoop {
 }
 
 /// Runs the scrape-and-decide loop over `cfg`'s models until the task is dropped.
-#[derive(Debug)]
 pub struct Controller {
     store: Arc<DecisionStore>,
     cfg: Config,
     profile: Profile,
+    kube: Option<kube::Client>,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("models", &self.cfg.models.len())
+            .field("kube", &self.kube.is_some())
+            .finish()
+    }
 }
 
 impl Controller {
+    /// `kube` is required when a pool has a `selector` or the mode is direct.
     #[must_use]
-    pub fn new(cfg: Config, profile: Profile, store: Arc<DecisionStore>) -> Self {
+    pub fn new(
+        cfg: Config,
+        profile: Profile,
+        store: Arc<DecisionStore>,
+        kube: Option<kube::Client>,
+    ) -> Self {
         Controller {
             store,
             cfg,
             profile,
+            kube,
+        }
+    }
+
+    /// Whether `cfg` needs a Kubernetes client.
+    #[must_use]
+    pub fn needs_kube(cfg: &Config) -> bool {
+        cfg.mode == Mode::Direct
+            || cfg
+                .models
+                .iter()
+                .any(|m| m.prefill.selector.is_some() || m.decode.selector.is_some())
+    }
+
+    fn source(&self, p: &PoolConfig) -> Source {
+        match (&p.selector, &p.prometheus_selector, &self.kube) {
+            (Some(sel), _, Some(client)) => Source::Pods(PodSet::watch(
+                client.clone(),
+                &self.cfg.kubernetes.namespace,
+                sel,
+                p.metrics_port,
+                &p.metrics_path,
+            )),
+            (None, Some(sel), _) => Source::Prometheus(sel.clone()),
+            _ => Source::Static(p.endpoints.clone()),
         }
     }
 
     pub async fn run(self) {
         let client = reqwest::Client::new();
+        let prom =
+            self.cfg.prometheus_url.as_deref().map(|u| {
+                PromSource::new(client.clone(), u, self.cfg.window_s, self.cfg.interval_s)
+            });
         let start = Instant::now();
         let mut models: Vec<ModelLoop> = self
             .cfg
@@ -56,66 +116,156 @@ impl Controller {
                         pool,
                         windows: PoolWindows::new(self.cfg.window_s),
                         policy: PreheatPolicy::new(pool, p.policy.clone(), self.profile.clone()),
-                        endpoints: p.endpoints.clone(),
+                        source: self.source(p),
+                        deployment: p.deployment.clone(),
+                        applied: None,
+                        last_current: 0,
                     })
                     .collect(),
             })
             .collect();
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let timeout = Duration::from_secs_f64(self.cfg.scrape_timeout_s);
+        let ctx = Tick {
+            client: &client,
+            prom: prom.as_ref(),
+            timeout: Duration::from_secs_f64(self.cfg.scrape_timeout_s),
+            store: &self.store,
+            kube: self.kube.as_ref().filter(|_| self.cfg.mode == Mode::Direct),
+            namespace: &self.cfg.kubernetes.namespace,
+        };
         loop {
             tick.tick().await;
             let t = start.elapsed().as_secs_f64();
             for m in &mut models {
-                decide_model(&client, m, t, timeout, &self.store).await;
+                ctx.decide_model(m, t).await;
             }
         }
     }
 }
 
-async fn decide_model(
-    client: &reqwest::Client,
-    m: &mut ModelLoop,
-    t: f64,
+/// What one tick needs besides the pools.
+struct Tick<'a> {
+    client: &'a reqwest::Client,
+    prom: Option<&'a PromSource>,
     timeout: Duration,
-    store: &DecisionStore,
-) {
-    let filter = m.cfg.metrics_model_name.as_deref();
-    let (gw, _) = scrape_all(client, &m.cfg.gateway, filter, timeout).await;
-    let held: f64 = gw.iter().filter_map(|(_, r)| r.gateway_pending).sum();
-    for p in &mut m.pools {
-        let (ok, failed) = scrape_all(client, &p.endpoints, filter, timeout).await;
-        let startup = ok
-            .iter()
-            .filter_map(|(_, r)| {
-                r.startup
-                    .iter()
-                    .find(|((phase, _), _)| phase == "first_token")
-                    .map(|(_, v)| *v)
-            })
-            .fold(None, |acc: Option<f64>, v| {
-                Some(acc.map_or(v, |a| a.max(v)))
-            });
-        // Static endpoints all exist, answering or not.
-        let current = u32::try_from(ok.len() + failed.len()).unwrap_or(u32::MAX);
-        let signals = p.windows.tick(t, ok, &failed);
-        let obs = Observation {
-            current,
-            held_requests: held,
-            measured_startup_s: startup,
-            signals,
-            ..Observation::default()
+    store: &'a DecisionStore,
+    /// Set in direct mode only.
+    kube: Option<&'a kube::Client>,
+    namespace: &'a str,
+}
+
+/// Slowest measured start to first token among readings.
+fn startup_of<'a>(
+    readings: impl Iterator<Item = &'a crate::signals::exposition::Reading>,
+) -> Option<f64> {
+    readings
+        .filter_map(|r| {
+            r.startup
+                .iter()
+                .find(|((phase, _), _)| phase == "first_token")
+                .map(|(_, v)| *v)
+        })
+        .fold(None, |acc: Option<f64>, v| {
+            Some(acc.map_or(v, |a| a.max(v)))
+        })
+}
+
+impl Tick<'_> {
+    /// Signals, current replicas and measured start-up of one pool.
+    async fn observe(
+        &self,
+        p: &mut PoolLoop,
+        t: f64,
+        filter: Option<&str>,
+    ) -> (PoolSignals, u32, Option<f64>) {
+        let blind = |why: &str| {
+            let s = PoolSignals {
+                endpoints_failed: 1,
+                ..PoolSignals::default()
+            };
+            tracing::warn!(
+                pool = p.pool.as_str(),
+                reason = why,
+                "pool signals unavailable"
+            );
+            s
         };
-        let d = p.policy.decide(t, &obs);
-        tracing::debug!(model = %m.cfg.name, pool = p.pool.as_str(), desired = d.desired, active = d.active, reason = d.reason, "decision");
-        store.set(
-            &m.cfg.name,
-            p.pool,
-            PoolDecision {
-                desired: d.desired,
-                active: d.active,
-            },
-        );
+        match &p.source {
+            Source::Static(urls) => {
+                let (ok, failed) = scrape_all(self.client, urls, filter, self.timeout).await;
+                let startup = startup_of(ok.iter().map(|(_, r)| r));
+                // Static endpoints all exist, answering or not.
+                let current = u32::try_from(ok.len() + failed.len()).unwrap_or(u32::MAX);
+                (p.windows.tick(t, ok, &failed), current, startup)
+            }
+            Source::Pods(set) => {
+                if !set.synced() {
+                    return (blind("pod watch has not listed yet"), p.last_current, None);
+                }
+                let view = set.view();
+                let urls: Vec<String> = view.ready.values().cloned().collect();
+                let (ok, failed) = scrape_all(self.client, &urls, filter, self.timeout).await;
+                let startup = startup_of(ok.iter().map(|(_, r)| r));
+                (p.windows.tick(t, ok, &failed), view.current, startup)
+            }
+            Source::Prometheus(sel) => {
+                let Some(prom) = self.prom else {
+                    return (blind("no prometheus_url"), p.last_current, None);
+                };
+                match prom.pool_signals(sel, self.timeout).await {
+                    Ok((s, pods, startup)) => (s, pods, startup),
+                    Err(e) => (blind(&e.to_string()), p.last_current, None),
+                }
+            }
+        }
+    }
+
+    async fn decide_model(&self, m: &mut ModelLoop, t: f64) {
+        let filter = m.cfg.metrics_model_name.as_deref();
+        let (gw, _) = scrape_all(self.client, &m.cfg.gateway, filter, self.timeout).await;
+        let held: f64 = gw.iter().filter_map(|(_, r)| r.gateway_pending).sum();
+        for p in &mut m.pools {
+            let (signals, current, startup) = self.observe(p, t, filter).await;
+            p.last_current = current;
+            let obs = Observation {
+                current,
+                held_requests: held,
+                measured_startup_s: startup,
+                signals,
+                ..Observation::default()
+            };
+            let d = p.policy.decide(t, &obs);
+            tracing::debug!(model = %m.cfg.name, pool = p.pool.as_str(), current, desired = d.desired, active = d.active, reason = d.reason, "decision");
+            self.store.set(
+                &m.cfg.name,
+                p.pool,
+                PoolDecision {
+                    desired: d.desired,
+                    active: d.active,
+                },
+            );
+            let replicas = if d.active { d.desired } else { 0 };
+            if let (Some(client), Some(deploy)) = (self.kube, &p.deployment)
+                && p.applied != Some(replicas)
+            {
+                match crate::kube::scale_deployment(
+                    client.clone(),
+                    self.namespace,
+                    deploy,
+                    replicas,
+                )
+                .await
+                {
+                    Ok(_) => {
+                        tracing::info!(model = %m.cfg.name, pool = p.pool.as_str(), deployment = %deploy, replicas, reason = d.reason, "scaled");
+                        p.applied = Some(replicas);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "direct scaling failed; retrying next tick")
+                    }
+                }
+            }
+        }
     }
 }

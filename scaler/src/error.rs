@@ -7,6 +7,10 @@ pub enum ScalerError {
     Scrape(String),
     #[error("config: {}", .0.join("; "))]
     Config(Vec<String>),
+    #[error("kubernetes: {0}")]
+    Kube(String),
+    #[error("prometheus: {0}")]
+    Prometheus(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

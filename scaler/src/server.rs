@@ -50,11 +50,17 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let models: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
+    // Fail at start, not at the first tick, when the cluster cannot be reached.
+    let kube = if Controller::needs_kube(&cfg) {
+        Some(crate::kube::client(cfg.kubernetes.api_url.as_deref()).await?)
+    } else {
+        None
+    };
     let store = DecisionStore::new(models.clone());
     let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
     let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, models = ?models, profile = %profile.source, "scaler listening");
-    let controller = tokio::spawn(Controller::new(cfg, profile, Arc::clone(&store)).run());
+    let controller = tokio::spawn(Controller::new(cfg, profile, Arc::clone(&store), kube).run());
     let app =
         Router::new()
             .route("/healthz", get(|| async { "ok" }))

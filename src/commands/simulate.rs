@@ -29,7 +29,7 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     let (mut prefill, mut decode, mut interval, mut window) =
         (PoolPolicy::default(), PoolPolicy::default(), None, None);
     if a.config.is_some() || !a.overrides.is_empty() {
-        match Config::load(a.config.as_deref(), &a.overrides) {
+        match Config::load_policies(a.config.as_deref(), &a.overrides) {
             Ok(c) => {
                 let m = &c.models[0];
                 prefill = m.prefill.policy.clone();

@@ -1,0 +1,167 @@
+//! Signals from a Prometheus server instead of scraping pods: instant queries
+//! (`/api/v1/query`) that sum a pool's series selected by label matchers, with every
+//! engine's metric names tried in order (`a or b`), so one config sizes preheat, vLLM
+//! and SGLang pools alike.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::signals::PoolSignals;
+use crate::signals::names;
+use crate::{Result, ScalerError};
+
+/// A Prometheus server and the window rates and quantiles are computed over.
+#[derive(Clone, Debug)]
+pub struct PromSource {
+    client: reqwest::Client,
+    base: String,
+    window_s: u64,
+    interval_s: u64,
+}
+
+#[derive(Deserialize)]
+struct Response {
+    status: String,
+    #[serde(default)]
+    data: Option<Data>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Data {
+    #[serde(rename = "resultType")]
+    result_type: String,
+    result: Vec<Sample>,
+}
+
+#[derive(Deserialize)]
+struct Sample {
+    value: (f64, String),
+}
+
+/// `sum(a{sel}) or sum(b{sel}) …` with `f` wrapping each name.
+fn any_of(list: &[&str], f: impl Fn(&str) -> String) -> String {
+    list.iter().map(|n| f(n)).collect::<Vec<_>>().join(" or ")
+}
+
+impl PromSource {
+    /// `base` is the server's root URL (`http://prometheus:9090`).
+    #[must_use]
+    pub fn new(client: reqwest::Client, base: &str, window_s: f64, interval_s: f64) -> Self {
+        PromSource {
+            client,
+            base: base.trim_end_matches('/').to_owned(),
+            window_s: window_s.round().max(1.0) as u64,
+            interval_s: interval_s.round().max(1.0) as u64,
+        }
+    }
+
+    /// Runs one instant query; `None` when the result is empty or not a number.
+    pub async fn query(&self, q: &str, timeout: Duration) -> Result<Option<f64>> {
+        let err = |e: String| ScalerError::Prometheus(format!("{q}: {e}"));
+        let resp = self
+            .client
+            .get(format!("{}/api/v1/query", self.base))
+            .query(&[("query", q)])
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let status = resp.status();
+        let body: Response = resp
+            .json()
+            .await
+            .map_err(|e| err(format!("HTTP {status}: not a Prometheus response ({e})")))?;
+        if body.status != "success" {
+            return Err(err(body.error.unwrap_or(body.status)));
+        }
+        let data = body.data.ok_or_else(|| err("no data".into()))?;
+        if data.result_type != "vector" {
+            return Err(err(format!("expected a vector, got {}", data.result_type)));
+        }
+        Ok(data
+            .result
+            .first()
+            .and_then(|s| s.value.1.parse::<f64>().ok())
+            .filter(|v| v.is_finite()))
+    }
+
+    /// The queries for one pool, in the order [`PromSource::pool_signals`] reads them.
+    #[must_use]
+    pub fn queries(&self, sel: &str) -> Vec<String> {
+        let (w, i) = (self.window_s, self.interval_s);
+        let sum = |list: &[&str]| any_of(list, |n| format!("sum({n}{{{sel}}})"));
+        let rate = |list: &[&str]| any_of(list, |n| format!("sum(rate({n}{{{sel}}}[{w}s]))"));
+        let quant = |q: f64, list: &[&str]| {
+            any_of(list, |n| {
+                format!("histogram_quantile({q}, sum by (le) (rate({n}_bucket{{{sel}}}[{w}s])))")
+            })
+        };
+        vec![
+            any_of(names::RUNNING, |n| format!("count({n}{{{sel}}})")),
+            sum(names::WAITING),
+            sum(names::RUNNING),
+            any_of(names::KV_USAGE, |n| format!("avg({n}{{{sel}}})")),
+            sum(names::PREFILL_QUEUE_TOKENS),
+            rate(names::PROMPT_TOKENS),
+            any_of(names::PROMPT_TOKENS, |n| {
+                format!("max_over_time(sum(rate({n}{{{sel}}}[{i}s]))[{w}s:{i}s])")
+            }),
+            rate(names::GENERATION_TOKENS),
+            rate(names::PREFIX_QUERIES),
+            rate(names::PREFIX_HITS),
+            quant(0.5, names::TTFT),
+            quant(0.9, names::TTFT),
+            quant(0.5, names::ITL),
+            quant(0.9, names::ITL),
+            format!(
+                "max({}{{phase=\"first_token\",{sel}}})",
+                names::STARTUP_PHASE
+            ),
+        ]
+    }
+
+    /// A pool's signals, its replica count (series reporting) and the slowest measured
+    /// start-up to first token. Any failed query makes the whole pool blind for this
+    /// tick rather than half-read.
+    pub async fn pool_signals(
+        &self,
+        sel: &str,
+        timeout: Duration,
+    ) -> Result<(PoolSignals, u32, Option<f64>)> {
+        let qs = self.queries(sel);
+        let results =
+            futures_util::future::join_all(qs.iter().map(|q| self.query(q, timeout))).await;
+        let mut v = Vec::with_capacity(results.len());
+        for r in results {
+            v.push(r?);
+        }
+        let n = |i: usize| v[i].unwrap_or(0.0);
+        let pods = n(0) as u32;
+        let queries = n(8);
+        let s = PoolSignals {
+            endpoints_ok: pods as usize,
+            endpoints_failed: 0,
+            waiting: n(1),
+            running: n(2),
+            kv_usage: n(3),
+            queued_prompt_tokens: n(4),
+            prompt_rate: n(5),
+            prompt_rate_peak: n(6),
+            peak_span_s: self.interval_s as f64,
+            generation_rate: n(7),
+            prefix_hit_rate: if queries > 0.0 {
+                (n(9) / queries).clamp(0.0, 1.0)
+            } else {
+                0.0
+            },
+            ttft_p50: v[10],
+            ttft_p90: v[11],
+            itl_p50: v[12],
+            itl_p90: v[13],
+        };
+        Ok((s, pods, v[14]))
+    }
+}

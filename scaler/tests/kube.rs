@@ -1,0 +1,243 @@
+//! Kubernetes interactions against an in-process fake API server (no cluster runs
+//! here): pod discovery by label selector through list + watch, direct-mode scaling
+//! through the scale subresource, and the control loop driving both.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, patch};
+use preheat_scaler::config::Config;
+use preheat_scaler::kube::{PodSet, client, scale_deployment};
+use preheat_scaler::profile::Profile;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+#[derive(Default)]
+struct Fake {
+    pods: Vec<Value>,
+    /// Senders of open watches: events pushed here reach every watcher.
+    watches: Vec<mpsc::UnboundedSender<Value>>,
+    /// deployment → replicas set through the scale subresource.
+    scaled: BTreeMap<String, i64>,
+    list_selectors: Vec<String>,
+    patches: usize,
+}
+
+type Shared = Arc<Mutex<Fake>>;
+
+fn pod(name: &str, ip: &str, ready: bool) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "llm", "resourceVersion": "1",
+                     "labels": {"app": "p"}},
+        "status": {"phase": "Running", "podIP": ip,
+                   "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}
+    })
+}
+
+async fn pods(State(s): State<Shared>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+    if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+        let (tx, rx) = mpsc::unbounded_channel::<Value>();
+        s.lock().unwrap().watches.push(tx);
+        // Newline-delimited watch events, as the API server streams them.
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+            let v = rx.recv().await?;
+            let mut line = serde_json::to_vec(&v).unwrap();
+            line.push(b'\n');
+            Some((Ok::<_, std::io::Error>(Bytes::from(line)), rx))
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    let mut f = s.lock().unwrap();
+    f.list_selectors
+        .push(q.get("labelSelector").cloned().unwrap_or_default());
+    axum::Json(json!({
+        "apiVersion": "v1", "kind": "PodList",
+        "metadata": {"resourceVersion": "1"},
+        "items": f.pods,
+    }))
+    .into_response()
+}
+
+async fn scale(
+    State(s): State<Shared>,
+    Path((ns, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let mut f = s.lock().unwrap();
+    f.patches += 1;
+    if name == "missing" {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "deployments.apps \"missing\" not found", "reason": "NotFound", "code": 404});
+        return (StatusCode::NOT_FOUND, axum::Json(status)).into_response();
+    }
+    let replicas = v["spec"]["replicas"].as_i64().unwrap_or(-1);
+    f.scaled.insert(name.clone(), replicas);
+    axum::Json(json!({
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"replicas": replicas}, "status": {"replicas": replicas}
+    }))
+    .into_response()
+}
+
+async fn fake_api(state: Shared) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let app = Router::new()
+        .route("/api/v1/namespaces/llm/pods", get(pods))
+        .route(
+            "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",
+            patch(scale),
+        )
+        .with_state(state);
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn push(state: &Shared, kind: &str, obj: Value) {
+    let f = state.lock().unwrap();
+    for w in &f.watches {
+        let _ = w.send(json!({"type": kind, "object": obj}));
+    }
+}
+
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn discovery_lists_then_follows_the_watch() {
+    let state = Shared::default();
+    {
+        let mut f = state.lock().unwrap();
+        f.pods = vec![pod("a", "10.0.0.1", true), pod("b", "10.0.0.2", false)];
+    }
+    let url = fake_api(state.clone()).await;
+    let c = client(Some(&url)).await.unwrap();
+    let set = PodSet::watch(c, "llm", "app=p", 8000, "/metrics");
+    eventually("first list", || set.synced()).await;
+    let v = set.view();
+    assert_eq!(v.current, 2, "a starting pod counts as a replica");
+    assert_eq!(
+        v.ready.values().collect::<Vec<_>>(),
+        ["http://10.0.0.1:8000/metrics"]
+    );
+    assert_eq!(state.lock().unwrap().list_selectors, ["app=p"]);
+    // The watch, not another list, brings changes.
+    eventually("watch open", || !state.lock().unwrap().watches.is_empty()).await;
+    let mut b = pod("b", "10.0.0.2", true);
+    b["metadata"]["resourceVersion"] = json!("2");
+    push(&state, "MODIFIED", b);
+    let mut a = pod("a", "10.0.0.1", true);
+    a["metadata"]["resourceVersion"] = json!("3");
+    a["metadata"]["deletionTimestamp"] = json!("2026-11-30T00:00:00Z");
+    push(&state, "MODIFIED", a);
+    let mut c6 = pod("c", "fd00::6", true);
+    c6["metadata"]["resourceVersion"] = json!("4");
+    push(&state, "ADDED", c6);
+    eventually("watch events applied", || {
+        let v = set.view();
+        v.current == 2 && v.ready.len() == 2
+    })
+    .await;
+    let v = set.view();
+    assert_eq!(
+        v.ready.values().cloned().collect::<Vec<_>>(),
+        [
+            "http://10.0.0.2:8000/metrics",
+            "http://[fd00::6]:8000/metrics"
+        ],
+        "terminating pods are dropped; IPv6 is bracketed"
+    );
+    assert_eq!(state.lock().unwrap().list_selectors.len(), 1);
+}
+
+#[tokio::test]
+async fn direct_mode_patches_the_scale_subresource() {
+    let state = Shared::default();
+    let url = fake_api(state.clone()).await;
+    let c = client(Some(&url)).await.unwrap();
+    assert_eq!(
+        scale_deployment(c.clone(), "llm", "m-decode", 3)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(state.lock().unwrap().scaled["m-decode"], 3);
+    let e = scale_deployment(c, "llm", "missing", 1)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("llm/missing") && e.contains("not found"), "{e}");
+}
+
+#[tokio::test]
+async fn controller_discovers_pods_and_scales_the_deployment() {
+    // One engine pod with a long queue: the prefill pool must grow.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics_port = l.local_addr().unwrap().port();
+    let text = "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 400\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4\n";
+    let app = Router::new().route("/metrics", get(move || async move { text }));
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    let state = Shared::default();
+    state.lock().unwrap().pods = vec![pod("p0", "127.0.0.1", true)];
+    let url = fake_api(state.clone()).await;
+    let yaml = format!(
+        "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\ninterval_s: 0.2\nwindow_s: 2\nmode: direct\nkubernetes: {{namespace: llm, api_url: \"{url}\"}}\nmodels:\n  - name: m\n    prefill: {{selector: 'app=p', metrics_port: {metrics_port}, deployment: m-prefill, default_lead_s: 1}}\n    decode: {{selector: 'app=p', metrics_port: {metrics_port}, deployment: m-decode, default_lead_s: 1}}\n"
+    );
+    let dir = tempfile_path();
+    std::fs::write(&dir, yaml).unwrap();
+    let cfg = Config::load(Some(&dir), &[]).unwrap();
+    let _ = std::fs::remove_file(&dir);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(preheat_scaler::server::run(
+        cfg,
+        Profile::default(),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    eventually("prefill scaled up", || {
+        state
+            .lock()
+            .unwrap()
+            .scaled
+            .get("m-prefill")
+            .is_some_and(|r| *r > 1)
+    })
+    .await;
+    let patches = state.lock().unwrap().patches;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let f = state.lock().unwrap();
+    assert!(
+        f.patches <= patches + 2,
+        "an unchanged decision is not re-sent every tick ({} → {})",
+        patches,
+        f.patches
+    );
+    drop(f);
+    let _ = stop_tx.send(());
+    server.await.unwrap().unwrap();
+}
+
+fn tempfile_path() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("preheat-kube-{}.yaml", std::process::id()))
+}
