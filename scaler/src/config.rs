@@ -34,7 +34,21 @@ pub struct Config {
     pub kubernetes: KubeSettings,
     /// Prometheus server root URL, for pools with a `prometheus_selector`.
     pub prometheus_url: Option<String>,
+    /// TLS on the gRPC endpoint (KEDA's `tlsCertFile`/`caCert` trigger settings).
+    pub tls: Option<TlsSettings>,
     pub models: Vec<ModelConfig>,
+}
+
+/// PEM files for the gRPC endpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSettings {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// When set, clients must present a certificate signed by this CA (mutual TLS,
+    /// as KEDA does with a client certificate).
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +89,7 @@ impl Default for Config {
             mode: Mode::Keda,
             kubernetes: KubeSettings::default(),
             prometheus_url: None,
+            tls: None,
             models: Vec::new(),
         }
     }
@@ -253,6 +268,19 @@ impl Config {
             && !(u.starts_with("http://") || u.starts_with("https://"))
         {
             e.push(format!("prometheus_url {u:?} is not an http(s) URL"));
+        }
+        if let Some(t) = &self.tls {
+            for (n, p) in [
+                ("tls.cert", Some(&t.cert)),
+                ("tls.key", Some(&t.key)),
+                ("tls.client_ca", t.client_ca.as_ref()),
+            ] {
+                if let Some(p) = p
+                    && !p.is_file()
+                {
+                    e.push(format!("{n}: {} is not a readable file", p.display()));
+                }
+            }
         }
         if self.kubernetes.namespace.is_empty() {
             e.push("kubernetes.namespace is empty".into());

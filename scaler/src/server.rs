@@ -43,6 +43,20 @@ fn render(store: &DecisionStore, models: &[String]) -> String {
     out
 }
 
+/// The gRPC endpoint's TLS from PEM files.
+fn tls_config(t: &crate::config::TlsSettings) -> Result<tonic::transport::ServerTlsConfig> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let read = |p: &std::path::Path| {
+        std::fs::read(p)
+            .map_err(|e| ScalerError::Config(vec![format!("tls: {}: {e}", p.display())]))
+    };
+    let mut c = ServerTlsConfig::new().identity(Identity::from_pem(read(&t.cert)?, read(&t.key)?));
+    if let Some(ca) = &t.client_ca {
+        c = c.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(c)
+}
+
 /// Runs until `stop` resolves.
 pub async fn run(
     cfg: Config,
@@ -50,6 +64,11 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let models: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
+    let cfg_tls = cfg.tls.clone();
+    if let Some(t) = &cfg_tls {
+        // Read the PEM files before binding, so a bad file fails the start.
+        tls_config(t)?;
+    }
     // Fail at start, not at the first tick, when the cluster cannot be reached.
     let kube = if Controller::needs_kube(&cfg) {
         Some(crate::kube::client(cfg.kubernetes.api_url.as_deref()).await?)
@@ -90,7 +109,13 @@ pub async fn run(
             .await
     });
     let mut rx_grpc = rx;
-    let grpc = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = &cfg_tls {
+        builder = builder
+            .tls_config(tls_config(t)?)
+            .map_err(|e| ScalerError::Config(vec![format!("tls: {e}")]))?;
+    }
+    let grpc = builder
         .add_service(ScalerService::new(store).into_server())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
