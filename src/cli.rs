@@ -232,6 +232,59 @@ pub enum BenchCmd {
     Engine(BenchEngineArgs),
     /// KEDA GetMetrics latency at 1,000 ScaledObjects and scrape-and-decide at 1,000 pods.
     Scaler(BenchScalerArgs),
+    /// Load generator: replay a trace or a fixed rate against an OpenAI endpoint and
+    /// report TTFT, ITL, end-to-end latency, throughput and SLO attainment (exit 1 when
+    /// any request failed).
+    Serve(BenchServeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchServeArgs {
+    /// Base URL of the OpenAI-compatible server (`/v1/completions` is appended).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// `model` field of each request (default: the server's only model).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Replay this trace (Azure CSV or Mooncake JSONL) instead of a fixed rate.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Trace time compression (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Send at most this many requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Multiply trace token counts (shrink long prompts for small CPU models).
+    #[arg(long, default_value_t = 1.0)]
+    pub token_scale: f64,
+    #[arg(long, default_value_t = 4096)]
+    pub max_input_tokens: u32,
+    #[arg(long, default_value_t = 1024)]
+    pub max_output_tokens: u32,
+    /// Without --trace: requests per second …
+    #[arg(long, default_value_t = 1.0)]
+    pub rate: f64,
+    /// … how many …
+    #[arg(long, default_value_t = 10)]
+    pub requests: usize,
+    /// … and their prompt and output lengths.
+    #[arg(long, default_value_t = 128)]
+    pub input_tokens: u32,
+    #[arg(long, default_value_t = 32)]
+    pub output_tokens: u32,
+    #[arg(long, default_value_t = 2.0)]
+    pub slo_ttft: f64,
+    #[arg(long, default_value_t = 0.05)]
+    pub slo_itl: f64,
+    /// Seconds before a request counts as failed.
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout_s: f64,
+    /// Include every request's outcome in the JSON.
+    #[arg(long)]
+    pub per_request: bool,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
 #[derive(Debug, Args)]

@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod scaler;
+pub mod serve;
 pub mod snapshot;
 
 use std::time::{Duration, Instant};

@@ -26,6 +26,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
         Command::Bench(BenchCmd::Scaler(args)) => crate::bench::scaler::run(&args),
+        Command::Bench(BenchCmd::Serve(args)) => crate::bench::serve::run(&args),
     }
 }
 

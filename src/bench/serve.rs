@@ -1,0 +1,432 @@
+//! `preheat bench serve`: a load generator for any OpenAI-compatible endpoint. Replays a
+//! trace (Azure CSV or Mooncake JSONL) at its own pace (or sped up), or sends a fixed
+//! rate of synthetic requests; streams every completion and reports TTFT, ITL and
+//! end-to-end latency percentiles, throughput and SLO attainment.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures_util::StreamExt;
+use preheat_scaler::sim::trace;
+use serde::Serialize;
+
+use crate::cli::BenchServeArgs;
+use crate::commands::{outln, print_json};
+
+/// One request to send.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Planned {
+    at: f64,
+    input_tokens: u32,
+    output_tokens: u32,
+}
+
+/// What happened to one request.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Outcome {
+    pub sent_at: f64,
+    pub ok: bool,
+    pub error: Option<String>,
+    pub ttft: Option<f64>,
+    /// Mean gap between streamed chunks after the first.
+    pub itl: Option<f64>,
+    pub e2e: f64,
+    pub output_chunks: u32,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub url: String,
+    pub requests: usize,
+    pub completed: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft_p50: Option<f64>,
+    pub ttft_p90: Option<f64>,
+    pub ttft_p99: Option<f64>,
+    pub itl_p50: Option<f64>,
+    pub itl_p99: Option<f64>,
+    pub e2e_p50: Option<f64>,
+    pub e2e_p99: Option<f64>,
+    pub slo_ttft_s: f64,
+    pub slo_itl_s: f64,
+    /// Fraction of all requests (failures count as misses) within both SLOs.
+    pub slo_attainment: f64,
+    /// The first few distinct errors.
+    pub errors: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub outcomes: Vec<Outcome>,
+}
+
+fn plan(a: &BenchServeArgs) -> anyhow::Result<Vec<Planned>> {
+    let mut errs = Vec::new();
+    if !(a.speedup.is_finite() && a.speedup > 0.0) {
+        errs.push("--speedup must be > 0".to_owned());
+    }
+    if !(a.token_scale.is_finite() && a.token_scale > 0.0) {
+        errs.push("--token-scale must be > 0".to_owned());
+    }
+    if a.trace.is_none() && !(a.rate.is_finite() && a.rate > 0.0) {
+        errs.push("--rate must be > 0".to_owned());
+    }
+    if a.max_input_tokens == 0 || a.max_output_tokens == 0 {
+        errs.push("--max-input-tokens and --max-output-tokens must be > 0".to_owned());
+    }
+    if !errs.is_empty() {
+        bail!("{}", errs.join("\n"));
+    }
+    let scale = |n: u32, max: u32| ((f64::from(n) * a.token_scale).round() as u32).clamp(1, max);
+    let mut out: Vec<Planned> = match &a.trace {
+        Some(path) => trace::load(path)?
+            .into_iter()
+            .map(|r| Planned {
+                at: r.t / a.speedup,
+                input_tokens: scale(r.input_tokens, a.max_input_tokens),
+                output_tokens: scale(r.output_tokens, a.max_output_tokens),
+            })
+            .collect(),
+        None => (0..a.requests)
+            .map(|i| Planned {
+                at: i as f64 / a.rate,
+                input_tokens: a.input_tokens.clamp(1, a.max_input_tokens),
+                output_tokens: a.output_tokens.clamp(1, a.max_output_tokens),
+            })
+            .collect(),
+    };
+    if let Some(n) = a.max_requests {
+        out.truncate(n);
+    }
+    if out.is_empty() {
+        bail!("nothing to send (no requests planned)");
+    }
+    Ok(out)
+}
+
+/// A prompt of about `n` tokens for common BPE vocabularies (one short word each).
+fn prompt(n: u32, salt: usize) -> String {
+    const WORDS: [&str; 16] = [
+        "the", "cat", "sat", "on", "a", "mat", "and", "we", "ran", "to", "see", "it", "go", "up",
+        "by", "me",
+    ];
+    // A per-request first word keeps unrelated requests from sharing a whole prefix.
+    let mut s = format!("{salt}");
+    for i in 1..n as usize {
+        s.push(' ');
+        s.push_str(WORDS[(i * 7 + salt) % WORDS.len()]);
+    }
+    s
+}
+
+async fn one(
+    client: &reqwest::Client,
+    url: &str,
+    model: Option<&str>,
+    p: Planned,
+    idx: usize,
+    sent_at: f64,
+    timeout: Duration,
+) -> Outcome {
+    let mut o = Outcome {
+        sent_at,
+        ..Outcome::default()
+    };
+    let start = Instant::now();
+    let mut body = serde_json::json!({
+        "prompt": prompt(p.input_tokens, idx),
+        "max_tokens": p.output_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let Some(m) = model {
+        body["model"] = m.into();
+    }
+    let r = tokio::time::timeout(timeout, async {
+        let resp = client
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let status = resp.status();
+        if !status.is_success() {
+            let text = resp.text().await.unwrap_or_default();
+            return Err(format!(
+                "HTTP {status}: {}",
+                text.chars().take(200).collect::<String>()
+            ));
+        }
+        let mut stream = resp.bytes_stream();
+        let mut buf = Vec::new();
+        let mut last_chunk: Option<Instant> = None;
+        let mut gaps = 0.0;
+        let mut done = false;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| format!("stream: {e}"))?;
+            buf.extend_from_slice(&chunk);
+            while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buf.drain(..pos + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                for line in text.lines() {
+                    let Some(data) = line.strip_prefix("data: ") else {
+                        continue;
+                    };
+                    if data.trim() == "[DONE]" {
+                        done = true;
+                        continue;
+                    }
+                    let v: serde_json::Value =
+                        serde_json::from_str(data).map_err(|e| format!("bad event: {e}"))?;
+                    if let Some(err) = v.get("error") {
+                        return Err(format!("error event: {err}"));
+                    }
+                    if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                        o.prompt_tokens = u["prompt_tokens"].as_u64();
+                        o.completion_tokens = u["completion_tokens"].as_u64();
+                    }
+                    let has_text = v["choices"][0]["text"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty());
+                    if has_text {
+                        let now = Instant::now();
+                        match last_chunk {
+                            None => o.ttft = Some(start.elapsed().as_secs_f64()),
+                            Some(prev) => gaps += (now - prev).as_secs_f64(),
+                        }
+                        last_chunk = Some(now);
+                        o.output_chunks += 1;
+                    }
+                }
+            }
+        }
+        if !done {
+            return Err("stream ended without [DONE]".to_owned());
+        }
+        if o.output_chunks > 1 {
+            o.itl = Some(gaps / f64::from(o.output_chunks - 1));
+        }
+        Ok(())
+    })
+    .await;
+    o.e2e = start.elapsed().as_secs_f64();
+    match r {
+        Ok(Ok(())) => o.ok = o.ttft.is_some(),
+        Ok(Err(e)) => o.error = Some(e),
+        Err(_) => o.error = Some(format!("timed out after {} s", timeout.as_secs_f64())),
+    }
+    if !o.ok && o.error.is_none() {
+        o.error = Some("no tokens streamed".to_owned());
+    }
+    o
+}
+
+fn pct(v: &mut [f64], q: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(v[((v.len() - 1) as f64 * q).round() as usize])
+}
+
+pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
+    let planned = plan(a)?;
+    let url = a.url.trim_end_matches('/').to_owned();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let timeout = Duration::from_secs_f64(a.timeout_s.max(0.001));
+    let bar = indicatif::ProgressBar::new(planned.len() as u64);
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} eta {eta}")
+                .context("progress template")?
+                .progress_chars("=> "),
+        );
+        bar.set_message("requests");
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let started = Instant::now();
+    let mut outcomes: Vec<Outcome> = rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .build()
+            .context("HTTP client")?;
+        let t0 = tokio::time::Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for (i, p) in planned.iter().copied().enumerate() {
+            tokio::time::sleep_until(t0 + Duration::from_secs_f64(p.at)).await;
+            let (client, url, model, bar) =
+                (client.clone(), url.clone(), a.model.clone(), bar.clone());
+            set.spawn(async move {
+                let sent = t0.elapsed().as_secs_f64();
+                let o = one(&client, &url, model.as_deref(), p, i, sent, timeout).await;
+                bar.inc(1);
+                (i, o)
+            });
+        }
+        let mut all = vec![Outcome::default(); planned.len()];
+        while let Some(r) = set.join_next().await {
+            let (i, o) = r.context("request task")?;
+            all[i] = o;
+        }
+        anyhow::Ok(all)
+    })?;
+    bar.finish_and_clear();
+    let duration = started.elapsed().as_secs_f64();
+    let report = summarise(
+        &url,
+        &mut outcomes,
+        duration,
+        a.slo_ttft,
+        a.slo_itl,
+        a.per_request,
+    );
+    if a.out.json {
+        print_json(&serde_json::to_value(&report)?)?;
+    } else {
+        print_text(&report)?;
+    }
+    Ok(if report.failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn summarise(
+    url: &str,
+    outcomes: &mut [Outcome],
+    duration: f64,
+    slo_ttft: f64,
+    slo_itl: f64,
+    keep: bool,
+) -> Report {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
+    let mut itl: Vec<f64> = ok.iter().filter_map(|o| o.itl).collect();
+    let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e).collect();
+    let attained = ok
+        .iter()
+        .filter(|o| o.ttft.is_some_and(|t| t <= slo_ttft) && o.itl.is_none_or(|i| i <= slo_itl))
+        .count();
+    let out_tokens: u64 = ok
+        .iter()
+        .map(|o| o.completion_tokens.unwrap_or(u64::from(o.output_chunks)))
+        .sum();
+    let mut errors: Vec<String> = Vec::new();
+    for e in outcomes.iter().filter_map(|o| o.error.clone()) {
+        if errors.len() < 5 && !errors.contains(&e) {
+            errors.push(e);
+        }
+    }
+    let n = outcomes.len();
+    Report {
+        url: url.to_owned(),
+        requests: n,
+        completed: ok.len(),
+        failed: n - ok.len(),
+        duration_s: duration,
+        requests_per_s: ok.len() as f64 / duration.max(1e-9),
+        output_tokens_per_s: out_tokens as f64 / duration.max(1e-9),
+        ttft_p50: pct(&mut ttft, 0.5),
+        ttft_p90: pct(&mut ttft, 0.9),
+        ttft_p99: pct(&mut ttft, 0.99),
+        itl_p50: pct(&mut itl, 0.5),
+        itl_p99: pct(&mut itl, 0.99),
+        e2e_p50: pct(&mut e2e, 0.5),
+        e2e_p99: pct(&mut e2e, 0.99),
+        slo_ttft_s: slo_ttft,
+        slo_itl_s: slo_itl,
+        slo_attainment: attained as f64 / n.max(1) as f64,
+        errors,
+        outcomes: if keep { outcomes.to_vec() } else { Vec::new() },
+    }
+}
+
+fn print_text(r: &Report) -> anyhow::Result<()> {
+    let ms = |v: Option<f64>| v.map_or("-".to_owned(), |x| format!("{:.1} ms", x * 1e3));
+    outln!(
+        "{}: {} requests, {} completed, {} failed in {:.1} s ({:.2} req/s, {:.1} output tokens/s)",
+        r.url,
+        r.requests,
+        r.completed,
+        r.failed,
+        r.duration_s,
+        r.requests_per_s,
+        r.output_tokens_per_s
+    );
+    outln!(
+        "TTFT p50 {}  p90 {}  p99 {}",
+        ms(r.ttft_p50),
+        ms(r.ttft_p90),
+        ms(r.ttft_p99)
+    );
+    outln!("ITL  p50 {}  p99 {}", ms(r.itl_p50), ms(r.itl_p99));
+    outln!("E2E  p50 {}  p99 {}", ms(r.e2e_p50), ms(r.e2e_p99));
+    outln!(
+        "SLO (TTFT ≤ {} s, ITL ≤ {} s): {:.2}% of requests",
+        r.slo_ttft_s,
+        r.slo_itl_s,
+        r.slo_attainment * 100.0
+    );
+    for e in &r.errors {
+        outln!("error: {e}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_attainment_count_failures_as_misses() {
+        let mut o = vec![
+            Outcome {
+                ok: true,
+                ttft: Some(0.1),
+                itl: Some(0.01),
+                e2e: 1.0,
+                ..Outcome::default()
+            },
+            Outcome {
+                ok: true,
+                ttft: Some(3.0),
+                itl: Some(0.01),
+                e2e: 4.0,
+                ..Outcome::default()
+            },
+            Outcome {
+                ok: false,
+                error: Some("HTTP 500".into()),
+                e2e: 0.1,
+                ..Outcome::default()
+            },
+            Outcome {
+                ok: true,
+                ttft: Some(0.2),
+                itl: None,
+                e2e: 0.2,
+                ..Outcome::default()
+            },
+        ];
+        let r = summarise("u", &mut o, 2.0, 1.0, 0.05, false);
+        assert_eq!((r.completed, r.failed), (3, 1));
+        assert_eq!(r.slo_attainment, 0.5);
+        assert_eq!(r.ttft_p50, Some(0.2));
+        assert_eq!(r.errors, ["HTTP 500"]);
+    }
+
+    #[test]
+    fn prompts_have_the_requested_word_count() {
+        assert_eq!(prompt(5, 3).split(' ').count(), 5);
+        assert_ne!(prompt(5, 3), prompt(5, 4));
+    }
+}

@@ -1,0 +1,157 @@
+//! `preheat bench serve` against a real `engine serve` on the tiny fixture, and against
+//! a dead endpoint (every request fails, reported, exit 1, no hang).
+
+mod harness;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use harness::{model_fixture, preheat, shared};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve_tiny() -> (Server, String) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_preheat"))
+        .args(["engine", "serve", "--model"])
+        .arg(model_fixture("llama-tiny"))
+        .args(["--port", &port.to_string(), "--kv-cache-mib", "16"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    // Healthy, not just listening: it answers 503 while the model loads.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !healthy(port) {
+        assert!(Instant::now() < deadline, "server never became healthy");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (Server(child), base)
+}
+
+fn healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n");
+    let mut buf = [0u8; 16];
+    let n = s.read(&mut buf).unwrap_or(0);
+    buf[..n].starts_with(b"HTTP/1.0 200") || buf[..n].starts_with(b"HTTP/1.1 200")
+}
+
+#[test]
+fn replays_a_trace_and_a_fixed_rate_against_the_engine() {
+    let (_server, base) = serve_tiny();
+    let out = preheat([
+        "bench",
+        "serve",
+        "--url",
+        &base,
+        "--rate",
+        "20",
+        "--requests",
+        "12",
+        "--input-tokens",
+        "16",
+        "--output-tokens",
+        "6",
+        "--slo-ttft",
+        "30",
+        "--slo-itl",
+        "5",
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (r["completed"].as_u64(), r["failed"].as_u64()),
+        (Some(12), Some(0)),
+        "{r}"
+    );
+    assert!(r["ttft_p50"].as_f64().unwrap() > 0.0);
+    assert!(r["itl_p50"].as_f64().unwrap() > 0.0);
+    assert_eq!(r["slo_attainment"], 1.0);
+    assert!(r["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // A trace, time-compressed and token-scaled for a CPU model.
+    let trace = shared().join("traces/azure_code_2023.csv");
+    let out = preheat([
+        "bench".as_ref(),
+        "serve".as_ref(),
+        "--url".as_ref(),
+        base.as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--speedup".as_ref(),
+        "20".as_ref(),
+        "--max-requests".as_ref(),
+        "8".as_ref(),
+        "--token-scale".as_ref(),
+        "0.01".as_ref(),
+        "--max-output-tokens".as_ref(),
+        "4".as_ref(),
+        "--per-request".as_ref(),
+        "--json".as_ref(),
+    ] as [&std::ffi::OsStr; 16]);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["completed"], 8, "{r}");
+    let outcomes = r["outcomes"].as_array().unwrap();
+    // The trace's first prompts are 4808 and 3180 tokens: scaled to ~48 and ~32.
+    let p0 = outcomes[0]["prompt_tokens"].as_u64().unwrap();
+    let p1 = outcomes[1]["prompt_tokens"].as_u64().unwrap();
+    assert!(p0 > p1, "{p0} vs {p1}");
+}
+
+#[test]
+fn a_dead_endpoint_fails_every_request_quickly_with_exit_1() {
+    let port = free_port();
+    let t0 = Instant::now();
+    let out = preheat([
+        "bench",
+        "serve",
+        "--url",
+        &format!("http://127.0.0.1:{port}"),
+        "--rate",
+        "50",
+        "--requests",
+        "5",
+        "--timeout-s",
+        "5",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("0 completed, 5 failed") && s.contains("error: send"),
+        "{s}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    let bad = preheat(["bench", "serve", "--rate", "0", "--speedup=-1"]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        err.contains("--speedup must be > 0") && err.contains("--rate must be > 0"),
+        "{err}"
+    );
+}
