@@ -211,7 +211,7 @@ mod tests {
     #[test]
     fn ticks_are_round() {
         assert_eq!(tick_step(100.0), 20.0);
-        assert_eq!(tick_step(3600.0), 1000.0);
+        assert_eq!(tick_step(3600.0), 500.0);
         assert_eq!(tick_step(7.0), 1.0);
         assert_eq!(tick_step(0.0), 1.0);
     }

@@ -5,15 +5,7 @@ mod harness;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::model_fixture;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use harness::{free_port, model_fixture};
 
 #[test]
 fn serve_answers_then_drains_and_exits_on_sigterm() {

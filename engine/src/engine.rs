@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as tmpsc;
 
+use crate::backend::KvLayout;
 use crate::backend::{Backend, ForwardBatch, SeqSlice};
 use crate::kv::BlockPool;
+use crate::kv::transfer::{self, KvHeader, KvMessage, TransferError};
 use crate::metrics::EngineMetrics;
 use crate::sampling::{Rng, SamplingParams, sample};
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqState};
@@ -70,6 +72,9 @@ pub enum Event {
         usage: Usage,
     },
     Error(EngineError),
+    /// Prefill-only requests: the prompt's K/V and the first token, ready to ship to a
+    /// decode worker (a `Finished` follows).
+    KvReady(Box<KvMessage>),
 }
 
 /// A request as the engine takes it: already tokenised.
@@ -95,6 +100,14 @@ enum Command {
         req: GenerateRequest,
         out: tmpsc::UnboundedSender<Event>,
         arrival: Instant,
+        /// Prefill only, shipping the K/V under this transfer id.
+        prefill_only: Option<String>,
+    },
+    Resume {
+        id: u64,
+        msg: Box<KvMessage>,
+        out: tmpsc::UnboundedSender<Event>,
+        arrival: Instant,
     },
     Abort(u64),
 }
@@ -110,6 +123,7 @@ struct Live {
     scheduled: Option<Instant>,
     last_token: Option<Instant>,
     stopped_by_string: bool,
+    prefill_only: Option<String>,
 }
 
 /// A handle to the running engine; cheap to clone.
@@ -127,6 +141,8 @@ pub struct Engine {
     vocab_size: usize,
     draining: Arc<AtomicBool>,
     in_flight: Arc<AtomicUsize>,
+    layout: KvLayout,
+    compat: String,
 }
 
 impl std::fmt::Debug for Engine {
@@ -166,6 +182,7 @@ impl Engine {
                 "backend KV layout differs from the engine config".into(),
             ));
         }
+        let compat = transfer::compat_hash(backend.weights_fingerprint(), &layout);
         let model_len = backend.config().max_position_embeddings as usize;
         let vocab_size = backend.config().vocab_size as usize;
         let max_model_len = model_len.min(cfg.block_size * cfg.num_blocks);
@@ -201,12 +218,109 @@ impl Engine {
             vocab_size,
             draining: Arc::new(AtomicBool::new(false)),
             in_flight,
+            layout,
+            compat,
+        })
+    }
+
+    /// The KV compatibility hash of this engine's model and layout.
+    #[must_use]
+    pub fn compat(&self) -> &str {
+        &self.compat
+    }
+
+    #[must_use]
+    pub fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Largest KV payload this engine could hold (its whole cache).
+    #[must_use]
+    pub fn max_kv_payload(&self) -> u64 {
+        transfer::block_bytes(&self.layout)
+            * self.layout.num_layers as u64
+            * self.layout.num_blocks as u64
+    }
+
+    /// Computes the prompt's K/V and first token only; the handle yields
+    /// [`Event::KvReady`] with the message to ship under `transfer_id`.
+    pub fn prefill(&self, mut req: GenerateRequest, transfer_id: &str) -> Result<RequestHandle> {
+        // The decode side checks the full length; here only the prompt is computed.
+        req.params.max_tokens = req.params.max_tokens.max(1);
+        self.enqueue(req, Some(transfer_id.to_owned()))
+    }
+
+    /// Continues a sequence prefilled elsewhere: validates the message, takes blocks
+    /// for it (all or nothing: `Overloaded` when the cache has no room), installs the
+    /// K/V and decodes under continuous batching. The first event carries the first
+    /// token that prefill sampled.
+    pub fn resume(&self, msg: KvMessage) -> Result<RequestHandle> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(EngineError::Unavailable("shutting down".into()));
+        }
+        let bad = |e: TransferError| EngineError::invalid(e.to_string(), "kv");
+        KvMessage::check_header(
+            &msg.header,
+            &self.compat,
+            &self.layout,
+            self.max_kv_payload(),
+        )
+        .map_err(bad)?;
+        msg.check_payload().map_err(bad)?;
+        let h = &msg.header;
+        let total = h.prompt.len() + h.params.max_tokens;
+        if total > self.max_model_len {
+            return Err(EngineError::invalid(
+                format!(
+                    "{} prompt tokens + {} more exceed this model's context of {}",
+                    h.prompt.len(),
+                    h.params.max_tokens,
+                    self.max_model_len
+                ),
+                "max_tokens",
+            ));
+        }
+        if let Some(bad) = h
+            .prompt
+            .iter()
+            .chain([&h.first_token])
+            .find(|&&t| t as usize >= self.vocab_size)
+        {
+            return Err(EngineError::invalid(
+                format!("token id {bad} is outside the vocabulary"),
+                "kv",
+            ));
+        }
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (out, events) = tmpsc::unbounded_channel();
+        if self
+            .tx
+            .send(Command::Resume {
+                id,
+                msg: Box::new(msg),
+                out,
+                arrival: Instant::now(),
+            })
+            .is_err()
+        {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Unavailable("the engine has stopped".into()));
+        }
+        Ok(RequestHandle {
+            id,
+            events,
+            tx: self.tx.clone(),
         })
     }
 
     /// Validates and queues a request; events arrive on the returned handle, and
     /// dropping the handle cancels the request.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle> {
+        self.enqueue(req, None)
+    }
+
+    fn enqueue(&self, req: GenerateRequest, prefill_only: Option<String>) -> Result<RequestHandle> {
         if self.draining.load(Ordering::Relaxed) {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
@@ -249,6 +363,7 @@ impl Engine {
                 req,
                 out,
                 arrival: Instant::now(),
+                prefill_only,
             })
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
         Ok(RequestHandle {
@@ -319,6 +434,7 @@ impl Worker {
                 req,
                 out,
                 arrival,
+                prefill_only,
             } => {
                 let rng = req.params.seed.map_or_else(Rng::entropy, Rng::new);
                 self.live.insert(
@@ -333,10 +449,17 @@ impl Worker {
                         scheduled: None,
                         last_token: None,
                         stopped_by_string: false,
+                        prefill_only,
                     },
                 );
                 self.sched.add(SeqState::new(id, req.prompt));
             }
+            Command::Resume {
+                id,
+                msg,
+                out,
+                arrival,
+            } => self.resume(id, *msg, out, arrival),
             Command::Abort(id) => {
                 if self.live.contains_key(&id) {
                     self.finish(id, FinishReason::Abort, None);
@@ -474,6 +597,117 @@ impl Worker {
             return;
         };
         let s = sample(logits, &live.params, &mut live.rng);
+        if live.prefill_only.is_some() {
+            self.ship(id, s.token, s.logprob);
+            return;
+        }
+        self.accept(id, s.token, s.logprob, s.top);
+    }
+
+    /// Prefill-only: hands the prompt's K/V and first token to the caller, then ends
+    /// the request here (its blocks stay in the prefix cache).
+    fn ship(&mut self, id: u64, token: u32, logprob: Option<f32>) {
+        let (Some(live), Some(seq)) = (self.live.get(&id), self.sched.get(id)) else {
+            return;
+        };
+        self.metrics
+            .ttft
+            .observe(live.arrival.elapsed().as_secs_f64());
+        self.metrics.generation_tokens.inc();
+        let layout = self.backend.kv_layout();
+        let bs = layout.block_size;
+        let prompt = seq.tokens[..seq.prompt_len].to_vec();
+        let n = prompt.len().div_ceil(bs);
+        let mut payload = Vec::new();
+        self.backend.export_kv(&seq.blocks[..n], &mut payload);
+        let header = KvHeader {
+            version: transfer::FORMAT_VERSION,
+            request_id: live.prefill_only.clone().unwrap_or_default(),
+            compat: transfer::compat_hash(self.backend.weights_fingerprint(), &layout),
+            block_hashes: crate::kv::block_hashes(&prompt, bs),
+            prompt,
+            first_token: token,
+            first_logprob: logprob,
+            params: live.params.clone(),
+            rng_state: live.rng.state(),
+            num_layers: layout.num_layers as u32,
+            num_blocks: n as u32,
+            block_bytes: transfer::block_bytes(&layout),
+            payload_xxh3: String::new(),
+        };
+        let _ = live
+            .out
+            .send(Event::KvReady(Box::new(KvMessage::new(header, payload))));
+        self.finish(id, FinishReason::Length, None);
+    }
+
+    /// Installs a transferred sequence and streams its first token.
+    fn resume(
+        &mut self,
+        id: u64,
+        msg: KvMessage,
+        out: tmpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    ) {
+        let refuse = |this: &mut Self, e: EngineError| {
+            this.in_flight.fetch_sub(1, Ordering::Relaxed);
+            let _ = out.send(Event::Error(e));
+        };
+        let h = msg.header;
+        if self.sched.num_running() >= self.sched.config.max_running {
+            return refuse(
+                self,
+                EngineError::Overloaded {
+                    retry_after_secs: 1,
+                },
+            );
+        }
+        let Some(blocks) = self.sched.pool.allocate(h.num_blocks as usize) else {
+            return refuse(
+                self,
+                EngineError::Overloaded {
+                    retry_after_secs: 1,
+                },
+            );
+        };
+        if let Err(e) = self.backend.import_kv(&blocks, &msg.payload) {
+            self.sched.pool.release(&blocks);
+            return refuse(self, e);
+        }
+        for (b, hash) in blocks.iter().zip(&h.block_hashes) {
+            self.sched.pool.register(*b, *hash);
+        }
+        self.live.insert(
+            id,
+            Live {
+                stop: StopMatcher::new(h.params.stop.clone()),
+                rng: Rng::from_state(h.rng_state),
+                params: h.params,
+                detok: IncrementalDetokenizer::default(),
+                out,
+                arrival,
+                scheduled: Some(arrival),
+                last_token: None,
+                stopped_by_string: false,
+                prefill_only: None,
+            },
+        );
+        self.sched
+            .add_running(SeqState::resumed(id, h.prompt, blocks, h.block_hashes));
+        self.accept(id, h.first_token, h.first_logprob, Vec::new());
+    }
+
+    /// Appends a sampled token to `id`, streams it, and finishes the request when a
+    /// stop condition holds.
+    fn accept(&mut self, id: u64, token: u32, logprob: Option<f32>, top: Vec<(u32, f32)>) {
+        let Some(live) = self.live.get_mut(&id) else {
+            return;
+        };
+        let s = crate::sampling::Sampled {
+            token,
+            logprob,
+            top,
+        };
         let now = Instant::now();
         match live.last_token {
             None => self

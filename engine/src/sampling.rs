@@ -2,7 +2,7 @@
 //! per-request seed so the same seed gives the same output, and logprobs.
 
 /// Sampling controls of one request (OpenAI + vLLM fields).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f32,
@@ -63,6 +63,18 @@ impl Rng {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         Rng::new(t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed))
+    }
+
+    /// The generator's state, to continue the same stream elsewhere (KV transfer).
+    #[must_use]
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+
+    /// A generator continuing from [`Rng::state`].
+    #[must_use]
+    pub fn from_state(state: u64) -> Self {
+        Rng(state)
     }
 
     pub fn next_u64(&mut self) -> u64 {

@@ -67,6 +67,27 @@ impl SeqState {
         }
     }
 
+    /// A sequence whose prompt K/V arrived from elsewhere (KV transfer) into `blocks`;
+    /// `hashes` are the chained hashes of its full blocks.
+    #[must_use]
+    pub fn resumed(
+        id: u64,
+        prompt: Vec<u32>,
+        blocks: Vec<BlockId>,
+        hashes: Vec<BlockHash>,
+    ) -> Self {
+        SeqState {
+            id,
+            prompt_len: prompt.len(),
+            computed: prompt.len(),
+            tokens: prompt,
+            blocks,
+            hashes,
+            cached_tokens: 0,
+            preemptions: 0,
+        }
+    }
+
     #[must_use]
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
@@ -138,6 +159,12 @@ impl Scheduler {
 
     pub fn add(&mut self, seq: SeqState) {
         self.waiting.push_back(seq);
+    }
+
+    /// Adds a sequence that already holds its blocks (resumed after a KV transfer)
+    /// straight to the running set.
+    pub fn add_running(&mut self, seq: SeqState) {
+        self.running.push(seq);
     }
 
     pub fn get(&self, id: u64) -> Option<&SeqState> {

@@ -192,6 +192,7 @@ fn engine_throughput(
                 Event::Delta { tokens, .. } => generated += tokens.len(),
                 Event::Finished { .. } => break,
                 Event::Error(e) => return Err(e.into()),
+                Event::KvReady(_) => {}
             }
         }
     }

@@ -13,6 +13,15 @@ pub fn model_fixture(name: &str) -> PathBuf {
     shared().join("fixtures/models").join(name)
 }
 
+/// A port free now (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// Runs `preheat ARGS…` to completion.
 pub fn preheat<I, S>(args: I) -> Output
 where

@@ -53,4 +53,12 @@ pub trait Backend: Send {
     /// Runs the model: writes every token's K/V into its slot, then returns the logits
     /// of `logits_rows` (row-major, `logits_rows.len() × vocab_size`).
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>>;
+    /// Identifies the weights (two backends with equal fingerprints and layouts produce
+    /// interchangeable K/V).
+    fn weights_fingerprint(&self) -> u64;
+    /// Appends `blocks`' K/V to `out`: for each layer, for each block, K then V, in
+    /// the layout of [`crate::kv`] (f32 little-endian).
+    fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>);
+    /// Writes K/V laid out as [`Backend::export_kv`] produces into `blocks`.
+    fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()>;
 }

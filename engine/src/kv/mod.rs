@@ -13,6 +13,7 @@
 
 pub mod block_pool;
 pub mod hashing;
+pub mod transfer;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use hashing::{BlockHash, block_hashes};

@@ -298,6 +298,8 @@ async fn collect(
                 .into_response());
             }
             Some(Event::Error(err)) => return Err(err),
+            // Only prefill-only requests ship K/V; nothing to show a client.
+            Some(Event::KvReady(_)) => {}
             None => {
                 return Err(EngineError::Internal(
                     "the engine dropped the request".into(),
@@ -386,6 +388,7 @@ fn sse_stream(
                 out.push(ApiError(err).body());
                 st.done = true;
             }
+            Some(Event::KvReady(_)) => {}
             None => {
                 out.push(ApiError(EngineError::Internal("the engine dropped the request".into())).body());
                 st.done = true;

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use self::matmul::{axpy, dot, linear};
 use self::weights::Weight;
 use super::{Backend, ForwardBatch, KvLayout};
+use crate::kv::BlockId;
 use crate::{EngineError, Result};
 
 #[derive(Debug)]
@@ -35,6 +36,7 @@ struct Layer {
 #[derive(Debug)]
 pub struct CpuBackend {
     config: ModelConfig,
+    fingerprint: u64,
     layout: KvLayout,
     embed: Weight,
     lm_head: Weight,
@@ -102,7 +104,17 @@ impl CpuBackend {
             head_dim: hd,
         };
         let cache_len = num_blocks * layout.block_elems();
+        // The weights' identity for KV compatibility: every tensor's name and digest.
+        let mut ident = String::new();
+        for t in &snap.manifest().tensors {
+            ident.push_str(&t.name);
+            ident.push('=');
+            ident.push_str(&serde_json::to_string(&t.checksum).unwrap_or_default());
+            ident.push(';');
+        }
+        let fingerprint = xxhash_rust::xxh3::xxh3_64(ident.as_bytes());
         Ok(CpuBackend {
+            fingerprint,
             inv_freq: ops::inv_freq(&c),
             final_norm: w("model.norm.weight", &[h])?.to_f32_vec(),
             k_cache: (0..layers.len()).map(|_| vec![0f32; cache_len]).collect(),
@@ -208,6 +220,56 @@ impl Backend for CpuBackend {
 
     fn kv_layout(&self) -> KvLayout {
         self.layout
+    }
+
+    fn weights_fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>) {
+        let n = self.layout.block_elems();
+        out.reserve(self.layout.num_layers * blocks.len() * n * 8);
+        for layer in 0..self.layout.num_layers {
+            for &b in blocks {
+                let (k, v) = self.block(layer, b as usize);
+                out.extend_from_slice(bytemuck::cast_slice(k));
+                out.extend_from_slice(bytemuck::cast_slice(v));
+            }
+        }
+    }
+
+    fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()> {
+        let n = self.layout.block_elems();
+        let per = n * 4;
+        let want = self.layout.num_layers * blocks.len() * 2 * per;
+        if data.len() != want {
+            return Err(EngineError::Internal(format!(
+                "KV import of {} bytes, expected {want}",
+                data.len()
+            )));
+        }
+        if let Some(b) = blocks
+            .iter()
+            .find(|&&b| b as usize >= self.layout.num_blocks)
+        {
+            return Err(EngineError::Internal(format!("KV import into block {b}")));
+        }
+        let mut chunks = data.chunks_exact(per);
+        let mut k = vec![0f32; n];
+        let mut v = vec![0f32; n];
+        for layer in 0..self.layout.num_layers {
+            for &b in blocks {
+                // Unaligned input: copy through bytes rather than casting in place.
+                let (kb, vb) = (chunks.next(), chunks.next());
+                let (Some(kb), Some(vb)) = (kb, vb) else {
+                    return Err(EngineError::Internal("KV import ran short".into()));
+                };
+                bytemuck::cast_slice_mut::<f32, u8>(&mut k).copy_from_slice(kb);
+                bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(vb);
+                self.set_block(layer, b as usize, &k, &v);
+            }
+        }
+        Ok(())
     }
 
     fn forward(&mut self, b: &ForwardBatch<'_>) -> Result<Vec<f32>> {
