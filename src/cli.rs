@@ -154,6 +154,13 @@ pub enum SnapshotCmd {
 pub enum EngineCmd {
     /// Serve a model (snapshot, HF directory or GGUF) with prefill and decode in one process.
     Serve(ServeArgs),
+    /// The disaggregated front: the OpenAI API and the KV-aware router; workers register
+    /// with it.
+    Gateway(GatewayArgs),
+    /// A prefill worker: computes prompts' K/V and first tokens for decode workers.
+    Prefill(WorkerArgs),
+    /// A decode worker: takes prefilled sequences and decodes them.
+    Decode(WorkerArgs),
     /// Measure one replica's capacity (prefill tokens/s by prompt length, ITL by batch)
     /// on this machine and write the scaler's profile JSON.
     Profile {
@@ -174,6 +181,39 @@ pub enum EngineCmd {
         #[arg(long, default_value_t = 512)]
         kv_cache_mib: usize,
     },
+}
+
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Seconds a request waits for a decode worker when none is registered.
+    #[arg(long, default_value_t = 300)]
+    pub hold_timeout_secs: u64,
+    /// Prompts shorter than this are prefilled on the decode worker itself.
+    #[arg(long, default_value_t = 32)]
+    pub disagg_min_tokens: usize,
+    /// Seconds without a heartbeat before a worker is dropped.
+    #[arg(long, default_value_t = 3.0)]
+    pub worker_timeout_secs: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// Gateway base URL to register with.
+    #[arg(long)]
+    pub gateway: String,
+    /// URL the gateway and other workers use to reach this one (default:
+    /// http://HOST:PORT).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// Seconds a decode worker waits for a prefill worker's K/V.
+    #[arg(long, default_value_t = 300)]
+    pub transfer_timeout_secs: u64,
 }
 
 #[derive(Debug, Args)]

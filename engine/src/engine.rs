@@ -12,8 +12,8 @@ use tokio::sync::mpsc as tmpsc;
 
 use crate::backend::KvLayout;
 use crate::backend::{Backend, ForwardBatch, SeqSlice};
-use crate::kv::BlockPool;
 use crate::kv::transfer::{self, KvHeader, KvMessage, TransferError};
+use crate::kv::{BlockId, BlockPool};
 use crate::metrics::EngineMetrics;
 use crate::sampling::{Rng, SamplingParams, sample};
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqState};
@@ -106,9 +106,16 @@ enum Command {
     Resume {
         id: u64,
         msg: Box<KvMessage>,
+        /// Blocks reserved before the payload flowed ([`Engine::reserve`]).
+        blocks: Option<Vec<BlockId>>,
         out: tmpsc::UnboundedSender<Event>,
         arrival: Instant,
     },
+    Reserve {
+        blocks: usize,
+        reply: tokio::sync::oneshot::Sender<Option<Vec<BlockId>>>,
+    },
+    Release(Vec<BlockId>),
     Abort(u64),
 }
 
@@ -130,6 +137,8 @@ struct Live {
 #[derive(Clone)]
 pub struct Engine {
     tx: mpsc::Sender<Command>,
+    /// Set for a gateway's front: requests run on remote workers.
+    remote: Option<Arc<dyn RemoteSubmit>>,
     pub tokenizer: Arc<Tokenizer>,
     pub metrics: Arc<EngineMetrics>,
     next_id: Arc<AtomicU64>,
@@ -153,18 +162,80 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// Runs requests somewhere else (a gateway's workers) behind the same [`Engine`]
+/// handle, so the OpenAI server code serves both.
+pub trait RemoteSubmit: Send + Sync + 'static {
+    /// The work of one request: streams its events to `out` until it ends or `out`
+    /// closes. Dropped (cancelled) when the client goes away.
+    fn run(
+        &self,
+        id: u64,
+        req: GenerateRequest,
+        out: tmpsc::UnboundedSender<Event>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+}
+
+#[derive(Debug)]
+enum Cancel {
+    Local(mpsc::Sender<Command>),
+    Task(tokio::task::AbortHandle),
+}
+
 /// Guard that aborts the request when the consumer drops it.
 #[derive(Debug)]
 pub struct RequestHandle {
     pub id: u64,
     pub events: tmpsc::UnboundedReceiver<Event>,
-    tx: mpsc::Sender<Command>,
+    cancel: Cancel,
 }
 
 impl Drop for RequestHandle {
     fn drop(&mut self) {
         // Harmless if the request already finished.
-        let _ = self.tx.send(Command::Abort(self.id));
+        match &self.cancel {
+            Cancel::Local(tx) => {
+                let _ = tx.send(Command::Abort(self.id));
+            }
+            Cancel::Task(t) => t.abort(),
+        }
+    }
+}
+
+/// Blocks held for a sequence whose K/V have not arrived yet; released on drop unless
+/// handed to [`Engine::resume_into`].
+#[derive(Debug)]
+pub struct Reservation {
+    blocks: Vec<BlockId>,
+    tx: mpsc::Sender<Command>,
+}
+
+impl Reservation {
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.blocks.is_empty() {
+            let _ = self
+                .tx
+                .send(Command::Release(std::mem::take(&mut self.blocks)));
+        }
+    }
+}
+
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -208,6 +279,7 @@ impl Engine {
             .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
         Ok(Engine {
             tx,
+            remote: None,
             tokenizer,
             metrics,
             next_id: Arc::new(AtomicU64::new(1)),
@@ -223,10 +295,85 @@ impl Engine {
         })
     }
 
+    /// A front whose requests run on `remote` (a gateway): same API, no local model.
+    pub fn remote(
+        tokenizer: Tokenizer,
+        model_name: String,
+        max_model_len: usize,
+        vocab_size: usize,
+        compat: String,
+        metrics: Arc<EngineMetrics>,
+        remote: Arc<dyn RemoteSubmit>,
+    ) -> Self {
+        // Nothing reads this channel: local-only calls fail cleanly on a front.
+        let (tx, _) = mpsc::channel();
+        Engine {
+            tx,
+            remote: Some(remote),
+            tokenizer: Arc::new(tokenizer),
+            metrics,
+            next_id: Arc::new(AtomicU64::new(1)),
+            queued: Arc::new(AtomicUsize::new(0)),
+            max_waiting: usize::MAX,
+            max_model_len,
+            model_name,
+            vocab_size,
+            draining: Arc::new(AtomicBool::new(false)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            layout: KvLayout {
+                num_layers: 0,
+                num_blocks: 0,
+                block_size: 1,
+                num_kv_heads: 0,
+                head_dim: 0,
+            },
+            compat,
+        }
+    }
+
+    /// Takes `blocks` KV blocks for a sequence about to arrive (all or nothing);
+    /// `Overloaded` when the cache has no room now.
+    pub async fn reserve(&self, blocks: usize) -> Result<Reservation> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Command::Reserve { blocks, reply })
+            .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
+        match rx.await {
+            Ok(Some(b)) => Ok(Reservation {
+                blocks: b,
+                tx: self.tx.clone(),
+            }),
+            Ok(None) => Err(EngineError::Overloaded {
+                retry_after_secs: 1,
+            }),
+            Err(_) => Err(EngineError::Unavailable("the engine has stopped".into())),
+        }
+    }
+
+    /// [`Engine::resume`] into blocks reserved before the payload flowed.
+    pub fn resume_into(&self, res: Reservation, msg: KvMessage) -> Result<RequestHandle> {
+        if res.len() != msg.header.num_blocks as usize {
+            return Err(EngineError::invalid(
+                format!(
+                    "{} blocks reserved, the message carries {}",
+                    res.len(),
+                    msg.header.num_blocks
+                ),
+                "kv",
+            ));
+        }
+        self.resume_with(msg, Some(res))
+    }
+
     /// The KV compatibility hash of this engine's model and layout.
     #[must_use]
     pub fn compat(&self) -> &str {
         &self.compat
+    }
+
+    #[must_use]
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
     #[must_use]
@@ -255,6 +402,10 @@ impl Engine {
     /// K/V and decodes under continuous batching. The first event carries the first
     /// token that prefill sampled.
     pub fn resume(&self, msg: KvMessage) -> Result<RequestHandle> {
+        self.resume_with(msg, None)
+    }
+
+    fn resume_with(&self, msg: KvMessage, mut res: Option<Reservation>) -> Result<RequestHandle> {
         if self.draining.load(Ordering::Relaxed) {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
@@ -299,6 +450,7 @@ impl Engine {
             .send(Command::Resume {
                 id,
                 msg: Box::new(msg),
+                blocks: res.as_mut().map(|r| std::mem::take(&mut r.blocks)),
                 out,
                 arrival: Instant::now(),
             })
@@ -310,7 +462,7 @@ impl Engine {
         Ok(RequestHandle {
             id,
             events,
-            tx: self.tx.clone(),
+            cancel: Cancel::Local(self.tx.clone()),
         })
     }
 
@@ -347,6 +499,27 @@ impl Engine {
                 "max_tokens",
             ));
         }
+        if let Some(remote) = &self.remote {
+            if prefill_only.is_some() {
+                return Err(EngineError::Internal(
+                    "a gateway front does not prefill".into(),
+                ));
+            }
+            self.in_flight.fetch_add(1, Ordering::Relaxed);
+            let guard = InFlight(Arc::clone(&self.in_flight));
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let (out, events) = tmpsc::unbounded_channel();
+            let work = remote.run(id, req, out);
+            let task = tokio::spawn(async move {
+                let _guard = guard;
+                work.await;
+            });
+            return Ok(RequestHandle {
+                id,
+                events,
+                cancel: Cancel::Task(task.abort_handle()),
+            });
+        }
         if self.queued.load(Ordering::Relaxed) >= self.max_waiting {
             self.metrics.rejected.inc();
             return Err(EngineError::Overloaded {
@@ -369,7 +542,7 @@ impl Engine {
         Ok(RequestHandle {
             id,
             events,
-            tx: self.tx.clone(),
+            cancel: Cancel::Local(self.tx.clone()),
         })
     }
 
@@ -457,9 +630,18 @@ impl Worker {
             Command::Resume {
                 id,
                 msg,
+                blocks,
                 out,
                 arrival,
-            } => self.resume(id, *msg, out, arrival),
+            } => self.resume(id, *msg, blocks, out, arrival),
+            Command::Reserve { blocks, reply } => {
+                let got = self.sched.pool.allocate(blocks);
+                if let Err(Some(b)) = reply.send(got) {
+                    // The requester is gone: give the blocks back.
+                    self.sched.pool.release(&b);
+                }
+            }
+            Command::Release(blocks) => self.sched.pool.release(&blocks),
             Command::Abort(id) => {
                 if self.live.contains_key(&id) {
                     self.finish(id, FinishReason::Abort, None);
@@ -646,6 +828,7 @@ impl Worker {
         &mut self,
         id: u64,
         msg: KvMessage,
+        reserved: Option<Vec<BlockId>>,
         out: tmpsc::UnboundedSender<Event>,
         arrival: Instant,
     ) {
@@ -654,21 +837,21 @@ impl Worker {
             let _ = out.send(Event::Error(e));
         };
         let h = msg.header;
+        let busy = EngineError::Overloaded {
+            retry_after_secs: 1,
+        };
         if self.sched.num_running() >= self.sched.config.max_running {
-            return refuse(
-                self,
-                EngineError::Overloaded {
-                    retry_after_secs: 1,
-                },
-            );
+            if let Some(b) = &reserved {
+                self.sched.pool.release(b);
+            }
+            return refuse(self, busy);
         }
-        let Some(blocks) = self.sched.pool.allocate(h.num_blocks as usize) else {
-            return refuse(
-                self,
-                EngineError::Overloaded {
-                    retry_after_secs: 1,
-                },
-            );
+        let blocks = match reserved {
+            Some(b) => b,
+            None => match self.sched.pool.allocate(h.num_blocks as usize) {
+                Some(b) => b,
+                None => return refuse(self, busy),
+            },
         };
         if let Err(e) = self.backend.import_kv(&blocks, &msg.payload) {
             self.sched.pool.release(&blocks);

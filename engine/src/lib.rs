@@ -5,6 +5,7 @@
 //! continuous batching, served through an OpenAI-compatible API.
 
 pub mod backend;
+pub mod disagg;
 pub mod engine;
 mod error;
 pub mod kv;

@@ -26,6 +26,8 @@ pub mod names {
     /// Requests refused because the queue was full.
     pub const REJECTED: &str = "preheat:requests_rejected_total";
     pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
+    /// Gateway: requests held while no worker of a pool is available.
+    pub const GATEWAY_PENDING: &str = "preheat:gateway_pending_requests";
 }
 
 /// Which part of a disaggregated deployment a process plays.
@@ -34,6 +36,7 @@ pub enum Role {
     Colocated,
     Prefill,
     Decode,
+    Gateway,
 }
 
 impl Role {
@@ -43,6 +46,7 @@ impl Role {
             Role::Colocated => "colocated",
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Gateway => "gateway",
         }
     }
 }

@@ -30,6 +30,8 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// How long SIGTERM waits for in-flight requests.
     pub drain_grace: Duration,
+    /// `role` label of the metrics.
+    pub role: Role,
 }
 
 impl ServeOptions {
@@ -43,6 +45,7 @@ impl ServeOptions {
             scheduler: SchedulerConfig::default(),
             max_body_bytes: DEFAULT_MAX_BODY,
             drain_grace: Duration::from_secs(30),
+            role: Role::Colocated,
         }
     }
 }
@@ -60,7 +63,7 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
         .unwrap_or_else(|| default_name(&opts.model));
     let tokenizer = Tokenizer::from_snapshot(&snap)?;
     let backend = CpuBackend::new(Arc::clone(&snap), num_blocks, opts.block_size)?;
-    let metrics = Arc::new(EngineMetrics::new(&name, Role::Colocated));
+    let metrics = Arc::new(EngineMetrics::new(&name, opts.role));
     let engine = Engine::start(
         Box::new(backend),
         tokenizer,

@@ -14,6 +14,18 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// A tokenizer as it travels between processes (a worker hands it to the gateway).
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct TokenizerParts {
+    /// `tokenizer.json` text.
+    pub json: String,
+    pub template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub add_bos: Option<u32>,
+    pub eos_ids: Vec<u32>,
+}
+
 /// The model's tokenizer with its chat template and special tokens.
 #[derive(Debug)]
 pub struct Tokenizer {
@@ -64,6 +76,38 @@ impl Tokenizer {
             eos_token,
             add_bos,
             eos_ids,
+        })
+    }
+
+    /// Everything needed to rebuild this tokenizer elsewhere.
+    pub fn to_parts(&self) -> Result<TokenizerParts> {
+        Ok(TokenizerParts {
+            json: self
+                .inner
+                .to_string(false)
+                .map_err(|e| EngineError::Tokenizer(e.to_string()))?,
+            template: self.template.clone(),
+            bos_token: self.bos_token.clone(),
+            eos_token: self.eos_token.clone(),
+            add_bos: self.add_bos,
+            eos_ids: self.eos_ids.clone(),
+        })
+    }
+
+    /// Rebuilds a tokenizer from [`Tokenizer::to_parts`].
+    pub fn from_parts(p: TokenizerParts) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(p.json.as_bytes())
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        if let Some(t) = &p.template {
+            template_env(t)?;
+        }
+        Ok(Tokenizer {
+            inner,
+            template: p.template,
+            bos_token: p.bos_token,
+            eos_token: p.eos_token,
+            add_bos: p.add_bos,
+            eos_ids: p.eos_ids,
         })
     }
 

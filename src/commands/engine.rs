@@ -8,7 +8,11 @@ use anyhow::Context;
 use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::serve::{ServeOptions, serve};
 
-use crate::cli::{EngineCmd, ServeArgs};
+use crate::cli::{EngineCmd, GatewayArgs, ServeArgs, WorkerArgs};
+use preheat_engine::disagg::protocol::WorkerRole;
+use preheat_engine::disagg::{gateway, worker};
+use preheat_engine::metrics::Role;
+use preheat_engine::server::shutdown_signal;
 
 pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -20,6 +24,9 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
             rt.block_on(serve(opts))?;
             Ok(ExitCode::SUCCESS)
         }
+        EngineCmd::Gateway(args) => run_gateway(&args),
+        EngineCmd::Prefill(args) => run_worker(&args, WorkerRole::Prefill),
+        EngineCmd::Decode(args) => run_worker(&args, WorkerRole::Decode),
         EngineCmd::Profile {
             model,
             output,
@@ -32,6 +39,85 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `--host`/`--port` as an address, or an error in `errs`.
+fn socket_addr(host: &str, port: u16, errs: &mut Vec<String>) -> Option<std::net::SocketAddr> {
+    let addr = (host, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut i| i.next());
+    if addr.is_none() {
+        errs.push(format!("--host {host} --port {port} is not an address"));
+    }
+    addr
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
+    let mut errs = Vec::new();
+    if !(a.worker_timeout_secs.is_finite() && a.worker_timeout_secs > 0.0) {
+        errs.push("--worker-timeout-secs must be > 0".to_owned());
+    }
+    let addr = socket_addr(&a.host, a.port, &mut errs);
+    if !errs.is_empty() {
+        anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
+    }
+    let opts = gateway::GatewayOptions {
+        worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
+        hold_timeout: Duration::from_secs(a.hold_timeout_secs),
+        disagg_min_tokens: a.disagg_min_tokens,
+        ..gateway::GatewayOptions::default()
+    };
+    let addr = addr.context("checked above")?;
+    runtime()?.block_on(async move {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        gateway::run(l, opts, shutdown_signal()).await?;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
+    let mut serve = serve_options(&a.serve)?;
+    if !(a.gateway.starts_with("http://") || a.gateway.starts_with("https://")) {
+        anyhow::bail!("--gateway {:?} is not an http(s) URL", a.gateway);
+    }
+    serve.role = match role {
+        WorkerRole::Prefill => Role::Prefill,
+        WorkerRole::Decode => Role::Decode,
+    };
+    let advertise = a.advertise.clone().unwrap_or_else(|| {
+        let host = if a.serve.host == "0.0.0.0" {
+            "127.0.0.1"
+        } else {
+            a.serve.host.as_str()
+        };
+        format!("http://{host}:{}", a.serve.port)
+    });
+    let opts = worker::WorkerOptions {
+        serve: serve.clone(),
+        role,
+        gateway: a.gateway.trim_end_matches('/').to_owned(),
+        advertise: advertise.trim_end_matches('/').to_owned(),
+        heartbeat: Duration::from_secs(1),
+        transfer_timeout: Duration::from_secs(a.transfer_timeout_secs),
+    };
+    runtime()?.block_on(async move {
+        let l = tokio::net::TcpListener::bind(serve.addr)
+            .await
+            .with_context(|| format!("binding {}", serve.addr))?;
+        worker::run(l, opts, shutdown_signal()).await?;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Measures the replica and writes a `preheat_scaler::profile::Profile`.
@@ -141,16 +227,7 @@ fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
             errs.push(format!("{flag} must be > 0"));
         }
     }
-    let addr = (a.host.as_str(), a.port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut i| i.next());
-    if addr.is_none() {
-        errs.push(format!(
-            "--host {} --port {} is not an address",
-            a.host, a.port
-        ));
-    }
+    let addr = socket_addr(&a.host, a.port, &mut errs);
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
     }

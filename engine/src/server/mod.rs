@@ -65,18 +65,24 @@ pub fn router(state: ApiState) -> Router {
 }
 
 async fn health(State(st): State<ApiState>) -> Response {
-    match st.engine.get() {
+    health_of(st.engine.get())
+}
+
+async fn metrics(State(st): State<ApiState>) -> Response {
+    metrics_of(st.engine.get())
+}
+
+/// `/health`: 200 once an engine is loaded, 503 before.
+pub fn health_of(engine: Option<&Engine>) -> Response {
+    match engine {
         Some(_) => (StatusCode::OK, "ok").into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
     }
 }
 
-async fn metrics(State(st): State<ApiState>) -> Response {
-    let body = st
-        .engine
-        .get()
-        .map(|e| e.metrics.render())
-        .unwrap_or_default();
+/// `/metrics` in the Prometheus text format (empty before the engine loads).
+pub fn metrics_of(engine: Option<&Engine>) -> Response {
+    let body = engine.map(|e| e.metrics.render()).unwrap_or_default();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -1,0 +1,463 @@
+//! The gateway process: the OpenAI API (the same server code as `engine serve`) over a
+//! front [`Engine`] whose requests run on registered workers, the worker registry and
+//! the router.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures_util::StreamExt;
+use prometheus::IntGauge;
+
+use super::protocol::{
+    GenerateBody, Heartbeat, Load, ModelInfo, Registration, WireError, WireEvent, WorkerRole,
+};
+use super::router::{PrefixIndex, pick_decode, pick_prefill};
+use crate::engine::{Engine, Event, GenerateRequest, RemoteSubmit};
+use crate::kv::block_hashes;
+use crate::metrics::{EngineMetrics, Role};
+use crate::server::{ApiState, DEFAULT_MAX_BODY, drain, router};
+use crate::tokenizer::Tokenizer;
+use crate::{EngineError, Result};
+
+/// Gateway settings.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct GatewayOptions {
+    /// Missed-heartbeat horizon after which a worker is dropped.
+    pub worker_timeout: Duration,
+    /// How long a request waits for a decode worker when there is none (scale from
+    /// zero) before failing.
+    pub hold_timeout: Duration,
+    /// Prompts shorter than this are prefilled on the decode worker itself.
+    pub disagg_min_tokens: usize,
+    /// Longest silence in a decode worker's stream before it counts as dead.
+    pub stream_idle_timeout: Duration,
+    pub drain_grace: Duration,
+}
+
+impl Default for GatewayOptions {
+    fn default() -> Self {
+        GatewayOptions {
+            worker_timeout: Duration::from_secs(3),
+            hold_timeout: Duration::from_secs(300),
+            disagg_min_tokens: 32,
+            stream_idle_timeout: Duration::from_secs(60),
+            drain_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    reg: Registration,
+    load: Load,
+    last_seen: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    workers: HashMap<String, Entry>,
+    prefix: PrefixIndex,
+    compat: Option<String>,
+    block_size: usize,
+}
+
+/// Shared gateway state.
+pub struct Gateway {
+    reg: Mutex<Registry>,
+    client: reqwest::Client,
+    api: ApiState,
+    opts: GatewayOptions,
+    /// `preheat:gateway_pending_requests`: requests waiting for a worker.
+    pending: IntGauge,
+    front: OnceLock<()>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Picked {
+    id: String,
+    url: String,
+}
+
+impl Gateway {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.reg
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn drop_worker(&self, id: &str, why: &str) {
+        if self.lock().workers.remove(id).is_some() {
+            tracing::warn!(worker = %id, reason = why, "worker dropped");
+        }
+    }
+
+    fn pick(&self, role: WorkerRole, hashes: &[u64], exclude: &[String]) -> Option<Picked> {
+        let g = self.lock();
+        let cands: Vec<&Entry> = g
+            .workers
+            .values()
+            .filter(|e| e.reg.role == role && !exclude.contains(&e.reg.id))
+            .collect();
+        let i = match role {
+            WorkerRole::Decode => pick_decode(&cands.iter().map(|e| &e.load).collect::<Vec<_>>())?,
+            WorkerRole::Prefill => {
+                let empty = super::router::PrefixMemory::default();
+                let pairs: Vec<_> = cands
+                    .iter()
+                    .map(|e| (&e.load, g.prefix.0.get(&e.reg.id).unwrap_or(&empty)))
+                    .collect();
+                pick_prefill(&pairs, hashes, 4.0)?
+            }
+        };
+        let e = cands[i];
+        Some(Picked {
+            id: e.reg.id.clone(),
+            url: e.reg.url.clone(),
+        })
+    }
+
+    /// Waits for a decode worker (held at the gateway while the pool is at zero).
+    async fn wait_decode(&self) -> Option<Picked> {
+        if let Some(p) = self.pick(WorkerRole::Decode, &[], &[]) {
+            return Some(p);
+        }
+        self.pending.inc();
+        let deadline = Instant::now() + self.opts.hold_timeout;
+        let got = loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if let Some(p) = self.pick(WorkerRole::Decode, &[], &[]) {
+                break Some(p);
+            }
+            if Instant::now() >= deadline {
+                break None;
+            }
+        };
+        self.pending.dec();
+        got
+    }
+
+    async fn serve_request(
+        self: Arc<Self>,
+        id: u64,
+        req: GenerateRequest,
+        out: tokio::sync::mpsc::UnboundedSender<Event>,
+    ) {
+        let fail = |e: EngineError| {
+            let _ = out.send(Event::Error(e));
+        };
+        let bs = self.lock().block_size.max(1);
+        let hashes = block_hashes(&req.prompt, bs);
+        let mut excluded: Vec<String> = Vec::new();
+        // Two tries on prefill workers, then prefill on the decode worker itself.
+        for attempt in 0..3 {
+            let Some(decode) = self.wait_decode().await else {
+                return fail(EngineError::Unavailable(format!(
+                    "no decode worker became available within {} s",
+                    self.opts.hold_timeout.as_secs()
+                )));
+            };
+            let prefill = if attempt < 2 && req.prompt.len() >= self.opts.disagg_min_tokens {
+                self.pick(WorkerRole::Prefill, &hashes, &excluded)
+            } else {
+                None
+            };
+            let body = GenerateBody {
+                request_id: format!("gw-{id}"),
+                prompt: req.prompt.clone(),
+                params: req.params.clone(),
+                prefill: prefill.as_ref().map(|p| p.url.clone()),
+            };
+            let resp = match self
+                .client
+                .post(format!("{}/internal/generate", decode.url))
+                .json(&body)
+                .send()
+                .await
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    self.drop_worker(&decode.id, "unreachable");
+                    return fail(EngineError::Unavailable(format!(
+                        "decode worker {}: {e}",
+                        decode.url
+                    )));
+                }
+            };
+            if !resp.status().is_success() {
+                let status = resp.status();
+                let w: WireError = resp.json().await.unwrap_or(WireError {
+                    class: "internal".into(),
+                    message: format!("decode worker answered HTTP {status}"),
+                    prefill_failed: false,
+                });
+                if w.prefill_failed && attempt < 2 {
+                    if let Some(p) = &prefill {
+                        tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
+                        excluded.push(p.id.clone());
+                    }
+                    continue;
+                }
+                return fail(w.into_engine());
+            }
+            if let Some(p) = &prefill {
+                self.lock()
+                    .prefix
+                    .0
+                    .entry(p.id.clone())
+                    .or_default()
+                    .remember(&hashes);
+            }
+            let mut stream = resp.bytes_stream();
+            let mut buf: Vec<u8> = Vec::new();
+            loop {
+                let next = tokio::time::timeout(self.opts.stream_idle_timeout, stream.next()).await;
+                let chunk = match next {
+                    Ok(Some(Ok(c))) => c,
+                    Ok(Some(Err(e))) => {
+                        self.drop_worker(&decode.id, "stream broke");
+                        return fail(EngineError::Unavailable(format!(
+                            "decode worker {} failed mid-stream: {e}",
+                            decode.url
+                        )));
+                    }
+                    Ok(None) => {
+                        self.drop_worker(&decode.id, "stream ended early");
+                        return fail(EngineError::Unavailable(format!(
+                            "decode worker {} ended the stream early",
+                            decode.url
+                        )));
+                    }
+                    Err(_) => {
+                        self.drop_worker(&decode.id, "stream stalled");
+                        return fail(EngineError::Unavailable(format!(
+                            "decode worker {} stalled",
+                            decode.url
+                        )));
+                    }
+                };
+                buf.extend_from_slice(&chunk);
+                while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = buf.drain(..=pos).collect();
+                    let ev = match serde_json::from_slice::<WireEvent>(&line) {
+                        Ok(w) => w.into_event(),
+                        Err(e) => {
+                            return fail(EngineError::Internal(format!(
+                                "decode worker sent garbage: {e}"
+                            )));
+                        }
+                    };
+                    let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
+                    if out.send(ev).is_err() || end {
+                        return;
+                    }
+                }
+            }
+        }
+        fail(EngineError::Internal("no attempt left".into()));
+    }
+}
+
+struct Submitter(Arc<Gateway>);
+
+impl RemoteSubmit for Submitter {
+    fn run(
+        &self,
+        id: u64,
+        req: GenerateRequest,
+        out: tokio::sync::mpsc::UnboundedSender<Event>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(Arc::clone(&self.0).serve_request(id, req, out))
+    }
+}
+
+fn conflict(msg: String) -> Response {
+    (StatusCode::CONFLICT, msg).into_response()
+}
+
+async fn register(State(gw): State<Arc<Gateway>>, Json(r): Json<Registration>) -> Response {
+    let known = gw.lock().compat.clone();
+    match known {
+        Some(c) if c != r.compat => {
+            let msg = format!(
+                "worker {} ({} at {}) has KV compatibility hash {}, this gateway serves {}: another model or KV layout",
+                r.id, r.model, r.url, r.compat, c
+            );
+            tracing::warn!("refusing worker: {msg}");
+            return conflict(msg);
+        }
+        Some(_) => {}
+        None => {
+            // The first worker teaches the gateway its model.
+            let info: ModelInfo = match async {
+                gw.client
+                    .get(format!("{}/internal/model", r.url))
+                    .timeout(Duration::from_secs(30))
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .json()
+                    .await
+            }
+            .await
+            {
+                Ok(i) => i,
+                Err(e) => {
+                    return (
+                        StatusCode::BAD_GATEWAY,
+                        format!("reading {}/internal/model: {e}", r.url),
+                    )
+                        .into_response();
+                }
+            };
+            if info.compat != r.compat {
+                return conflict("the worker's model answer contradicts its registration".into());
+            }
+            let tok = match Tokenizer::from_parts(info.tokenizer) {
+                Ok(t) => t,
+                Err(e) => return (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+            };
+            let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
+            let _ = metrics.registry.register(Box::new(gw.pending.clone()));
+            {
+                let mut g = gw.lock();
+                g.compat = Some(info.compat.clone());
+                g.block_size = info.block_size;
+            }
+            if gw.front.set(()).is_ok() {
+                gw.api.set_engine(Engine::remote(
+                    tok,
+                    info.model.clone(),
+                    info.max_model_len,
+                    info.vocab_size,
+                    info.compat,
+                    metrics,
+                    Arc::new(Submitter(Arc::clone(&gw))),
+                ));
+                tracing::info!(model = %info.model, "gateway serving");
+            }
+        }
+    }
+    tracing::info!(worker = %r.id, role = r.role.as_str(), url = %r.url, "worker registered");
+    gw.lock().workers.insert(
+        r.id.clone(),
+        Entry {
+            reg: r,
+            load: Load::default(),
+            last_seen: Instant::now(),
+        },
+    );
+    StatusCode::OK.into_response()
+}
+
+async fn heartbeat(State(gw): State<Arc<Gateway>>, Json(h): Json<Heartbeat>) -> Response {
+    let mut g = gw.lock();
+    match g.workers.get_mut(&h.id) {
+        Some(e) => {
+            e.load = h.load;
+            e.last_seen = Instant::now();
+            StatusCode::OK.into_response()
+        }
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Deregister {
+    id: String,
+}
+
+async fn deregister(State(gw): State<Arc<Gateway>>, Json(d): Json<Deregister>) -> Response {
+    if gw.lock().workers.remove(&d.id).is_some() {
+        tracing::info!(worker = %d.id, "worker deregistered");
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
+    let g = gw.lock();
+    let mut list: Vec<_> = g
+        .workers
+        .values()
+        .map(|e| serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load}))
+        .collect();
+    list.sort_by_key(|v| v["id"].as_str().unwrap_or("").to_owned());
+    Json(serde_json::json!({"workers": list}))
+}
+
+/// Runs the gateway on `listener` until `stop` resolves.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    opts: GatewayOptions,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let api = ApiState::new(DEFAULT_MAX_BODY);
+    let pending = IntGauge::new(
+        crate::metrics::names::GATEWAY_PENDING,
+        "Requests held at the gateway waiting for a worker",
+    )
+    .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let gw = Arc::new(Gateway {
+        reg: Mutex::new(Registry::default()),
+        client: reqwest::Client::new(),
+        api: api.clone(),
+        opts: opts.clone(),
+        pending,
+        front: OnceLock::new(),
+    });
+    let internal = axum::Router::new()
+        .route("/internal/register", post(register))
+        .route("/internal/heartbeat", post(heartbeat))
+        .route("/internal/deregister", post(deregister))
+        .route("/internal/workers", axum::routing::get(workers))
+        .with_state(Arc::clone(&gw));
+    let app = router(api.clone()).merge(internal);
+    // Drop workers whose heartbeats stopped.
+    let reaper = {
+        let gw = Arc::clone(&gw);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let horizon = gw.opts.worker_timeout;
+                let dead: Vec<String> = gw
+                    .lock()
+                    .workers
+                    .values()
+                    .filter(|e| e.last_seen.elapsed() > horizon)
+                    .map(|e| e.reg.id.clone())
+                    .collect();
+                for id in dead {
+                    gw.drop_worker(&id, "missed heartbeats");
+                }
+            }
+        })
+    };
+    tracing::info!(addr = %listener.local_addr().map_err(|e| EngineError::Unavailable(e.to_string()))?, "gateway listening (health is 503 until a worker registers)");
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let grace = opts.drain_grace;
+    tokio::spawn(async move {
+        stop.await;
+        tracing::info!("gateway shutting down: draining in-flight requests");
+        drain(&api, grace).await;
+        let _ = stop_tx.send(());
+    });
+    let r = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop_rx.await;
+        })
+        .await;
+    reaper.abort();
+    r.map_err(|e| EngineError::Unavailable(format!("gateway: {e}")))
+}

@@ -1,0 +1,195 @@
+//! Messages between the gateway and the workers (JSON over HTTP; NDJSON streams).
+
+use serde::{Deserialize, Serialize};
+
+use crate::EngineError;
+use crate::engine::{Event, FinishReason, TokenOut, Usage};
+use crate::sampling::SamplingParams;
+use crate::tokenizer::TokenizerParts;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Registration {
+    pub id: String,
+    pub role: WorkerRole,
+    /// Base URL the gateway and other workers reach this worker at.
+    pub url: String,
+    pub model: String,
+    pub compat: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Load {
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_usage: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub id: String,
+    pub load: Load,
+}
+
+/// What the gateway needs to front a worker's model (`GET /internal/model`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub model: String,
+    pub compat: String,
+    pub block_size: usize,
+    pub max_model_len: usize,
+    pub vocab_size: usize,
+    pub tokenizer: TokenizerParts,
+}
+
+/// `POST /internal/prefill` on a prefill worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PrefillBody {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// `POST /internal/generate` on a decode worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GenerateBody {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Prefill worker to pull the K/V from; `None`: prefill here.
+    pub prefill: Option<String>,
+}
+
+/// Error body of the internal endpoints.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WireError {
+    /// `invalid`, `overloaded`, `unavailable`, `internal`.
+    pub class: String,
+    pub message: String,
+    /// The prefill worker failed before the first token: another one may succeed.
+    #[serde(default)]
+    pub prefill_failed: bool,
+}
+
+impl WireError {
+    #[must_use]
+    pub fn from_engine(e: &EngineError, prefill_failed: bool) -> Self {
+        let class = match e {
+            EngineError::InvalidRequest { .. } | EngineError::UnknownModel(_) => "invalid",
+            EngineError::Overloaded { .. } => "overloaded",
+            EngineError::Unavailable(_) => "unavailable",
+            _ => "internal",
+        };
+        WireError {
+            class: class.into(),
+            message: e.to_string(),
+            prefill_failed,
+        }
+    }
+
+    #[must_use]
+    pub fn into_engine(self) -> EngineError {
+        match self.class.as_str() {
+            "invalid" => EngineError::InvalidRequest {
+                message: self.message,
+                param: None,
+            },
+            "overloaded" => EngineError::Overloaded {
+                retry_after_secs: 1,
+            },
+            "unavailable" => EngineError::Unavailable(self.message),
+            _ => EngineError::Internal(self.message),
+        }
+    }
+}
+
+/// A token on the wire: id, logprob, top alternatives.
+pub type WireToken = (u32, Option<f32>, Vec<(u32, f32)>);
+
+/// One line of a decode worker's NDJSON stream.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum WireEvent {
+    Delta {
+        tokens: Vec<WireToken>,
+        text: String,
+    },
+    Finished {
+        reason: String,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
+    Error(WireError),
+}
+
+impl WireEvent {
+    /// `None` for events that do not cross the wire (K/V goes its own way).
+    #[must_use]
+    pub fn from_event(e: Event) -> Option<Self> {
+        Some(match e {
+            Event::Delta { tokens, text } => WireEvent::Delta {
+                tokens: tokens
+                    .into_iter()
+                    .map(|t| (t.id, t.logprob, t.top))
+                    .collect(),
+                text,
+            },
+            Event::Finished { reason, usage } => WireEvent::Finished {
+                reason: reason.as_str().into(),
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                cached_tokens: usage.cached_tokens,
+            },
+            Event::Error(e) => WireEvent::Error(WireError::from_engine(&e, false)),
+            Event::KvReady(_) => return None,
+        })
+    }
+
+    #[must_use]
+    pub fn into_event(self) -> Event {
+        match self {
+            WireEvent::Delta { tokens, text } => Event::Delta {
+                tokens: tokens
+                    .into_iter()
+                    .map(|(id, logprob, top)| TokenOut { id, logprob, top })
+                    .collect(),
+                text,
+            },
+            WireEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            } => Event::Finished {
+                reason: match reason.as_str() {
+                    "stop" => FinishReason::Stop,
+                    "length" => FinishReason::Length,
+                    _ => FinishReason::Abort,
+                },
+                usage: Usage {
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                },
+            },
+            WireEvent::Error(w) => Event::Error(w.into_engine()),
+        }
+    }
+}

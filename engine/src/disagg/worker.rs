@@ -1,0 +1,398 @@
+//! A prefill or decode worker process: loads the model, serves its internal endpoints,
+//! `/health` and `/metrics`, registers with the gateway and heartbeats; on SIGTERM it
+//! deregisters, finishes what it holds within the grace period, and exits.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+
+use super::protocol::{
+    GenerateBody, Heartbeat, Load, ModelInfo, PrefillBody, Registration, WireError, WireEvent,
+    WorkerRole,
+};
+use crate::engine::{Engine, Event, GenerateRequest};
+use crate::kv::transfer::KvMessage;
+use crate::serve::{ServeOptions, load_engine};
+use crate::{EngineError, Result};
+
+/// Options of a worker process.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct WorkerOptions {
+    pub serve: ServeOptions,
+    pub role: WorkerRole,
+    /// Gateway base URL.
+    pub gateway: String,
+    /// Base URL others reach this worker at.
+    pub advertise: String,
+    pub heartbeat: Duration,
+    /// Longest a decode worker waits for a prefill worker's K/V.
+    pub transfer_timeout: Duration,
+}
+
+#[derive(Clone)]
+struct WorkerState {
+    engine: Arc<OnceLock<Engine>>,
+    role: WorkerRole,
+    client: reqwest::Client,
+    transfer_timeout: Duration,
+}
+
+impl WorkerState {
+    fn engine(&self) -> std::result::Result<&Engine, Box<Response>> {
+        self.engine.get().ok_or_else(|| {
+            Box::new(wire_error(
+                &EngineError::Unavailable("the model is still loading".into()),
+                false,
+            ))
+        })
+    }
+}
+
+fn status_of(class: &str) -> StatusCode {
+    match class {
+        "invalid" => StatusCode::BAD_REQUEST,
+        "overloaded" => StatusCode::TOO_MANY_REQUESTS,
+        "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+fn wire_error(e: &EngineError, prefill_failed: bool) -> Response {
+    let w = WireError::from_engine(e, prefill_failed);
+    let status = if prefill_failed {
+        StatusCode::BAD_GATEWAY
+    } else {
+        status_of(&w.class)
+    };
+    (status, Json(w)).into_response()
+}
+
+async fn health(State(st): State<WorkerState>) -> Response {
+    crate::server::health_of(st.engine.get())
+}
+
+async fn metrics(State(st): State<WorkerState>) -> Response {
+    crate::server::metrics_of(st.engine.get())
+}
+
+async fn model(State(st): State<WorkerState>) -> Response {
+    let e = match st.engine() {
+        Ok(e) => e,
+        Err(r) => return *r,
+    };
+    match e.tokenizer.to_parts() {
+        Ok(tokenizer) => Json(ModelInfo {
+            model: e.model_name.clone(),
+            compat: e.compat().to_owned(),
+            block_size: e.kv_layout().block_size,
+            max_model_len: e.max_model_len,
+            vocab_size: e.vocab_size(),
+            tokenizer,
+        })
+        .into_response(),
+        Err(err) => wire_error(&err, false),
+    }
+}
+
+/// Prefill role: compute the prompt's K/V and first token, answer with one KV
+/// transfer message.
+async fn prefill(State(st): State<WorkerState>, Json(b): Json<PrefillBody>) -> Response {
+    if st.role != WorkerRole::Prefill {
+        return wire_error(&EngineError::invalid("not a prefill worker", "role"), false);
+    }
+    let e = match st.engine() {
+        Ok(e) => e,
+        Err(r) => return *r,
+    };
+    let req = GenerateRequest {
+        prompt: b.prompt,
+        params: b.params,
+    };
+    let mut h = match e.prefill(req, &b.request_id) {
+        Ok(h) => h,
+        Err(err) => return wire_error(&err, false),
+    };
+    loop {
+        match h.events.recv().await {
+            Some(Event::KvReady(m)) => {
+                let mut buf = Vec::with_capacity(m.payload.len() + 4096);
+                if let Err(err) = m.write_to(&mut buf).await {
+                    return wire_error(&EngineError::Internal(err.to_string()), false);
+                }
+                return ([(header::CONTENT_TYPE, "application/octet-stream")], buf).into_response();
+            }
+            Some(Event::Error(err)) => return wire_error(&err, false),
+            Some(Event::Finished { .. }) | None => {
+                return wire_error(
+                    &EngineError::Internal("prefill ended without K/V".into()),
+                    false,
+                );
+            }
+            Some(Event::Delta { .. }) => {}
+        }
+    }
+}
+
+/// Pulls one KV message from a prefill worker, never buffering more than the
+/// largest message this engine could accept.
+async fn fetch_kv(
+    st: &WorkerState,
+    e: &Engine,
+    url: &str,
+    b: &GenerateBody,
+) -> std::result::Result<KvMessage, String> {
+    let resp = st
+        .client
+        .post(format!("{url}/internal/prefill"))
+        .json(&PrefillBody {
+            request_id: b.request_id.clone(),
+            prompt: b.prompt.clone(),
+            params: b.params.clone(),
+        })
+        .timeout(st.transfer_timeout)
+        .send()
+        .await
+        .map_err(|err| format!("{err}"))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let w: Option<WireError> = resp.json().await.ok();
+        return Err(format!(
+            "HTTP {status}: {}",
+            w.map_or_else(String::new, |w| w.message)
+        ));
+    }
+    let cap = e.max_kv_payload() as usize + (16 << 20) + 8;
+    let mut buf = Vec::new();
+    let mut body = resp.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|err| format!("transfer broke off: {err}"))?;
+        if buf.len() + chunk.len() > cap {
+            return Err("the K/V message is larger than this worker's whole cache".into());
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    KvMessage::read_from(
+        &mut buf.as_slice(),
+        e.compat(),
+        &e.kv_layout(),
+        e.max_kv_payload(),
+    )
+    .await
+    .map_err(|err| err.to_string())
+}
+
+/// Decode role: reserve blocks, pull the K/V (or prefill here), decode, stream NDJSON.
+async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) -> Response {
+    if st.role != WorkerRole::Decode {
+        return wire_error(&EngineError::invalid("not a decode worker", "role"), false);
+    }
+    let e = match st.engine() {
+        Ok(e) => e.clone(),
+        Err(r) => return *r,
+    };
+    let handle = match &b.prefill {
+        None => e.submit(GenerateRequest {
+            prompt: b.prompt.clone(),
+            params: b.params.clone(),
+        }),
+        Some(url) => {
+            let blocks = b.prompt.len().div_ceil(e.kv_layout().block_size);
+            // Room first: nothing flows unless it can land.
+            let res = match e.reserve(blocks).await {
+                Ok(r) => r,
+                Err(err) => return wire_error(&err, false),
+            };
+            match fetch_kv(&st, &e, url, &b).await {
+                Ok(msg) => e.resume_into(res, msg),
+                Err(why) => {
+                    // `res` drops here: the reserved blocks go back to the pool.
+                    tracing::warn!(request = %b.request_id, prefill = %url, error = %why, "KV transfer failed");
+                    return wire_error(
+                        &EngineError::Unavailable(format!("prefill worker {url}: {why}")),
+                        true,
+                    );
+                }
+            }
+        }
+    };
+    let handle = match handle {
+        Ok(h) => h,
+        Err(err) => return wire_error(&err, false),
+    };
+    let lines = futures_util::stream::unfold(Some(handle), |h| async move {
+        let mut h = h?;
+        loop {
+            let ev = h.events.recv().await?;
+            let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
+            if let Some(w) = WireEvent::from_event(ev) {
+                let mut line = serde_json::to_vec(&w).unwrap_or_default();
+                line.push(b'\n');
+                let next = if end { None } else { Some(h) };
+                return Some((Ok::<_, std::io::Error>(axum::body::Bytes::from(line)), next));
+            }
+        }
+    });
+    (
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response()
+}
+
+fn load_of(e: &Engine) -> Load {
+    Load {
+        running: e.metrics.running.get() as f64,
+        waiting: e.metrics.waiting.get() as f64,
+        kv_usage: e.metrics.kv_usage.get(),
+    }
+}
+
+/// Registers, then heartbeats until cancelled; re-registers when the gateway forgot
+/// this worker. A refusal (another model) ends the worker.
+async fn membership(
+    client: reqwest::Client,
+    opts: WorkerOptions,
+    e: Engine,
+    id: String,
+) -> Result<()> {
+    let reg = Registration {
+        id: id.clone(),
+        role: opts.role,
+        url: opts.advertise.clone(),
+        model: e.model_name.clone(),
+        compat: e.compat().to_owned(),
+    };
+    let register = || async {
+        loop {
+            match client
+                .post(format!("{}/internal/register", opts.gateway))
+                .json(&reg)
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await
+            {
+                Ok(r) if r.status().is_success() => {
+                    tracing::info!(gateway = %opts.gateway, id = %reg.id, role = reg.role.as_str(), "registered");
+                    return Ok(());
+                }
+                Ok(r) if r.status() == StatusCode::CONFLICT => {
+                    let why = r.text().await.unwrap_or_default();
+                    tracing::error!(gateway = %opts.gateway, reason = %why, "the gateway refused this worker");
+                    return Err(EngineError::Unavailable(format!(
+                        "refused by the gateway: {why}"
+                    )));
+                }
+                Ok(r) => tracing::warn!(status = %r.status(), "registration failed; retrying"),
+                Err(err) => tracing::warn!(error = %err, "gateway unreachable; retrying"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    };
+    register().await?;
+    loop {
+        tokio::time::sleep(opts.heartbeat).await;
+        let hb = Heartbeat {
+            id: id.clone(),
+            load: load_of(&e),
+        };
+        match client
+            .post(format!("{}/internal/heartbeat", opts.gateway))
+            .json(&hb)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) if r.status() == StatusCode::NOT_FOUND => register().await?,
+            Ok(_) => {}
+            Err(err) => tracing::debug!(error = %err, "heartbeat failed"),
+        }
+    }
+}
+
+/// Runs a worker on `listener` until `stop` resolves.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    opts: WorkerOptions,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let client = reqwest::Client::new();
+    let st = WorkerState {
+        engine: Arc::new(OnceLock::new()),
+        role: opts.role,
+        client: client.clone(),
+        transfer_timeout: opts.transfer_timeout,
+    };
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/internal/model", get(model))
+        .route("/internal/prefill", post(prefill))
+        .route("/internal/generate", post(generate))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            opts.serve.max_body_bytes,
+        ))
+        .with_state(st.clone());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+    let serve = opts.serve.clone();
+    let engine = tokio::task::spawn_blocking(move || load_engine(&serve))
+        .await
+        .map_err(|e| EngineError::Internal(format!("model loader: {e}")))??;
+    let _ = st.engine.set(engine.clone());
+    let id = format!(
+        "{}-{}-{}",
+        opts.role.as_str(),
+        std::process::id(),
+        opts.advertise
+    );
+    let member = tokio::spawn(membership(
+        client.clone(),
+        opts.clone(),
+        engine.clone(),
+        id.clone(),
+    ));
+    let member_abort = member.abort_handle();
+    let outcome = tokio::select! {
+        () = stop => Ok(()),
+        r = member => match r {
+            Ok(Err(e)) => Err(e),
+            _ => Ok(()),
+        },
+    };
+    member_abort.abort();
+    // Leave the rotation first, then finish what is held.
+    let _ = client
+        .post(format!("{}/internal/deregister", opts.gateway))
+        .json(&serde_json::json!({"id": id}))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await;
+    engine.drain();
+    let deadline = tokio::time::Instant::now() + opts.serve.drain_grace;
+    while engine.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if engine.in_flight() > 0 {
+        tracing::warn!(
+            in_flight = engine.in_flight(),
+            "grace period over; exiting with requests in flight"
+        );
+    }
+    let _ = stop_tx.send(());
+    let _ = server.await;
+    outcome
+}

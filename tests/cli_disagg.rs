@@ -1,0 +1,201 @@
+//! Disaggregated serving as operators run it: a gateway, prefill and decode worker
+//! processes on the tiny fixture. Greedy output through the gateway equals `engine
+//! serve`; a worker of another model is refused at registration; a decode worker
+//! killed mid-stream ends the client's stream with an error, not a hang; a dead prefill
+//! worker's requests are retried on another.
+
+mod harness;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use harness::{free_port, model_fixture};
+use serde_json::{Value, json};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> Proc {
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_preheat"))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn worker(role: &str, model: &str, gw: &str) -> (Proc, u16) {
+    let port = free_port();
+    let m = model_fixture(model);
+    let p = spawn(&[
+        "engine",
+        role,
+        "--model",
+        m.to_str().unwrap(),
+        "--port",
+        &port.to_string(),
+        "--kv-cache-mib",
+        "16",
+        "--gateway",
+        gw,
+    ]);
+    (p, port)
+}
+
+async fn workers(c: &reqwest::Client, gw: &str) -> Vec<Value> {
+    match c.get(format!("{gw}/internal/workers")).send().await {
+        Ok(r) => r
+            .json::<Value>()
+            .await
+            .map(|v| v["workers"].as_array().cloned().unwrap_or_default())
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
+    }
+}
+
+async fn wait_for(what: &str, secs: u64, mut f: impl AsyncFnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f().await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn complete(c: &reqwest::Client, base: &str, prompt: &Value, max_tokens: usize) -> Value {
+    c.post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
+    let gport = free_port();
+    let gw = format!("http://127.0.0.1:{gport}");
+    let _gateway = spawn(&[
+        "engine",
+        "gateway",
+        "--port",
+        &gport.to_string(),
+        "--disagg-min-tokens",
+        "1",
+    ]);
+    let (mut prefill_a, _) = worker("prefill", "llama-tiny", &gw);
+    let (mut prefill_b, _) = worker("prefill", "llama-tiny", &gw);
+    let (mut decode, dport) = worker("decode", "llama-tiny", &gw);
+    let sport = free_port();
+    let tiny = model_fixture("llama-tiny");
+    let _serve = spawn(&[
+        "engine",
+        "serve",
+        "--model",
+        tiny.to_str().unwrap(),
+        "--port",
+        &sport.to_string(),
+        "--kv-cache-mib",
+        "16",
+    ]);
+    let serve = format!("http://127.0.0.1:{sport}");
+    let refj: Value =
+        serde_json::from_slice(&std::fs::read(tiny.join("reference.json")).unwrap()).unwrap();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        wait_for("three workers", 60, async || workers(&c, &gw).await.len() == 3).await;
+        wait_for("serve healthy", 60, async || {
+            c.get(format!("{serve}/health")).send().await.is_ok_and(|r| r.status() == 200)
+        })
+        .await;
+        // Greedy through prefill → KV transfer → decode equals the colocated engine.
+        for case in refj["cases"].as_array().unwrap() {
+            let a = complete(&c, &gw, &case["input_ids"], 24).await;
+            let b = complete(&c, &serve, &case["input_ids"], 24).await;
+            assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "{a}\n{b}");
+            assert_eq!(a["usage"]["completion_tokens"], 24, "{a}");
+        }
+        // The decode worker holds nothing afterwards.
+        let dm = format!("http://127.0.0.1:{dport}/metrics");
+        wait_for("decode KV released", 10, async || {
+            let t = c.get(&dm).send().await.unwrap().text().await.unwrap();
+            t.lines().any(|l| l.starts_with("vllm:kv_cache_usage_perc") && l.ends_with(" 0"))
+        })
+        .await;
+
+        // A worker of another model is refused at registration, with a clear reason.
+        let (mut other, _) = worker("decode", "qwen2-tiny", &gw);
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(s) = other.0.try_wait().unwrap() {
+                break s;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "the other-model worker was not refused");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(!status.success());
+        let mut err = String::new();
+        std::io::Read::read_to_string(other.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(err.contains("refused") && err.contains("compatibility hash"), "{err}");
+        assert_eq!(workers(&c, &gw).await.len(), 3);
+
+        // A dead prefill worker: its requests are retried on the other one; with both
+        // dead (before the gateway notices), the decode worker prefills itself.
+        for p in [&mut prefill_a, &mut prefill_b] {
+            p.0.kill().unwrap();
+            let _ = p.0.wait();
+            for case in refj["cases"].as_array().unwrap() {
+                let a = complete(&c, &gw, &case["input_ids"], 4).await;
+                assert_eq!(a["usage"]["completion_tokens"], 4, "{a}");
+            }
+        }
+
+        // The decode worker dies mid-stream: the client's stream ends with an error
+        // within 5 s, and the gateway stops routing to it.
+        let mut resp = c
+            .post(format!("{gw}/v1/completions"))
+            .json(&json!({"prompt": refj["cases"][0]["input_ids"], "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        let first = resp.chunk().await.unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&first).contains("data:"));
+        decode.0.kill().unwrap();
+        let killed = Instant::now();
+        let mut body = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Ok(Some(chunk)) = resp.chunk().await {
+                body.push_str(&String::from_utf8_lossy(&chunk));
+            }
+        })
+        .await;
+        assert!(read.is_ok(), "stream still open 5 s after the decode worker died");
+        assert!(body.contains("\"error\""), "no error event: {body}");
+        assert!(killed.elapsed() < Duration::from_secs(5));
+        wait_for("decode worker dropped", 5, async || {
+            !workers(&c, &gw).await.iter().any(|w| w["role"] == "decode")
+        })
+        .await;
+    });
+}
