@@ -199,3 +199,51 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         .await;
     });
 }
+
+#[test]
+fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
+    let gport = free_port();
+    let gw = format!("http://127.0.0.1:{gport}");
+    let _gateway = spawn(&["engine", "gateway", "--port", &gport.to_string()]);
+    let (mut decode, _) = worker("decode", "llama-tiny", &gw);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        wait_for("decode registered", 60, async || workers(&c, &gw).await.len() == 1).await;
+        // Enough concurrent work that some is still running when SIGTERM lands.
+        let mut streams = Vec::new();
+        for i in 0..16u32 {
+            let prompt: Vec<u32> = (1..20).map(|t| t + i).collect();
+            let r = c
+                .post(format!("{gw}/v1/completions"))
+                .json(&json!({"prompt": prompt, "max_tokens": 480, "temperature": 0, "ignore_eos": true, "stream": true}))
+                .send()
+                .await
+                .unwrap();
+            streams.push(r);
+        }
+        let mut first = streams[0].chunk().await.unwrap().unwrap().to_vec();
+        let st = Command::new("kill").args(["-TERM", &decode.0.id().to_string()]).status().unwrap();
+        assert!(st.success());
+        // Out of the rotation at once...
+        wait_for("deregistered", 5, async || workers(&c, &gw).await.is_empty()).await;
+        // ...while every stream it held completes normally.
+        for (i, mut s) in streams.into_iter().enumerate() {
+            let mut body = if i == 0 { std::mem::take(&mut first) } else { Vec::new() };
+            while let Some(chunk) = s.chunk().await.unwrap() {
+                body.extend_from_slice(&chunk);
+            }
+            let body = String::from_utf8_lossy(&body);
+            assert!(body.contains("\"finish_reason\":\"length\"") && body.ends_with("data: [DONE]\n\n"), "stream {i}: {body}");
+            assert!(!body.contains("\"error\""), "stream {i}: {body}");
+        }
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(s) = decode.0.try_wait().unwrap() {
+                break s;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "worker did not exit after draining");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(status.success(), "{status}");
+    });
+}

@@ -1,0 +1,136 @@
+//! A decode worker in-process against a fake gateway and a fake prefill worker that
+//! dies mid-transfer: the reserved blocks are released, the failure is reported as a
+//! prefill failure (so the gateway retries), and the worker keeps serving.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::routing::post;
+use preheat_engine::disagg::protocol::{GenerateBody, WireError, WorkerRole};
+use preheat_engine::disagg::worker::{self, WorkerOptions};
+use preheat_engine::metrics::Role;
+use preheat_engine::sampling::SamplingParams;
+use preheat_engine::serve::ServeOptions;
+
+async fn listen() -> (tokio::net::TcpListener, String) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    (l, url)
+}
+
+fn kv_usage(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:kv_cache_usage_perc"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(-1.0)
+}
+
+#[tokio::test]
+async fn prefill_dying_mid_transfer_releases_the_reservation() {
+    // A gateway that accepts everything.
+    let (gl, gw) = listen().await;
+    let g = Router::new()
+        .route("/internal/register", post(|| async { "ok" }))
+        .route("/internal/heartbeat", post(|| async { "ok" }))
+        .route("/internal/deregister", post(|| async { "ok" }));
+    tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
+    // A prefill worker that sends the start of a message and then breaks off.
+    let (pl, prefill) = listen().await;
+    let p = Router::new().route(
+        "/internal/prefill",
+        post(|| async {
+            let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+                Ok(Bytes::from_static(b"PHKV\x10\x00\x00\x00{\"version\":1")),
+                Err(std::io::Error::other("killed")),
+            ];
+            Body::from_stream(futures_util::stream::iter(chunks))
+        }),
+    );
+    tokio::spawn(async move { axum::serve(pl, p).await.unwrap() });
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/models/llama-tiny");
+    let (dl, decode) = listen().await;
+    let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
+    serve.kv_cache_bytes = 8 << 20;
+    serve.role = Role::Decode;
+    let opts = WorkerOptions {
+        serve,
+        role: WorkerRole::Decode,
+        gateway: gw,
+        advertise: decode.clone(),
+        heartbeat: Duration::from_millis(200),
+        transfer_timeout: Duration::from_secs(5),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let w = tokio::spawn(worker::run(dl, opts, async {
+        let _ = stop_rx.await;
+    }));
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    while !c
+        .get(format!("{decode}/health"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let body = |prefill: Option<String>| GenerateBody {
+        request_id: "r".into(),
+        prompt: (1..100).collect(),
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens: 3,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        prefill,
+    };
+    let r = c
+        .post(format!("{decode}/internal/generate"))
+        .json(&body(Some(prefill)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let w_err: WireError = r.json().await.unwrap();
+    assert!(w_err.prefill_failed, "{w_err:?}");
+    // The 7 reserved blocks are back: usage returns to zero.
+    let t0 = Instant::now();
+    loop {
+        // Gauges update on engine steps: a small local request makes one happen.
+        let r = c
+            .post(format!("{decode}/internal/generate"))
+            .json(&body(None))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let lines = r.text().await.unwrap();
+        assert!(lines.contains("\"finished\""), "{lines}");
+        let m = c
+            .get(format!("{decode}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if kv_usage(&m) == 0.0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "blocks leaked: {}",
+            kv_usage(&m)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop_tx.send(());
+    w.await.unwrap().unwrap();
+}
