@@ -276,6 +276,43 @@ pub enum BenchCmd {
     /// report TTFT, ITL, end-to-end latency, throughput and SLO attainment (exit 1 when
     /// any request failed).
     Serve(BenchServeArgs),
+    /// Prefix-cache hit rate of KV-aware routing vs round robin on a trace with prefix
+    /// block ids (Mooncake).
+    Router(BenchRouterArgs),
+    /// KV transfer throughput (pulled and checked as a decode worker does) vs raw
+    /// loopback TCP in the same run.
+    Kv(BenchKvArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchKvArgs {
+    /// Prompt tokens whose K/V are moved.
+    #[arg(long, default_value_t = 2048)]
+    pub tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchRouterArgs {
+    #[arg(long)]
+    pub trace: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Prefix-cache capacity per worker in 512-token blocks (default: the GPU-class
+    /// profile's 450k KV tokens).
+    #[arg(long, default_value_t = 878)]
+    pub cache_blocks: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
 #[derive(Debug, Args)]

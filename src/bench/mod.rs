@@ -3,6 +3,8 @@
 //! shared machine are not stable.
 
 pub mod engine;
+pub mod kv;
+pub mod router;
 pub mod scaler;
 pub mod serve;
 pub mod snapshot;

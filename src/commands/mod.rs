@@ -27,6 +27,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
         Command::Bench(BenchCmd::Scaler(args)) => crate::bench::scaler::run(&args),
         Command::Bench(BenchCmd::Serve(args)) => crate::bench::serve::run(&args),
+        Command::Bench(BenchCmd::Router(args)) => crate::bench::router::run(&args),
+        Command::Bench(BenchCmd::Kv(args)) => crate::bench::kv::run(&args),
     }
 }
 

@@ -170,7 +170,12 @@ async fn fetch_kv(
         ));
     }
     let cap = e.max_kv_payload() as usize + (16 << 20) + 8;
-    let mut buf = Vec::new();
+    let announced = resp.content_length().unwrap_or(0) as usize;
+    if announced > cap {
+        return Err("the K/V message is larger than this worker's whole cache".into());
+    }
+    // Sized once from Content-Length: no regrowth copies of a large payload.
+    let mut buf = Vec::with_capacity(announced);
     let mut body = resp.bytes_stream();
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|err| format!("transfer broke off: {err}"))?;
@@ -179,14 +184,8 @@ async fn fetch_kv(
         }
         buf.extend_from_slice(&chunk);
     }
-    KvMessage::read_from(
-        &mut buf.as_slice(),
-        e.compat(),
-        &e.kv_layout(),
-        e.max_kv_payload(),
-    )
-    .await
-    .map_err(|err| err.to_string())
+    KvMessage::from_vec(buf, e.compat(), &e.kv_layout(), e.max_kv_payload())
+        .map_err(|err| err.to_string())
 }
 
 /// Decode role: reserve blocks, pull the K/V (or prefill here), decode, stream NDJSON.

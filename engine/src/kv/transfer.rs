@@ -223,9 +223,55 @@ impl KvMessage {
             serde_json::from_slice(&hbytes).map_err(|e| TransferError::Header(e.to_string()))?;
         let n = Self::check_header(&header, compat, layout, max_payload)?;
         let n = usize::try_from(n).map_err(|_| TransferError::Payload("too large".into()))?;
-        let mut payload = vec![0u8; n];
-        r.read_exact(&mut payload).await?;
-        let m = KvMessage { header, payload };
+        // Read into uninitialised capacity and hash each piece while it is hot in
+        // cache, instead of zero-filling, reading, then hashing in a second pass.
+        let mut payload = Vec::with_capacity(n);
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut limited = r.take(n as u64);
+        loop {
+            let before = payload.len();
+            if limited.read_buf(&mut payload).await? == 0 {
+                break;
+            }
+            hasher.update(&payload[before..]);
+        }
+        if payload.len() != n {
+            return Err(TransferError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let d = format!("{:016x}", hasher.digest());
+        if d != header.payload_xxh3 {
+            return Err(TransferError::Payload(format!(
+                "digest {d} does not match the header's {}",
+                header.payload_xxh3
+            )));
+        }
+        Ok(KvMessage { header, payload })
+    }
+
+    /// Parses a whole message already in memory (an HTTP body), checking it as
+    /// [`KvMessage::read_from`] does; the buffer becomes the payload without a copy of
+    /// its own size.
+    pub fn from_vec(
+        mut buf: Vec<u8>,
+        compat: &str,
+        layout: &KvLayout,
+        max_payload: u64,
+    ) -> Result<Self, TransferError> {
+        if buf.len() < 8 || &buf[..4] != MAGIC {
+            return Err(TransferError::Magic);
+        }
+        let len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+        if len > MAX_HEADER || buf.len() < 8 + len {
+            return Err(TransferError::Header(format!("{len} bytes of header")));
+        }
+        let header: KvHeader = serde_json::from_slice(&buf[8..8 + len])
+            .map_err(|e| TransferError::Header(e.to_string()))?;
+        Self::check_header(&header, compat, layout, max_payload)?;
+        buf.drain(..8 + len);
+        let m = KvMessage {
+            header,
+            payload: buf,
+        };
         m.check_payload()?;
         Ok(m)
     }
