@@ -214,6 +214,9 @@ pub struct WorkerArgs {
     /// Seconds a decode worker waits for a prefill worker's K/V.
     #[arg(long, default_value_t = 300)]
     pub transfer_timeout_secs: u64,
+    /// Prefill workers: port of the TCP KV transport (default: --port + 1).
+    #[arg(long)]
+    pub kv_port: Option<u16>,
 }
 
 #[derive(Debug, Args)]

@@ -64,6 +64,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         advertise: decode.clone(),
         heartbeat: Duration::from_millis(200),
         transfer_timeout: Duration::from_secs(5),
+        kv_listener: None,
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let w = tokio::spawn(worker::run(dl, opts, async {

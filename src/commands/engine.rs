@@ -102,7 +102,30 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
         };
         format!("http://{host}:{}", a.serve.port)
     });
+    let kv_listener = if role == WorkerRole::Prefill {
+        let port = match a.kv_port {
+            Some(p) => p,
+            None => a
+                .serve
+                .port
+                .checked_add(1)
+                .context("--port + 1 overflows; give --kv-port")?,
+        };
+        let mut kv_addr = serve.addr;
+        kv_addr.set_port(port);
+        // The host others reach the HTTP side at reaches the KV side too.
+        let host = advertise
+            .trim_start_matches("http://")
+            .trim_start_matches("https://")
+            .rsplit_once(':')
+            .map_or("127.0.0.1", |(h, _)| h)
+            .to_owned();
+        Some((kv_addr, format!("tcp://{host}:{port}")))
+    } else {
+        None
+    };
     let opts = worker::WorkerOptions {
+        kv_listener,
         serve: serve.clone(),
         role,
         gateway: a.gateway.trim_end_matches('/').to_owned(),

@@ -89,6 +89,8 @@ impl std::fmt::Debug for Gateway {
 struct Picked {
     id: String,
     url: String,
+    /// Where a decode worker pulls K/V from (the KV transport, else the URL).
+    kv: String,
 }
 
 impl Gateway {
@@ -126,6 +128,7 @@ impl Gateway {
         Some(Picked {
             id: e.reg.id.clone(),
             url: e.reg.url.clone(),
+            kv: e.reg.kv.clone().unwrap_or_else(|| e.reg.url.clone()),
         })
     }
 
@@ -178,7 +181,7 @@ impl Gateway {
                 request_id: format!("gw-{id}"),
                 prompt: req.prompt.clone(),
                 params: req.params.clone(),
-                prefill: prefill.as_ref().map(|p| p.url.clone()),
+                prefill: prefill.as_ref().map(|p| p.kv.clone()),
             };
             let resp = match self
                 .client

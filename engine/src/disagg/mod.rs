@@ -21,4 +21,5 @@
 pub mod gateway;
 pub mod protocol;
 pub mod router;
+pub mod transport;
 pub mod worker;

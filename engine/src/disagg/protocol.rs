@@ -32,6 +32,9 @@ pub struct Registration {
     pub url: String,
     pub model: String,
     pub compat: String,
+    /// Prefill workers: `tcp://host:port` of their KV transport, if they serve one.
+    #[serde(default)]
+    pub kv: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -72,7 +75,8 @@ pub struct GenerateBody {
     pub request_id: String,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
-    /// Prefill worker to pull the K/V from; `None`: prefill here.
+    /// Prefill worker to pull the K/V from (`tcp://…` for the TCP transport, else its
+    /// HTTP base URL); `None`: prefill here.
     pub prefill: Option<String>,
 }
 

@@ -17,6 +17,7 @@ use super::protocol::{
     GenerateBody, Heartbeat, Load, ModelInfo, PrefillBody, Registration, WireError, WireEvent,
     WorkerRole,
 };
+use super::transport::{KvTransport, TcpTransport, serve_tcp};
 use crate::engine::{Engine, Event, GenerateRequest};
 use crate::kv::transfer::KvMessage;
 use crate::serve::{ServeOptions, load_engine};
@@ -35,6 +36,9 @@ pub struct WorkerOptions {
     pub heartbeat: Duration,
     /// Longest a decode worker waits for a prefill worker's K/V.
     pub transfer_timeout: Duration,
+    /// Prefill workers: the bound KV transport listener and the address others reach
+    /// it at (`tcp://host:port`).
+    pub kv_listener: Option<(std::net::SocketAddr, String)>,
 }
 
 #[derive(Clone)]
@@ -209,7 +213,21 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 Ok(r) => r,
                 Err(err) => return wire_error(&err, false),
             };
-            match fetch_kv(&st, &e, url, &b).await {
+            let pulled = if url.starts_with("tcp://") {
+                let req = PrefillBody {
+                    request_id: b.request_id.clone(),
+                    prompt: b.prompt.clone(),
+                    params: b.params.clone(),
+                };
+                TcpTransport {
+                    timeout: st.transfer_timeout,
+                }
+                .pull(url, &req, &e)
+                .await
+            } else {
+                fetch_kv(&st, &e, url, &b).await
+            };
+            match pulled {
                 Ok(msg) => e.resume_into(res, msg),
                 Err(why) => {
                     // `res` drops here: the reserved blocks go back to the pool.
@@ -268,6 +286,7 @@ async fn membership(
         url: opts.advertise.clone(),
         model: e.model_name.clone(),
         compat: e.compat().to_owned(),
+        kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
     };
     let register = || async {
         loop {
@@ -347,6 +366,15 @@ pub async fn run(
             })
             .await
     });
+    let kv_server = match &opts.kv_listener {
+        Some((addr, _)) if opts.role == WorkerRole::Prefill => {
+            let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                EngineError::Unavailable(format!("binding the KV port {addr}: {e}"))
+            })?;
+            Some(tokio::spawn(serve_tcp(l, Arc::clone(&st.engine))))
+        }
+        _ => None,
+    };
     let serve = opts.serve.clone();
     let engine = tokio::task::spawn_blocking(move || load_engine(&serve))
         .await
@@ -393,5 +421,8 @@ pub async fn run(
     }
     let _ = stop_tx.send(());
     let _ = server.await;
+    if let Some(k) = kv_server {
+        k.abort();
+    }
     outcome
 }

@@ -1,0 +1,150 @@
+//! KV transports: how a decode worker gets a prompt's K/V from a prefill worker. The
+//! TCP transport is one connection per transfer carrying a small request frame one
+//! way and the KV message ([`crate::kv::transfer`]) back in large writes; an RDMA or
+//! NVLink fabric would implement [`KvTransport`] the same way.
+//!
+//! Frames: decode → prefill `u32 LE length | PrefillBody JSON`; prefill → decode
+//! `b'K' | KV message` or `b'E' | u32 LE length | WireError JSON`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::protocol::{PrefillBody, WireError};
+use crate::EngineError;
+use crate::engine::{Engine, Event, GenerateRequest};
+use crate::kv::transfer::KvMessage;
+
+const MAX_REQUEST: usize = 64 << 20;
+
+/// Pulls one sequence's K/V from a prefill endpoint.
+pub trait KvTransport: Send + Sync {
+    fn pull<'a>(
+        &'a self,
+        endpoint: &'a str,
+        req: &'a PrefillBody,
+        engine: &'a Engine,
+    ) -> Pin<Box<dyn Future<Output = Result<KvMessage, String>> + Send + 'a>>;
+}
+
+/// One TCP connection per transfer.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpTransport {
+    pub timeout: Duration,
+}
+
+impl KvTransport for TcpTransport {
+    fn pull<'a>(
+        &'a self,
+        endpoint: &'a str,
+        req: &'a PrefillBody,
+        engine: &'a Engine,
+    ) -> Pin<Box<dyn Future<Output = Result<KvMessage, String>> + Send + 'a>> {
+        Box::pin(async move {
+            let addr = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+            let work = async {
+                let mut s = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .map_err(|e| format!("connect {addr}: {e}"))?;
+                s.set_nodelay(true).map_err(|e| e.to_string())?;
+                let body = serde_json::to_vec(req).map_err(|e| e.to_string())?;
+                let mut frame = Vec::with_capacity(4 + body.len());
+                frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+                frame.extend_from_slice(&body);
+                s.write_all(&frame).await.map_err(|e| e.to_string())?;
+                let kind = s.read_u8().await.map_err(|e| format!("no answer: {e}"))?;
+                match kind {
+                    b'K' => KvMessage::read_from(
+                        &mut s,
+                        engine.compat(),
+                        &engine.kv_layout(),
+                        engine.max_kv_payload(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string()),
+                    b'E' => {
+                        let n = s.read_u32_le().await.map_err(|e| e.to_string())? as usize;
+                        if n > MAX_REQUEST {
+                            return Err("oversized error frame".to_owned());
+                        }
+                        let mut b = vec![0u8; n];
+                        s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+                        let w: WireError = serde_json::from_slice(&b).map_err(|e| e.to_string())?;
+                        Err(w.message)
+                    }
+                    other => Err(format!("unknown frame {other:#x}")),
+                }
+            };
+            tokio::time::timeout(self.timeout, work)
+                .await
+                .map_err(|_| format!("no K/V within {} s", self.timeout.as_secs()))?
+        })
+    }
+}
+
+async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let n = s.read_u32_le().await? as usize;
+    if n > MAX_REQUEST {
+        return Err(std::io::Error::other("oversized request frame"));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b).await?;
+    let result = async {
+        let req: PrefillBody =
+            serde_json::from_slice(&b).map_err(|e| EngineError::invalid(e.to_string(), "body"))?;
+        let e = engine
+            .get()
+            .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))?;
+        let mut h = e.prefill(
+            GenerateRequest {
+                prompt: req.prompt,
+                params: req.params,
+            },
+            &req.request_id,
+        )?;
+        loop {
+            match h.events.recv().await {
+                Some(Event::KvReady(m)) => return Ok(m),
+                Some(Event::Error(err)) => return Err(err),
+                Some(Event::Delta { .. }) => {}
+                Some(Event::Finished { .. }) | None => {
+                    return Err(EngineError::Internal("prefill ended without K/V".into()));
+                }
+            }
+        }
+    }
+    .await;
+    match result {
+        Ok(m) => {
+            s.write_u8(b'K').await?;
+            m.write_to(&mut s).await.map_err(std::io::Error::other)?;
+        }
+        Err(err) => {
+            let body = serde_json::to_vec(&WireError::from_engine(&err, false))?;
+            let mut frame = vec![b'E'];
+            frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            frame.extend_from_slice(&body);
+            s.write_all(&frame).await?;
+        }
+    }
+    s.shutdown().await
+}
+
+/// Prefill side: answers transfers on `listener` until the task is dropped.
+pub async fn serve_tcp(listener: tokio::net::TcpListener, engine: Arc<OnceLock<Engine>>) {
+    loop {
+        let Ok((s, peer)) = listener.accept().await else {
+            continue;
+        };
+        let engine = Arc::clone(&engine);
+        tokio::spawn(async move {
+            if let Err(e) = answer(&engine, s).await {
+                tracing::warn!(%peer, error = %e, "KV transfer to a decode worker failed");
+            }
+        });
+    }
+}
