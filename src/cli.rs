@@ -22,6 +22,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// The whole stack on this machine: gateway, prefill and decode pools as worker
+    /// processes, the scaler (KEDA gRPC open) and a local replica driver that scales
+    /// the pools from zero and back.
+    Up(UpArgs),
     /// Model snapshots: convert, inspect, verify, pack and unpack the loading-optimised format.
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
@@ -36,6 +40,44 @@ pub enum Command {
     /// Benchmarks that record the figures in BENCHMARKS.md.
     #[command(subcommand)]
     Bench(BenchCmd),
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// A .preheat snapshot, HF checkpoint directory or .gguf (staged once as a
+    /// snapshot); default: an embedded synthetic tiny model that works offline.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The scaler's KEDA external-scaler gRPC address.
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub scaler_listen: String,
+    /// Idle time before a pool goes to zero (e.g. 90s, 5m).
+    #[arg(long, default_value = "60s")]
+    pub idle_grace: String,
+    #[arg(long, default_value_t = 0)]
+    pub prefill_min: u32,
+    #[arg(long, default_value_t = 2)]
+    pub prefill_max: u32,
+    #[arg(long, default_value_t = 0)]
+    pub decode_min: u32,
+    #[arg(long, default_value_t = 2)]
+    pub decode_max: u32,
+    /// KV-cache budget per worker, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_cache_mib: usize,
+    /// TTFT target in seconds the scaler sizes prefill for.
+    #[arg(long, default_value_t = 2.0)]
+    pub slo_ttft: f64,
+    /// Inter-token latency target in seconds the scaler sizes decode for.
+    #[arg(long, default_value_t = 0.05)]
+    pub slo_itl: f64,
+    /// Staged snapshots, the measured profile and worker logs.
+    #[arg(long, default_value = ".cache/up")]
+    pub cache_dir: PathBuf,
 }
 
 #[derive(Debug, Args)]

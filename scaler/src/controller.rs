@@ -14,10 +14,14 @@ use crate::prom::PromSource;
 use crate::scrape::scrape_all;
 use crate::signals::{PoolSignals, PoolWindows};
 
+/// Endpoint URLs someone else keeps current (the local mode's replica driver).
+pub type SharedEndpoints = Arc<std::sync::RwLock<Vec<String>>>;
+
 /// Where a pool's signals come from.
 #[derive(Debug)]
 enum Source {
     Static(Vec<String>),
+    Shared(SharedEndpoints),
     Pods(PodSet),
     Prometheus(String),
 }
@@ -45,6 +49,7 @@ pub struct Controller {
     cfg: Config,
     profile: Profile,
     kube: Option<kube::Client>,
+    shared: std::collections::HashMap<(String, Pool), SharedEndpoints>,
 }
 
 impl std::fmt::Debug for Controller {
@@ -70,7 +75,16 @@ impl Controller {
             cfg,
             profile,
             kube,
+            shared: std::collections::HashMap::new(),
         }
+    }
+
+    /// Reads `model`'s `pool` endpoints from `list` (kept current by the caller)
+    /// instead of the config.
+    #[must_use]
+    pub fn with_shared(mut self, model: &str, pool: Pool, list: SharedEndpoints) -> Self {
+        self.shared.insert((model.to_owned(), pool), list);
+        self
     }
 
     /// Whether `cfg` needs a Kubernetes client.
@@ -83,7 +97,10 @@ impl Controller {
                 .any(|m| m.prefill.selector.is_some() || m.decode.selector.is_some())
     }
 
-    fn source(&self, p: &PoolConfig) -> Source {
+    fn source(&self, model: &str, pool: Pool, p: &PoolConfig) -> Source {
+        if let Some(list) = self.shared.get(&(model.to_owned(), pool)) {
+            return Source::Shared(Arc::clone(list));
+        }
         match (&p.selector, &p.prometheus_selector, &self.kube) {
             (Some(sel), _, Some(client)) => Source::Pods(PodSet::watch(
                 client.clone(),
@@ -116,7 +133,7 @@ impl Controller {
                         pool,
                         windows: PoolWindows::new(self.cfg.window_s),
                         policy: PreheatPolicy::new(pool, p.policy.clone(), self.profile.clone()),
-                        source: self.source(p),
+                        source: self.source(&m.name, pool, p),
                         deployment: p.deployment.clone(),
                         applied: None,
                         last_current: 0,
@@ -192,8 +209,16 @@ impl Tick<'_> {
             s
         };
         match &p.source {
-            Source::Static(urls) => {
-                let (ok, failed) = scrape_all(self.client, urls, filter, self.timeout).await;
+            Source::Static(_) | Source::Shared(_) => {
+                let urls = match &p.source {
+                    Source::Shared(list) => list
+                        .read()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .clone(),
+                    Source::Static(urls) => urls.clone(),
+                    _ => Vec::new(),
+                };
+                let (ok, failed) = scrape_all(self.client, &urls, filter, self.timeout).await;
                 let startup = startup_of(ok.iter().map(|(_, r)| r));
                 // Static endpoints all exist, answering or not.
                 let current = u32::try_from(ok.len() + failed.len()).unwrap_or(u32::MAX);

@@ -63,6 +63,16 @@ pub async fn run(
     profile: Profile,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    run_with(cfg, profile, stop, Vec::new()).await
+}
+
+/// [`run`], with some pools' endpoints supplied live by the caller (local mode).
+pub async fn run_with(
+    cfg: Config,
+    profile: Profile,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    shared: Vec<(String, Pool, crate::controller::SharedEndpoints)>,
+) -> Result<()> {
     let models: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
     let cfg_tls = cfg.tls.clone();
     if let Some(t) = &cfg_tls {
@@ -79,7 +89,11 @@ pub async fn run(
     let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
     let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, models = ?models, profile = %profile.source, "scaler listening");
-    let controller = tokio::spawn(Controller::new(cfg, profile, Arc::clone(&store), kube).run());
+    let mut ctl = Controller::new(cfg, profile, Arc::clone(&store), kube);
+    for (model, pool, list) in shared {
+        ctl = ctl.with_shared(&model, pool, list);
+    }
+    let controller = tokio::spawn(ctl.run());
     let app =
         Router::new()
             .route("/healthz", get(|| async { "ok" }))

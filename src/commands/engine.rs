@@ -42,7 +42,11 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
 }
 
 /// `--host`/`--port` as an address, or an error in `errs`.
-fn socket_addr(host: &str, port: u16, errs: &mut Vec<String>) -> Option<std::net::SocketAddr> {
+pub(crate) fn socket_addr(
+    host: &str,
+    port: u16,
+    errs: &mut Vec<String>,
+) -> Option<std::net::SocketAddr> {
     let addr = (host, port)
         .to_socket_addrs()
         .ok()
@@ -144,7 +148,7 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
 }
 
 /// Measures the replica and writes a `preheat_scaler::profile::Profile`.
-fn profile(
+pub(crate) fn profile(
     model: &std::path::Path,
     output: &std::path::Path,
     lengths: &[usize],
@@ -229,7 +233,7 @@ fn profile(
 }
 
 /// Raw flags → validated options, with every problem reported at once.
-fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
+pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
     let mut errs = Vec::new();
     if !a.model.exists() {
         errs.push(format!(

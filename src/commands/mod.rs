@@ -12,6 +12,7 @@ mod engine;
 mod scaler;
 mod simulate;
 mod snapshot;
+mod up;
 
 use std::process::ExitCode;
 
@@ -22,6 +23,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Snapshot(cmd) => snapshot::run(cmd),
         Command::Engine(cmd) => engine::run(cmd),
         Command::Scaler(cmd) => scaler::run(cmd),
+        Command::Up(args) => up::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),

@@ -39,6 +39,9 @@ pub struct GatewayOptions {
     /// Longest silence in a decode worker's stream before it counts as dead.
     pub stream_idle_timeout: Duration,
     pub drain_grace: Duration,
+    /// The model, known from the start (requests are then held even before the first
+    /// worker registers); otherwise the first worker's.
+    pub model: Option<ModelInfo>,
 }
 
 impl Default for GatewayOptions {
@@ -49,6 +52,7 @@ impl Default for GatewayOptions {
             disagg_min_tokens: 32,
             stream_idle_timeout: Duration::from_secs(60),
             drain_grace: Duration::from_secs(30),
+            model: None,
         }
     }
 }
@@ -94,6 +98,31 @@ struct Picked {
 }
 
 impl Gateway {
+    /// Starts serving `info`'s model: the front engine the OpenAI API runs on.
+    fn install_front(self: &Arc<Self>, info: ModelInfo) -> Result<()> {
+        let tok = Tokenizer::from_parts(info.tokenizer)?;
+        let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
+        let _ = metrics.registry.register(Box::new(self.pending.clone()));
+        {
+            let mut g = self.lock();
+            g.compat = Some(info.compat.clone());
+            g.block_size = info.block_size;
+        }
+        if self.front.set(()).is_ok() {
+            self.api.set_engine(Engine::remote(
+                tok,
+                info.model.clone(),
+                info.max_model_len,
+                info.vocab_size,
+                info.compat,
+                metrics,
+                Arc::new(Submitter(Arc::clone(self))),
+            ));
+            tracing::info!(model = %info.model, "gateway serving");
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
         self.reg
             .lock()
@@ -328,28 +357,8 @@ async fn register(State(gw): State<Arc<Gateway>>, Json(r): Json<Registration>) -
             if info.compat != r.compat {
                 return conflict("the worker's model answer contradicts its registration".into());
             }
-            let tok = match Tokenizer::from_parts(info.tokenizer) {
-                Ok(t) => t,
-                Err(e) => return (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
-            };
-            let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
-            let _ = metrics.registry.register(Box::new(gw.pending.clone()));
-            {
-                let mut g = gw.lock();
-                g.compat = Some(info.compat.clone());
-                g.block_size = info.block_size;
-            }
-            if gw.front.set(()).is_ok() {
-                gw.api.set_engine(Engine::remote(
-                    tok,
-                    info.model.clone(),
-                    info.max_model_len,
-                    info.vocab_size,
-                    info.compat,
-                    metrics,
-                    Arc::new(Submitter(Arc::clone(&gw))),
-                ));
-                tracing::info!(model = %info.model, "gateway serving");
+            if let Err(e) = gw.install_front(info) {
+                return (StatusCode::BAD_GATEWAY, e.to_string()).into_response();
             }
         }
     }
@@ -400,6 +409,35 @@ async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     Json(serde_json::json!({"workers": list}))
 }
 
+/// What workers serving the snapshot at `path` with `block_size` will report, read
+/// without loading weights (so a gateway can front the model before any worker runs).
+pub fn model_info(
+    path: &std::path::Path,
+    block_size: usize,
+    served_name: Option<&str>,
+) -> Result<ModelInfo> {
+    let (snap, _) = crate::model::open_model(path)?;
+    let c = &snap.manifest().model;
+    let layout = crate::backend::KvLayout {
+        num_layers: c.num_hidden_layers as usize,
+        num_blocks: 0,
+        block_size,
+        num_kv_heads: c.num_key_value_heads as usize,
+        head_dim: c.head_dim as usize,
+    };
+    Ok(ModelInfo {
+        model: served_name.map_or_else(|| crate::serve::default_name(path), str::to_owned),
+        compat: crate::kv::transfer::compat_hash(
+            crate::backend::cpu::weights_fingerprint(&snap),
+            &layout,
+        ),
+        block_size,
+        max_model_len: c.max_position_embeddings as usize,
+        vocab_size: c.vocab_size as usize,
+        tokenizer: Tokenizer::from_snapshot(&snap)?.to_parts()?,
+    })
+}
+
 /// Runs the gateway on `listener` until `stop` resolves.
 pub async fn run(
     listener: tokio::net::TcpListener,
@@ -420,6 +458,9 @@ pub async fn run(
         pending,
         front: OnceLock::new(),
     });
+    if let Some(info) = opts.model.clone() {
+        gw.install_front(info)?;
+    }
     let internal = axum::Router::new()
         .route("/internal/register", post(register))
         .route("/internal/heartbeat", post(heartbeat))

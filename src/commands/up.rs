@@ -1,0 +1,455 @@
+//! `preheat up`: the whole stack on one machine. A gateway, the scaler with its KEDA
+//! gRPC endpoint open, and a local replica driver that does what KEDA and Kubernetes
+//! would: it asks the scaler over the same gRPC API (`IsActive`, `GetMetrics`) and
+//! starts and stops prefill and decode worker processes to match, within the pools'
+//! limits. The model is staged once as a snapshot in the cache directory (workers then
+//! start from it), and requests arriving at zero are held by the gateway until the
+//! scaler wakes a pool.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use preheat_engine::disagg::gateway::{self, GatewayOptions};
+use preheat_engine::server::shutdown_signal;
+use preheat_scaler::config::Config;
+use preheat_scaler::controller::SharedEndpoints;
+use preheat_scaler::policy::Pool;
+use preheat_scaler::profile::Profile;
+use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+
+use crate::cli::UpArgs;
+
+const MODEL: &str = "default";
+
+/// `60`, `60s`, `2m`, `1h` → seconds.
+pub fn parse_duration(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last()? {
+        's' => (&s[..s.len() - 1], 1.0),
+        'm' => (&s[..s.len() - 1], 60.0),
+        'h' => (&s[..s.len() - 1], 3600.0),
+        _ => (s, 1.0),
+    };
+    num.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(|v| v * mul)
+}
+
+struct Options {
+    gateway: SocketAddr,
+    scaler: SocketAddr,
+    idle_grace_s: f64,
+    limits: [(u32, u32); 2],
+    cache: PathBuf,
+    model: Option<PathBuf>,
+    kv_cache_mib: usize,
+    slo_ttft: f64,
+    slo_itl: f64,
+}
+
+fn options(a: &UpArgs) -> anyhow::Result<Options> {
+    let mut errs = Vec::new();
+    let gateway = super::engine::socket_addr(&a.host, a.port, &mut errs);
+    let scaler = a.scaler_listen.parse::<SocketAddr>().ok();
+    if scaler.is_none() {
+        errs.push(format!(
+            "--scaler-listen {:?} is not an address",
+            a.scaler_listen
+        ));
+    }
+    let idle = parse_duration(&a.idle_grace);
+    if idle.is_none() {
+        errs.push(format!(
+            "--idle-grace {:?}: expected e.g. 90s, 5m",
+            a.idle_grace
+        ));
+    }
+    for (name, min, max) in [
+        ("prefill", a.prefill_min, a.prefill_max),
+        ("decode", a.decode_min, a.decode_max),
+    ] {
+        if max == 0 || min > max {
+            errs.push(format!(
+                "--{name}-min {min} / --{name}-max {max}: need 0 ≤ min ≤ max, max > 0"
+            ));
+        }
+    }
+    if let Some(m) = &a.model
+        && !m.exists()
+    {
+        errs.push(format!(
+            "--model {}: no such file or directory",
+            m.display()
+        ));
+    }
+    if !errs.is_empty() {
+        bail!("invalid options:\n  {}", errs.join("\n  "));
+    }
+    Ok(Options {
+        gateway: gateway.context("checked")?,
+        scaler: scaler.context("checked")?,
+        idle_grace_s: idle.context("checked")?,
+        limits: [(a.prefill_min, a.prefill_max), (a.decode_min, a.decode_max)],
+        cache: a.cache_dir.clone(),
+        model: a.model.clone(),
+        kv_cache_mib: a.kv_cache_mib,
+        slo_ttft: a.slo_ttft,
+        slo_itl: a.slo_itl,
+    })
+}
+
+/// The snapshot workers start from: the given one, a conversion of the given HF
+/// directory or GGUF staged once in the cache, or the embedded default (a synthetic
+/// tiny Llama with a byte tokenizer, made offline).
+fn stage(o: &Options) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(&o.cache).with_context(|| format!("creating {}", o.cache.display()))?;
+    let bar = crate::progress_bar::Bar::new();
+    match &o.model {
+        Some(m) if m.extension().is_some_and(|e| e == "preheat") => Ok(m.clone()),
+        Some(m) => {
+            let stem = m
+                .file_stem()
+                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+            let dest = o.cache.join(format!("{stem}.preheat"));
+            if !dest.exists() {
+                tracing::info!(source = %m.display(), dest = %dest.display(), "staging the model as a snapshot");
+                preheat_snapshot::source::convert(
+                    m,
+                    &dest,
+                    preheat_snapshot::source::TargetDtype::Keep,
+                    &bar,
+                )?;
+            }
+            Ok(dest)
+        }
+        None => {
+            let dest = o.cache.join("default-tiny.preheat");
+            if !dest.exists() {
+                tracing::info!(dest = %dest.display(), "writing the embedded default model (synthetic tiny Llama)");
+                preheat_snapshot::synth::synthesize("tiny", &dest, Default::default(), &bar)?;
+            }
+            Ok(dest)
+        }
+    }
+}
+
+/// A measured CPU profile of this model, cached beside the snapshot.
+fn measured_profile(snap: &Path) -> anyhow::Result<Profile> {
+    let path = snap.with_extension("profile.json");
+    if !path.exists() {
+        tracing::info!("measuring one replica's capacity (once per model)");
+        super::engine::profile(snap, &path, &[16, 64, 256], &[1, 4, 16], 4, 64)?;
+    }
+    Ok(Profile::from_file(&path)?)
+}
+
+struct Replica {
+    child: Child,
+    port: u16,
+    started: Instant,
+}
+
+struct PoolState {
+    pool: Pool,
+    role: &'static str,
+    min: u32,
+    max: u32,
+    replicas: Vec<Replica>,
+    stopping: Vec<Child>,
+    endpoints: SharedEndpoints,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl PoolState {
+    fn publish(&self) {
+        let list: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|r| format!("http://127.0.0.1:{}/metrics", r.port))
+            .collect();
+        *self
+            .endpoints
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = list;
+    }
+
+    fn start(&mut self, snap: &Path, gw: &str, logs: &Path, kv_mib: usize) -> anyhow::Result<()> {
+        let port = free_port()?;
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["engine", self.role, "--model"])
+            .arg(snap)
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--gateway",
+                gw,
+            ])
+            .args([
+                "--kv-cache-mib",
+                &kv_mib.to_string(),
+                "--served-model-name",
+                MODEL,
+            ]);
+        if self.pool == Pool::Prefill {
+            cmd.args(["--kv-port", &free_port()?.to_string()]);
+        }
+        let log = std::fs::File::create(logs.join(format!("{}-{port}.log", self.role)))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting a worker")?;
+        self.replicas.push(Replica {
+            child,
+            port,
+            started: Instant::now(),
+        });
+        self.publish();
+        Ok(())
+    }
+
+    /// SIGTERM: the worker deregisters, finishes what it holds, then exits.
+    fn stop_newest(&mut self) {
+        if let Some(r) = self.replicas.pop() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &r.child.id().to_string()])
+                .status();
+            self.stopping.push(r.child);
+            self.publish();
+        }
+    }
+
+    fn reap(&mut self) {
+        self.stopping
+            .retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
+        // A worker that died on its own leaves the pool (the scaler sees it missing).
+        let before = self.replicas.len();
+        self.replicas.retain_mut(|r| match r.child.try_wait() {
+            Ok(Some(status)) => {
+                tracing::warn!(port = r.port, %status, up_s = r.started.elapsed().as_secs(), "worker exited");
+                false
+            }
+            _ => true,
+        });
+        if self.replicas.len() != before {
+            self.publish();
+        }
+    }
+}
+
+fn sref(pool: Pool) -> ScaledObjectRef {
+    ScaledObjectRef {
+        name: format!("{MODEL}-{}", pool.as_str()),
+        namespace: "local".into(),
+        scaler_metadata: HashMap::from([
+            ("pool".to_owned(), pool.as_str().to_owned()),
+            ("model".to_owned(), MODEL.to_owned()),
+        ]),
+    }
+}
+
+/// What KEDA + the HPA would set: 0 when inactive, else the metric (target 1).
+async fn target(
+    c: &mut ExternalScalerClient<tonic::transport::Channel>,
+    pool: Pool,
+) -> Option<u32> {
+    let active = c.is_active(sref(pool)).await.ok()?.into_inner().result;
+    if !active {
+        return Some(0);
+    }
+    let m = c
+        .get_metrics(GetMetricsRequest {
+            scaled_object_ref: Some(sref(pool)),
+            metric_name: String::new(),
+        })
+        .await
+        .ok()?
+        .into_inner();
+    let v = m.metric_values.first()?;
+    Some(
+        v.metric_value_float
+            .max(v.metric_value as f64)
+            .ceil()
+            .max(0.0) as u32,
+    )
+}
+
+pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
+    let o = options(a)?;
+    elapsed_s();
+    let snap = stage(&o)?;
+    let profile = measured_profile(&snap)?;
+    let info = gateway::model_info(&snap, 16, Some(MODEL))?;
+    let logs = o.cache.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|v| *v).await;
+        };
+        // Gateway, knowing the model from the start so it holds requests at zero.
+        let gl = tokio::net::TcpListener::bind(o.gateway)
+            .await
+            .with_context(|| format!("binding {}", o.gateway))?;
+        let gw_url = format!("http://{}", gl.local_addr()?);
+        let gopts = GatewayOptions {
+            model: Some(info),
+            hold_timeout: Duration::from_secs(600),
+            ..GatewayOptions::default()
+        };
+        let gw_task = tokio::spawn(gateway::run(gl, gopts, stopped(stop_rx.clone())));
+        // Scaler, fed the live worker lists by the driver below.
+        let mut pools: Vec<PoolState> = [(Pool::Prefill, "prefill"), (Pool::Decode, "decode")]
+            .into_iter()
+            .zip(o.limits)
+            .map(|((pool, role), (min, max))| PoolState {
+                pool,
+                role,
+                min,
+                max,
+                replicas: Vec::new(),
+                stopping: Vec::new(),
+                endpoints: Arc::new(RwLock::new(Vec::new())),
+            })
+            .collect();
+        let pool_yaml = |min: u32, max: u32| {
+            format!(
+                "{{min_replicas: {min}, max_replicas: {max}, idle_grace_s: {}, scale_down_stabilization_s: 30, default_lead_s: 2, slo_ttft_s: {}, slo_itl_s: {}}}",
+                o.idle_grace_s, o.slo_ttft, o.slo_itl
+            )
+        };
+        let cfg = Config::load(
+            None,
+            &[
+                format!("grpc_listen={}", o.scaler),
+                "http_listen=127.0.0.1:0".into(),
+                "interval_s=0.5".into(),
+                "window_s=10".into(),
+                format!(
+                    "models=[{{name: {MODEL}, gateway: [{gw_url}/metrics], prefill: {}, decode: {}}}]",
+                    pool_yaml(o.limits[0].0, o.limits[0].1),
+                    pool_yaml(o.limits[1].0, o.limits[1].1)
+                ),
+            ],
+        )?;
+        let shared = pools
+            .iter()
+            .map(|p| (MODEL.to_owned(), p.pool, Arc::clone(&p.endpoints)))
+            .collect();
+        let scaler_task = tokio::spawn(preheat_scaler::server::run_with(
+            cfg,
+            profile,
+            stopped(stop_rx.clone()),
+            shared,
+        ));
+        println!("preheat up: model {} ({})", MODEL, snap.display());
+        println!("  OpenAI API        {gw_url}/v1  (health {gw_url}/health, metrics {gw_url}/metrics)");
+        println!("  KEDA scaler gRPC  {}", o.scaler);
+        println!(
+            "  pools             prefill {}..{}, decode {}..{}, idle grace {} s; worker logs in {}",
+            o.limits[0].0,
+            o.limits[0].1,
+            o.limits[1].0,
+            o.limits[1].1,
+            o.idle_grace_s,
+            logs.display()
+        );
+        println!("  Ctrl-C stops everything");
+        let mut client = loop {
+            if let Ok(c) = ExternalScalerClient::connect(format!("http://{}", o.scaler)).await {
+                break c;
+            }
+            if scaler_task.is_finished() {
+                bail!("the scaler did not start");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let mut ctrl_c = std::pin::pin!(shutdown_signal());
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tokio::select! {
+                () = &mut ctrl_c => break,
+                _ = tick.tick() => {}
+            }
+            for p in &mut pools {
+                p.reap();
+                let Some(want) = target(&mut client, p.pool).await else { continue };
+                let want = want.clamp(p.min, p.max);
+                let have = p.replicas.len() as u32;
+                if want != have {
+                    println!("[{:>7.1}s] {}: {have} → {want} replicas", elapsed_s(), p.role);
+                }
+                for _ in have..want {
+                    p.start(&snap, &gw_url, &logs, o.kv_cache_mib)?;
+                }
+                for _ in want..have {
+                    p.stop_newest();
+                }
+            }
+        }
+        println!("stopping: draining workers");
+        for p in &mut pools {
+            while !p.replicas.is_empty() {
+                p.stop_newest();
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while pools.iter().any(|p| !p.stopping.is_empty()) && Instant::now() < deadline {
+            for p in &mut pools {
+                p.reap();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for p in &mut pools {
+            for c in &mut p.stopping {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        let _ = stop_tx.send(true);
+        let _ = gw_task.await;
+        let _ = scaler_task.await;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn elapsed_s() -> f64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90"), Some(90.0));
+        assert_eq!(parse_duration("90s"), Some(90.0));
+        assert_eq!(parse_duration("2m"), Some(120.0));
+        assert_eq!(parse_duration("1h"), Some(3600.0));
+        assert_eq!(parse_duration("0.5s"), Some(0.5));
+        for bad in ["", "s", "-1s", "abc", "1d"] {
+            assert_eq!(parse_duration(bad), None, "{bad}");
+        }
+    }
+}

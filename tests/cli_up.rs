@@ -1,0 +1,201 @@
+//! `preheat up` end to end, as KEDA would see it: both pools inactive when idle, a
+//! `StreamIsActive` push within 1 s of the first request at zero, that request
+//! answered, a burst scaling decode up, idleness bringing both pools back to zero, and
+//! no request failing.
+
+mod harness;
+
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use harness::free_port;
+use preheat_scaler::proto::ScaledObjectRef;
+use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+use serde_json::{Value, json};
+use tokio_stream::StreamExt;
+
+fn sref(pool: &str) -> ScaledObjectRef {
+    ScaledObjectRef {
+        name: format!("default-{pool}"),
+        namespace: "local".into(),
+        scaler_metadata: HashMap::from([("pool".to_owned(), pool.to_owned())]),
+    }
+}
+
+struct Up(std::process::Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-INT", &self.0.id().to_string()])
+            .status();
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Registered (prefill, decode) workers.
+async fn workers(c: &reqwest::Client, gw: &str) -> (usize, usize) {
+    let v: Value = c
+        .get(format!("{gw}/internal/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let w = v["workers"].as_array().unwrap();
+    let n = |role: &str| w.iter().filter(|x| x["role"] == role).count();
+    (n("prefill"), n("decode"))
+}
+
+fn long_request(
+    c: &reqwest::Client,
+    gw: &str,
+    i: usize,
+) -> tokio::task::JoinHandle<reqwest::StatusCode> {
+    let (c, gw) = (c.clone(), gw.to_owned());
+    tokio::spawn(async move {
+        c.post(format!("{gw}/v1/completions"))
+            .json(&json!({"prompt": format!("burst {i}"), "max_tokens": 400, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    })
+}
+
+#[test]
+fn up_scales_from_zero_under_load_and_back_to_zero() {
+    let (gport, sport) = (free_port(), free_port());
+    let cache = tempfile::tempdir().unwrap();
+    let _up = Up(Command::new(env!("CARGO_BIN_EXE_preheat"))
+        .args([
+            "up",
+            "--port",
+            &gport.to_string(),
+            "--scaler-listen",
+            &format!("127.0.0.1:{sport}"),
+        ])
+        .args([
+            "--idle-grace",
+            "3s",
+            "--slo-itl",
+            "0.0005",
+            "--decode-max",
+            "2",
+            "--prefill-max",
+            "1",
+        ])
+        .arg("--cache-dir")
+        .arg(cache.path())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap());
+    let gw = format!("http://127.0.0.1:{gport}");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let t0 = Instant::now();
+        let mut keda = loop {
+            if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{sport}")).await
+            {
+                break c;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "scaler never listened"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // Idle: both pools inactive once the grace has passed.
+        let mut decode = keda
+            .stream_is_active(sref("decode"))
+            .await
+            .unwrap()
+            .into_inner();
+        let t0 = Instant::now();
+        loop {
+            let active = decode.next().await.unwrap().unwrap().result;
+            let prefill = keda
+                .is_active(sref("prefill"))
+                .await
+                .unwrap()
+                .into_inner()
+                .result;
+            if !active && !prefill {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "pools never went inactive"
+            );
+        }
+        let c = reqwest::Client::new();
+        assert_eq!(workers(&c, &gw).await, (0, 0));
+        // First request at zero: pushed active within 1 s, and answered.
+        let sent = Instant::now();
+        let first = tokio::spawn({
+            let (c, gw) = (c.clone(), gw.clone());
+            async move {
+                c.post(format!("{gw}/v1/completions"))
+                    .json(&json!({"prompt": "hello", "max_tokens": 8}))
+                    .send()
+                    .await
+                    .unwrap()
+            }
+        });
+        let pushed = tokio::time::timeout(Duration::from_secs(1), decode.next()).await;
+        let pushed = pushed
+            .expect("no StreamIsActive push within 1 s")
+            .unwrap()
+            .unwrap();
+        assert!(pushed.result, "the push says active");
+        assert!(sent.elapsed() <= Duration::from_secs(1));
+        let r = first.await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+        // A burst: concurrent long generations need more decode replicas at this ITL
+        // target.
+        let mut burst: Vec<_> = (0..6).map(|i| long_request(&c, &gw, i)).collect();
+        let t0 = Instant::now();
+        let mut most_decode = 0;
+        while most_decode < 2 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the burst did not scale decode up"
+            );
+            most_decode = most_decode.max(workers(&c, &gw).await.1);
+            // Keep the load on until the pool grows.
+            if burst.iter().filter(|b| !b.is_finished()).count() < 4 {
+                let n = burst.len();
+                burst.extend((n..n + 4).map(|i| long_request(&c, &gw, i)));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for b in burst {
+            assert_eq!(b.await.unwrap(), 200, "a request failed");
+        }
+        // Idle again: back to zero.
+        let t0 = Instant::now();
+        while workers(&c, &gw).await != (0, 0) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "pools never returned to zero"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+}
