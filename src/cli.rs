@@ -405,6 +405,10 @@ pub struct BenchServeArgs {
     /// Include every request's outcome in the JSON.
     #[arg(long)]
     pub per_request: bool,
+    /// Write an SVG of load, TTFT and (against a preheat gateway) each pool's
+    /// replicas over time.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     #[command(flatten)]
     pub out: OutputArgs,
 }

@@ -52,6 +52,8 @@ fn healthy(port: u16) -> bool {
 #[test]
 fn replays_a_trace_and_a_fixed_rate_against_the_engine() {
     let (_server, base) = serve_tiny();
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("serve.svg");
     let out = preheat([
         "bench",
         "serve",
@@ -70,6 +72,8 @@ fn replays_a_trace_and_a_fixed_rate_against_the_engine() {
         "--slo-itl",
         "5",
         "--json",
+        "--plot",
+        svg.to_str().unwrap(),
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -87,6 +91,11 @@ fn replays_a_trace_and_a_fixed_rate_against_the_engine() {
     assert!(r["itl_p50"].as_f64().unwrap() > 0.0);
     assert_eq!(r["slo_attainment"], 1.0);
     assert!(r["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        plot.contains("TTFT p90") && !plot.contains(">decode</text>"),
+        "no replica panel against engine serve"
+    );
     // A trace, time-compressed and token-scaled for a CPU model.
     let trace = shared().join("traces/azure_code_2023.csv");
     let out = preheat([

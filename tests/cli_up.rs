@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::free_port;
+use harness::{free_port, preheat, shared};
 use preheat_scaler::proto::ScaledObjectRef;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use serde_json::{Value, json};
@@ -197,5 +197,44 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        // The load generator against it: a time-compressed production trace, from zero,
+        // with the replicas of each pool in its report and plot.
+        let dir = tempfile::tempdir().unwrap();
+        let svg = dir.path().join("up.svg");
+        let trace = shared().join("traces/azure_code_2023.csv");
+        let gw2 = gw.clone();
+        let svg2 = svg.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            preheat([
+                "bench".as_ref(),
+                "serve".as_ref(),
+                "--url".as_ref(),
+                gw2.as_ref(),
+                "--trace".as_ref(),
+                trace.as_os_str(),
+                "--speedup".as_ref(),
+                "100".as_ref(),
+                "--max-requests".as_ref(),
+                "60".as_ref(),
+                "--token-scale".as_ref(),
+                "0.01".as_ref(),
+                "--max-output-tokens".as_ref(),
+                "16".as_ref(),
+                "--json".as_ref(),
+                "--plot".as_ref(),
+                svg2.as_os_str(),
+            ] as [&std::ffi::OsStr; 17])
+        })
+        .await
+        .unwrap();
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["failed"], 0, "{r}");
+        let reps = r["replicas"].as_array().unwrap();
+        assert!(
+            reps.iter().any(|x| x[2].as_u64().unwrap() > 0),
+            "decode came up: {reps:?}"
+        );
+        let plot = std::fs::read_to_string(&svg).unwrap();
+        assert!(plot.contains(">decode</text>") && plot.contains("TTFT p90"));
     });
 }

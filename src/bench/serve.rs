@@ -59,6 +59,10 @@ pub struct Report {
     pub slo_attainment: f64,
     /// The first few distinct errors.
     pub errors: Vec<String>,
+    /// (seconds, prefill, decode) workers registered with a preheat gateway, twice a
+    /// second; empty against other servers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<(f64, u32, u32)>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub outcomes: Vec<Outcome>,
 }
@@ -167,6 +171,10 @@ async fn one(
         let mut last_chunk: Option<Instant> = None;
         let mut gaps = 0.0;
         let mut done = false;
+        let mut finished = false;
+        // First chunk carrying a choice: the TTFT of a token whose text is held back
+        // (a partial UTF-8 character) when no text chunk ever comes.
+        let mut first_choice: Option<f64> = None;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| format!("stream: {e}"))?;
             buf.extend_from_slice(&chunk);
@@ -190,6 +198,12 @@ async fn one(
                         o.prompt_tokens = u["prompt_tokens"].as_u64();
                         o.completion_tokens = u["completion_tokens"].as_u64();
                     }
+                    if v["choices"][0].is_object() && first_choice.is_none() {
+                        first_choice = Some(start.elapsed().as_secs_f64());
+                    }
+                    if v["choices"][0]["finish_reason"].is_string() {
+                        finished = true;
+                    }
                     let has_text = v["choices"][0]["text"]
                         .as_str()
                         .is_some_and(|t| !t.is_empty());
@@ -208,6 +222,12 @@ async fn one(
         if !done {
             return Err("stream ended without [DONE]".to_owned());
         }
+        if !finished {
+            return Err("stream ended without a finish_reason".to_owned());
+        }
+        if o.ttft.is_none() {
+            o.ttft = first_choice;
+        }
         if o.output_chunks > 1 {
             o.itl = Some(gaps / f64::from(o.output_chunks - 1));
         }
@@ -224,6 +244,99 @@ async fn one(
         o.error = Some("no tokens streamed".to_owned());
     }
     o
+}
+
+type ReplicaLog = std::sync::Arc<std::sync::Mutex<Vec<(f64, u32, u32)>>>;
+
+/// Polls a preheat gateway's worker list twice a second into `out` until aborted;
+/// against other servers it stops at the first answer that is not a worker list.
+async fn watch_replicas(
+    client: reqwest::Client,
+    url: String,
+    t0: tokio::time::Instant,
+    out: ReplicaLog,
+) {
+    loop {
+        let v: Option<serde_json::Value> = match client
+            .get(format!("{url}/internal/workers"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => r.json().await.ok(),
+            _ => None,
+        };
+        let Some(list) = v.as_ref().and_then(|v| v["workers"].as_array()) else {
+            return;
+        };
+        let n = |role: &str| list.iter().filter(|w| w["role"] == role).count() as u32;
+        out.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((t0.elapsed().as_secs_f64(), n("prefill"), n("decode")));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Load (requests/s sent), p90 TTFT per 10 s, and replicas over time.
+fn plot(r: &Report, outcomes: &[Outcome]) -> String {
+    use crate::plot::{Panel, Series, svg};
+    let bin = 10.0;
+    let end = outcomes.iter().map(|o| o.sent_at).fold(0.0, f64::max);
+    let n = (end / bin).floor() as usize + 1;
+    let mut sent = vec![0.0; n];
+    let mut ttfts: Vec<Vec<f64>> = vec![Vec::new(); n];
+    for o in outcomes {
+        let i = ((o.sent_at / bin) as usize).min(n - 1);
+        sent[i] += 1.0 / bin;
+        if let Some(t) = o.ttft {
+            ttfts[i].push(t);
+        }
+    }
+    let t = |i: usize| i as f64 * bin;
+    let mut panels = vec![
+        Panel {
+            y_label: "requests/s".into(),
+            series: vec![Series {
+                name: "load".into(),
+                points: sent.iter().enumerate().map(|(i, v)| (t(i), *v)).collect(),
+                step: false,
+            }],
+        },
+        Panel {
+            y_label: "TTFT p90 (s)".into(),
+            series: vec![Series {
+                name: "ttft p90".into(),
+                points: ttfts
+                    .iter_mut()
+                    .enumerate()
+                    .filter_map(|(i, v)| pct(v, 0.9).map(|p| (t(i), p)))
+                    .collect(),
+                step: false,
+            }],
+        },
+    ];
+    if !r.replicas.is_empty() {
+        panels.push(Panel {
+            y_label: "replicas".into(),
+            series: vec![
+                Series {
+                    name: "prefill".into(),
+                    points: r.replicas.iter().map(|x| (x.0, f64::from(x.1))).collect(),
+                    step: true,
+                },
+                Series {
+                    name: "decode".into(),
+                    points: r.replicas.iter().map(|x| (x.0, f64::from(x.2))).collect(),
+                    step: true,
+                },
+            ],
+        });
+    }
+    svg(
+        &format!("{}: {} requests, {} failed", r.url, r.requests, r.failed),
+        "seconds",
+        &panels,
+    )
 }
 
 fn pct(v: &mut [f64], q: f64) -> Option<f64> {
@@ -253,12 +366,14 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let started = Instant::now();
-    let mut outcomes: Vec<Outcome> = rt.block_on(async {
+    let (mut outcomes, replicas): (Vec<Outcome>, Vec<(f64, u32, u32)>) = rt.block_on(async {
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(256)
             .build()
             .context("HTTP client")?;
         let t0 = tokio::time::Instant::now();
+        let log = ReplicaLog::default();
+        let watcher = tokio::spawn(watch_replicas(client.clone(), url.clone(), t0, log.clone()));
         let mut set = tokio::task::JoinSet::new();
         for (i, p) in planned.iter().copied().enumerate() {
             tokio::time::sleep_until(t0 + Duration::from_secs_f64(p.at)).await;
@@ -276,11 +391,16 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
             let (i, o) = r.context("request task")?;
             all[i] = o;
         }
-        anyhow::Ok(all)
+        watcher.abort();
+        let replicas = log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        anyhow::Ok((all, replicas))
     })?;
     bar.finish_and_clear();
     let duration = started.elapsed().as_secs_f64();
-    let report = summarise(
+    let mut report = summarise(
         &url,
         &mut outcomes,
         duration,
@@ -288,6 +408,11 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         a.slo_itl,
         a.per_request,
     );
+    report.replicas = replicas;
+    if let Some(path) = &a.plot {
+        std::fs::write(path, plot(&report, &outcomes))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if a.out.json {
         print_json(&serde_json::to_value(&report)?)?;
     } else {
@@ -346,6 +471,7 @@ fn summarise(
         slo_itl_s: slo_itl,
         slo_attainment: attained as f64 / n.max(1) as f64,
         errors,
+        replicas: Vec::new(),
         outcomes: if keep { outcomes.to_vec() } else { Vec::new() },
     }
 }
