@@ -149,6 +149,8 @@ pub struct Engine {
     pub model_name: String,
     vocab_size: usize,
     draining: Arc<AtomicBool>,
+    /// Set when the engine thread died (a bug): health goes 503 and workers leave.
+    dead: Arc<AtomicBool>,
     in_flight: Arc<AtomicUsize>,
     layout: KvLayout,
     compat: String,
@@ -258,6 +260,7 @@ impl Engine {
         let vocab_size = backend.config().vocab_size as usize;
         let max_model_len = model_len.min(cfg.block_size * cfg.num_blocks);
         let (tx, rx) = mpsc::channel();
+        let dead = Arc::new(AtomicBool::new(false));
         let tokenizer = Arc::new(tokenizer);
         let queued = Arc::new(AtomicUsize::new(0));
         let in_flight = Arc::new(AtomicUsize::new(0));
@@ -275,7 +278,19 @@ impl Engine {
         };
         std::thread::Builder::new()
             .name("preheat-engine".into())
-            .spawn(move || worker.run(rx))
+            .spawn({
+                let dead = Arc::clone(&dead);
+                move || {
+                    // A panic here is a bug; make it visible instead of leaving a live
+                    // process whose engine answers nothing.
+                    let r =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run(rx)));
+                    if r.is_err() {
+                        dead.store(true, Ordering::SeqCst);
+                        tracing::error!("the engine thread panicked; this engine is dead");
+                    }
+                }
+            })
             .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
         Ok(Engine {
             tx,
@@ -289,6 +304,7 @@ impl Engine {
             model_name: cfg.model_name,
             vocab_size,
             draining: Arc::new(AtomicBool::new(false)),
+            dead,
             in_flight,
             layout,
             compat,
@@ -319,6 +335,7 @@ impl Engine {
             model_name,
             vocab_size,
             draining: Arc::new(AtomicBool::new(false)),
+            dead: Arc::new(AtomicBool::new(false)),
             in_flight: Arc::new(AtomicUsize::new(0)),
             layout: KvLayout {
                 num_layers: 0,
@@ -549,6 +566,12 @@ impl Engine {
     /// Stops accepting requests; [`Engine::in_flight`] reaches 0 when all are done.
     pub fn drain(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// False once the engine thread has died.
+    #[must_use]
+    pub fn is_alive(&self) -> bool {
+        !self.dead.load(Ordering::SeqCst)
     }
 
     #[must_use]

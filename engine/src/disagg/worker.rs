@@ -317,6 +317,11 @@ async fn membership(
     register().await?;
     loop {
         tokio::time::sleep(opts.heartbeat).await;
+        if !e.is_alive() {
+            // Leave (the caller deregisters) and exit non-zero so a supervisor
+            // replaces this worker.
+            return Err(EngineError::Internal("the engine thread died".into()));
+        }
         let hb = Heartbeat {
             id: id.clone(),
             load: load_of(&e),

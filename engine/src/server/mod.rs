@@ -75,7 +75,8 @@ async fn metrics(State(st): State<ApiState>) -> Response {
 /// `/health`: 200 once an engine is loaded, 503 before.
 pub fn health_of(engine: Option<&Engine>) -> Response {
     match engine {
-        Some(_) => (StatusCode::OK, "ok").into_response(),
+        Some(e) if e.is_alive() => (StatusCode::OK, "ok").into_response(),
+        Some(_) => (StatusCode::SERVICE_UNAVAILABLE, "engine failed").into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
     }
 }

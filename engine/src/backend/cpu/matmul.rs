@@ -68,6 +68,10 @@ pub fn linear(x: &[f32], t: usize, w: &Weight, y: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), t * k, "linear: input is not t × in");
     assert_eq!(y.len(), t * n, "linear: output is not t × out");
+    // A step may want no rows (a prompt chunk that samples nothing): nothing to do.
+    if t == 0 {
+        return;
+    }
     if t >= GEMM_MIN_ROWS {
         linear_gemm(x, t, w, y);
     } else {
