@@ -162,15 +162,15 @@ impl Gateway {
     }
 
     /// Waits for a decode worker (held at the gateway while the pool is at zero).
-    async fn wait_decode(&self) -> Option<Picked> {
-        if let Some(p) = self.pick(WorkerRole::Decode, &[], &[]) {
+    async fn wait_decode(&self, exclude: &[String]) -> Option<Picked> {
+        if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude) {
             return Some(p);
         }
         self.pending.inc();
         let deadline = Instant::now() + self.opts.hold_timeout;
         let got = loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            if let Some(p) = self.pick(WorkerRole::Decode, &[], &[]) {
+            if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude) {
                 break Some(p);
             }
             if Instant::now() >= deadline {
@@ -193,9 +193,11 @@ impl Gateway {
         let bs = self.lock().block_size.max(1);
         let hashes = block_hashes(&req.prompt, bs);
         let mut excluded: Vec<String> = Vec::new();
+        // Decode workers that turned the request away before starting it (draining).
+        let mut refused: Vec<String> = Vec::new();
         // Two tries on prefill workers, then prefill on the decode worker itself.
         for attempt in 0..3 {
-            let Some(decode) = self.wait_decode().await else {
+            let Some(decode) = self.wait_decode(&refused).await else {
                 return fail(EngineError::Unavailable(format!(
                     "no decode worker became available within {} s",
                     self.opts.hold_timeout.as_secs()
@@ -235,6 +237,13 @@ impl Gateway {
                     message: format!("decode worker answered HTTP {status}"),
                     prefill_failed: false,
                 });
+                // A worker draining for scale-down refuses new work: the request has not
+                // started, so another decode worker takes it.
+                if status == StatusCode::SERVICE_UNAVAILABLE && !w.prefill_failed && attempt < 2 {
+                    tracing::info!(decode = %decode.url, "decode worker refused (draining); trying another");
+                    refused.push(decode.id.clone());
+                    continue;
+                }
                 if w.prefill_failed && attempt < 2 {
                     if let Some(p) = &prefill {
                         tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
