@@ -340,7 +340,7 @@ pub struct BenchKvArgs {
     pub kv_heads: usize,
     #[arg(long, default_value_t = 64)]
     pub head_dim: usize,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 9)]
     pub reps: usize,
     #[command(flatten)]
     pub out: OutputArgs,

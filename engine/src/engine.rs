@@ -154,6 +154,7 @@ pub struct Engine {
     in_flight: Arc<AtomicUsize>,
     layout: KvLayout,
     compat: String,
+    kv_buffers: transfer::BufferPool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -261,6 +262,7 @@ impl Engine {
         let max_model_len = model_len.min(cfg.block_size * cfg.num_blocks);
         let (tx, rx) = mpsc::channel();
         let dead = Arc::new(AtomicBool::new(false));
+        let kv_buffers = transfer::BufferPool::default();
         let tokenizer = Arc::new(tokenizer);
         let queued = Arc::new(AtomicUsize::new(0));
         let in_flight = Arc::new(AtomicUsize::new(0));
@@ -275,6 +277,7 @@ impl Engine {
             metrics: Arc::clone(&metrics),
             queued: Arc::clone(&queued),
             in_flight: Arc::clone(&in_flight),
+            kv_buffers: kv_buffers.clone(),
         };
         std::thread::Builder::new()
             .name("preheat-engine".into())
@@ -308,6 +311,7 @@ impl Engine {
             in_flight,
             layout,
             compat,
+            kv_buffers,
         })
     }
 
@@ -345,6 +349,7 @@ impl Engine {
                 head_dim: 0,
             },
             compat,
+            kv_buffers: transfer::BufferPool::default(),
         }
     }
 
@@ -396,6 +401,12 @@ impl Engine {
     #[must_use]
     pub fn kv_layout(&self) -> KvLayout {
         self.layout
+    }
+
+    /// Receive buffers for incoming K/V; payloads come back here once installed.
+    #[must_use]
+    pub fn kv_buffers(&self) -> &transfer::BufferPool {
+        &self.kv_buffers
     }
 
     /// Largest KV payload this engine could hold (its whole cache).
@@ -581,6 +592,7 @@ impl Engine {
 }
 
 struct Worker {
+    kv_buffers: transfer::BufferPool,
     backend: Box<dyn Backend>,
     sched: Scheduler,
     live: HashMap<u64, Live>,
@@ -876,7 +888,9 @@ impl Worker {
                 None => return refuse(self, busy),
             },
         };
-        if let Err(e) = self.backend.import_kv(&blocks, &msg.payload) {
+        let imported = self.backend.import_kv(&blocks, &msg.payload);
+        self.kv_buffers.give(msg.payload);
+        if let Err(e) = imported {
             self.sched.pool.release(&blocks);
             return refuse(self, e);
         }

@@ -87,7 +87,11 @@ async fn raw_tcp(n: usize) -> anyhow::Result<Duration> {
 
 /// Seconds to move `m` over a plain TCP connection with the message framing, checked
 /// on arrival (the transport the workers use).
-async fn kv_tcp(m: std::sync::Arc<KvMessage>, layout: &KvLayout) -> anyhow::Result<Duration> {
+async fn kv_tcp(
+    m: std::sync::Arc<KvMessage>,
+    layout: &KvLayout,
+    pool: &transfer::BufferPool,
+) -> anyhow::Result<Duration> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = l.local_addr()?;
     let sender = tokio::spawn(async move {
@@ -99,10 +103,12 @@ async fn kv_tcp(m: std::sync::Arc<KvMessage>, layout: &KvLayout) -> anyhow::Resu
     let t0 = Instant::now();
     let mut s = tokio::net::TcpStream::connect(addr).await?;
     let compat = transfer::compat_hash(1, layout);
-    let got = KvMessage::read_from(&mut s, &compat, layout, u64::MAX).await?;
+    // As a decode worker does: into a pooled buffer, returned once installed.
+    let got = KvMessage::read_into(&mut s, &compat, layout, u64::MAX, pool.take()).await?;
     let d = t0.elapsed();
     sender.await??;
     anyhow::ensure!(!got.payload.is_empty());
+    pool.give(got.payload);
     Ok(d)
 }
 
@@ -165,11 +171,12 @@ pub fn run(a: &BenchKvArgs) -> anyhow::Result<ExitCode> {
         tokio::spawn(async move { axum::serve(l, app).await });
         let client = reqwest::Client::new();
         let max = u64::MAX;
+        let pool = transfer::BufferPool::default();
         let (mut raw, mut kv, mut http) = (Duration::MAX, Duration::MAX, Duration::MAX);
         // Alternate, best of each: the machine is shared and noisy.
         for _ in 0..a.reps {
             raw = raw.min(raw_tcp(bytes).await?);
-            kv = kv.min(kv_tcp(std::sync::Arc::clone(&for_tcp), &layout).await?);
+            kv = kv.min(kv_tcp(std::sync::Arc::clone(&for_tcp), &layout, &pool).await?);
             http = http.min(
                 kv_pull(&client, &url, &layout, &compat, max)
                     .await

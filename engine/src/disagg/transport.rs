@@ -57,11 +57,12 @@ impl KvTransport for TcpTransport {
                 s.write_all(&frame).await.map_err(|e| e.to_string())?;
                 let kind = s.read_u8().await.map_err(|e| format!("no answer: {e}"))?;
                 match kind {
-                    b'K' => KvMessage::read_from(
+                    b'K' => KvMessage::read_into(
                         &mut s,
                         engine.compat(),
                         &engine.kv_layout(),
                         engine.max_kv_payload(),
+                        engine.kv_buffers().take(),
                     )
                     .await
                     .map_err(|e| e.to_string()),

@@ -74,6 +74,37 @@ pub struct KvMessage {
     pub payload: Vec<u8>,
 }
 
+/// Receive buffers kept for reuse: a large payload landing in memory already touched
+/// skips a page fault per 4 KiB page. Holds a few buffers at most.
+#[derive(Clone, Debug, Default)]
+pub struct BufferPool(std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+
+impl BufferPool {
+    const KEEP: usize = 2;
+
+    /// A buffer to receive into (empty; capacity from an earlier use if any).
+    #[must_use]
+    pub fn take(&self) -> Vec<u8> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default()
+    }
+
+    /// Returns a buffer once its contents are no longer needed.
+    pub fn give(&self, mut buf: Vec<u8>) {
+        buf.clear();
+        let mut v = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if v.len() < Self::KEEP && buf.capacity() > 0 {
+            v.push(buf);
+        }
+    }
+}
+
 /// Identifies what K/V a backend produces: a receiver accepts only its own hash.
 #[must_use]
 pub fn compat_hash(weights_fingerprint: u64, layout: &KvLayout) -> String {
@@ -208,6 +239,18 @@ impl KvMessage {
         layout: &KvLayout,
         max_payload: u64,
     ) -> Result<Self, TransferError> {
+        Self::read_into(r, compat, layout, max_payload, Vec::new()).await
+    }
+
+    /// [`KvMessage::read_from`] into `buf`'s memory (a recycled, already-faulted buffer
+    /// from a [`BufferPool`] saves the page faults of a fresh allocation).
+    pub async fn read_into<R: AsyncRead + Unpin>(
+        r: &mut R,
+        compat: &str,
+        layout: &KvLayout,
+        max_payload: u64,
+        mut buf: Vec<u8>,
+    ) -> Result<Self, TransferError> {
         let mut prefix = [0u8; 8];
         r.read_exact(&mut prefix).await?;
         if &prefix[..4] != MAGIC {
@@ -225,7 +268,9 @@ impl KvMessage {
         let n = usize::try_from(n).map_err(|_| TransferError::Payload("too large".into()))?;
         // Read into uninitialised capacity and hash each piece while it is hot in
         // cache, instead of zero-filling, reading, then hashing in a second pass.
-        let mut payload = Vec::with_capacity(n);
+        buf.clear();
+        buf.reserve(n);
+        let mut payload = buf;
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         let mut limited = r.take(n as u64);
         loop {
@@ -311,6 +356,19 @@ mod tests {
         };
         let n = (2 * 2 * block_bytes(&l)) as usize;
         KvMessage::new(header, (0..n).map(|i| i as u8).collect())
+    }
+
+    #[test]
+    fn buffer_pool_keeps_a_few_buffers_with_their_memory() {
+        let pool = BufferPool::default();
+        assert_eq!(pool.take().capacity(), 0);
+        for _ in 0..3 {
+            pool.give(Vec::with_capacity(1024));
+        }
+        let a = pool.take();
+        assert!(a.is_empty() && a.capacity() >= 1024);
+        let _b = pool.take();
+        assert_eq!(pool.take().capacity(), 0, "at most two kept");
     }
 
     #[tokio::test]
