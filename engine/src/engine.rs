@@ -155,6 +155,8 @@ pub struct Engine {
     layout: KvLayout,
     compat: String,
     kv_buffers: transfer::BufferPool,
+    /// The prefix cache's block hashes, refreshed at most twice a second.
+    cached: Arc<std::sync::Mutex<Vec<crate::kv::BlockHash>>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -263,6 +265,7 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let dead = Arc::new(AtomicBool::new(false));
         let kv_buffers = transfer::BufferPool::default();
+        let cached = Arc::new(std::sync::Mutex::new(Vec::new()));
         let tokenizer = Arc::new(tokenizer);
         let queued = Arc::new(AtomicUsize::new(0));
         let in_flight = Arc::new(AtomicUsize::new(0));
@@ -278,6 +281,8 @@ impl Engine {
             queued: Arc::clone(&queued),
             in_flight: Arc::clone(&in_flight),
             kv_buffers: kv_buffers.clone(),
+            cached: Arc::clone(&cached),
+            cached_at: Instant::now(),
         };
         std::thread::Builder::new()
             .name("preheat-engine".into())
@@ -312,6 +317,7 @@ impl Engine {
             layout,
             compat,
             kv_buffers,
+            cached,
         })
     }
 
@@ -350,6 +356,7 @@ impl Engine {
             },
             compat,
             kv_buffers: transfer::BufferPool::default(),
+            cached: Arc::new(std::sync::Mutex::new(Vec::new())),
         }
     }
 
@@ -401,6 +408,16 @@ impl Engine {
     #[must_use]
     pub fn kv_layout(&self) -> KvLayout {
         self.layout
+    }
+
+    /// Block hashes in this engine's prefix cache (what a worker reports so the router
+    /// can send it prompts it already holds).
+    #[must_use]
+    pub fn cached_blocks(&self) -> Vec<crate::kv::BlockHash> {
+        self.cached
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// Receive buffers for incoming K/V; payloads come back here once installed.
@@ -593,6 +610,8 @@ impl Engine {
 
 struct Worker {
     kv_buffers: transfer::BufferPool,
+    cached: Arc<std::sync::Mutex<Vec<crate::kv::BlockHash>>>,
+    cached_at: Instant,
     backend: Box<dyn Backend>,
     sched: Scheduler,
     live: HashMap<u64, Live>,
@@ -980,7 +999,17 @@ impl Worker {
         }
     }
 
-    fn update_gauges(&self) {
+    fn update_gauges(&mut self) {
+        // Twice a second while busy, and whenever the engine goes idle (so the last
+        // prompts' blocks are reported before the thread sleeps).
+        if self.sched.is_idle() || self.cached_at.elapsed() >= Duration::from_millis(500) {
+            self.cached_at = Instant::now();
+            let hashes: Vec<_> = self.sched.pool.cached_hashes().collect();
+            *self
+                .cached
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = hashes;
+        }
         let m = &self.metrics;
         m.running.set(self.sched.num_running() as i64);
         m.waiting.set(self.sched.num_waiting() as i64);

@@ -135,3 +135,85 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
     let _ = stop_tx.send(());
     w.await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn a_prefill_worker_reports_the_blocks_it_holds() {
+    use std::sync::{Arc, Mutex};
+    let seen: Arc<Mutex<Vec<Vec<u64>>>> = Arc::default();
+    let (gl, gw) = listen().await;
+    let s2 = Arc::clone(&seen);
+    let g = Router::new()
+        .route("/internal/register", post(|| async { "ok" }))
+        .route(
+            "/internal/heartbeat",
+            post(
+                move |axum::Json(h): axum::Json<preheat_engine::disagg::protocol::Heartbeat>| {
+                    let s2 = Arc::clone(&s2);
+                    async move {
+                        s2.lock().unwrap().push(h.blocks);
+                        "ok"
+                    }
+                },
+            ),
+        )
+        .route("/internal/deregister", post(|| async { "ok" }));
+    tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
+    let model =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/models/llama-tiny");
+    let (pl, prefill) = listen().await;
+    let mut serve = ServeOptions::new(model, pl.local_addr().unwrap());
+    serve.role = Role::Prefill;
+    let opts = WorkerOptions {
+        serve,
+        role: WorkerRole::Prefill,
+        gateway: gw,
+        advertise: prefill.clone(),
+        heartbeat: Duration::from_millis(100),
+        transfer_timeout: Duration::from_secs(5),
+        kv_listener: None,
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let w = tokio::spawn(worker::run(pl, opts, async {
+        let _ = stop_rx.await;
+    }));
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    while !c
+        .get(format!("{prefill}/health"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let prompt: Vec<u32> = (1..66).collect();
+    let r = c
+        .post(format!("{prefill}/internal/prefill"))
+        .json(&preheat_engine::disagg::protocol::PrefillBody {
+            request_id: "r".into(),
+            prompt: prompt.clone(),
+            params: SamplingParams::default(),
+        })
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let want = preheat_engine::kv::block_hashes(&prompt, 16);
+    assert_eq!(want.len(), 4);
+    let t0 = Instant::now();
+    while !seen
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|b| want.iter().all(|h| b.contains(h)))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the prompt's blocks were never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop_tx.send(());
+    w.await.unwrap().unwrap();
+}

@@ -389,6 +389,9 @@ async fn heartbeat(State(gw): State<Arc<Gateway>>, Json(h): Json<Heartbeat>) -> 
         Some(e) => {
             e.load = h.load;
             e.last_seen = Instant::now();
+            if e.reg.role == WorkerRole::Prefill {
+                g.prefix.0.entry(h.id).or_default().replace(&h.blocks);
+            }
             StatusCode::OK.into_response()
         }
         None => StatusCode::NOT_FOUND.into_response(),

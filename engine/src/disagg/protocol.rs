@@ -48,6 +48,9 @@ pub struct Load {
 pub struct Heartbeat {
     pub id: String,
     pub load: Load,
+    /// Prefill workers: block hashes in their prefix cache (bounded).
+    #[serde(default)]
+    pub blocks: Vec<u64>,
 }
 
 /// What the gateway needs to front a worker's model (`GET /internal/model`).

@@ -29,6 +29,13 @@ impl PrefixMemory {
         hashes.iter().take_while(|h| self.set.contains(h)).count()
     }
 
+    /// What the worker reports it holds replaces what the router guessed.
+    pub fn replace(&mut self, hashes: &[BlockHash]) {
+        self.set.clear();
+        self.order.clear();
+        self.remember(hashes);
+    }
+
     pub fn remember(&mut self, hashes: &[BlockHash]) {
         for &h in hashes {
             if self.set.insert(h) {
@@ -125,6 +132,15 @@ mod tests {
             pick_prefill(&[(&busy, &cold), (&idle, &cold)], &hashes, 0.0),
             Some(1)
         );
+    }
+
+    #[test]
+    fn a_report_replaces_the_guess() {
+        let mut m = PrefixMemory::default();
+        m.remember(&[1, 2, 3]);
+        m.replace(&[7, 8]);
+        assert_eq!(m.overlap(&[1, 2]), 0);
+        assert_eq!(m.overlap(&[7, 8, 9]), 2);
     }
 
     #[test]

@@ -272,6 +272,9 @@ fn load_of(e: &Engine) -> Load {
     }
 }
 
+/// Most prefix-cache hashes one heartbeat carries.
+const MAX_REPORTED_BLOCKS: usize = 65_536;
+
 /// Registers, then heartbeats until cancelled; re-registers when the gateway forgot
 /// this worker. A refusal (another model) ends the worker.
 async fn membership(
@@ -322,9 +325,16 @@ async fn membership(
             // replaces this worker.
             return Err(EngineError::Internal("the engine thread died".into()));
         }
+        let mut blocks = if opts.role == WorkerRole::Prefill {
+            e.cached_blocks()
+        } else {
+            Vec::new()
+        };
+        blocks.truncate(MAX_REPORTED_BLOCKS);
         let hb = Heartbeat {
             id: id.clone(),
             load: load_of(&e),
+            blocks,
         };
         match client
             .post(format!("{}/internal/heartbeat", opts.gateway))

@@ -43,6 +43,11 @@ impl BlockPool {
         }
     }
 
+    /// Content hashes of every block in the prefix cache (in use or free).
+    pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.cached.keys().copied()
+    }
+
     #[must_use]
     pub fn block_size(&self) -> usize {
         self.block_size
