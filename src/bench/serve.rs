@@ -248,31 +248,37 @@ async fn one(
 
 type ReplicaLog = std::sync::Arc<std::sync::Mutex<Vec<(f64, u32, u32)>>>;
 
-/// Polls a preheat gateway's worker list twice a second into `out` until aborted;
-/// against other servers it stops at the first answer that is not a worker list.
+/// One look at a preheat gateway's worker list; `None` from other servers.
+async fn sample_replicas(
+    client: &reqwest::Client,
+    url: &str,
+    t0: tokio::time::Instant,
+) -> Option<(f64, u32, u32)> {
+    let r = client
+        .get(format!("{url}/internal/workers"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()
+        .filter(|r| r.status().is_success())?;
+    let v: serde_json::Value = r.json().await.ok()?;
+    let list = v["workers"].as_array()?;
+    let n = |role: &str| list.iter().filter(|w| w["role"] == role).count() as u32;
+    Some((t0.elapsed().as_secs_f64(), n("prefill"), n("decode")))
+}
+
+/// Samples the worker list twice a second into `out` until aborted; stops at the
+/// first answer that is not a worker list.
 async fn watch_replicas(
     client: reqwest::Client,
     url: String,
     t0: tokio::time::Instant,
     out: ReplicaLog,
 ) {
-    loop {
-        let v: Option<serde_json::Value> = match client
-            .get(format!("{url}/internal/workers"))
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-        {
-            Ok(r) if r.status().is_success() => r.json().await.ok(),
-            _ => None,
-        };
-        let Some(list) = v.as_ref().and_then(|v| v["workers"].as_array()) else {
-            return;
-        };
-        let n = |role: &str| list.iter().filter(|w| w["role"] == role).count() as u32;
+    while let Some(s) = sample_replicas(&client, &url, t0).await {
         out.lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((t0.elapsed().as_secs_f64(), n("prefill"), n("decode")));
+            .push(s);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
@@ -392,6 +398,12 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
             all[i] = o;
         }
         watcher.abort();
+        // A last look: a short run may end between two samples.
+        if let Some(s) = sample_replicas(&client, &url, t0).await {
+            log.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(s);
+        }
         let replicas = log
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
