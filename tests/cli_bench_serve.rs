@@ -6,18 +6,9 @@ mod harness;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{free_port, model_fixture, preheat, shared};
+use harness::{KillOnDrop, free_port, model_fixture, preheat, shared, wait_healthy};
 
-struct Server(std::process::Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn serve_tiny() -> (Server, String) {
+fn serve_tiny() -> (KillOnDrop, String) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_preheat"))
         .args(["engine", "serve", "--model"])
@@ -28,25 +19,8 @@ fn serve_tiny() -> (Server, String) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    // Healthy, not just listening: it answers 503 while the model loads.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !healthy(port) {
-        assert!(Instant::now() < deadline, "server never became healthy");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    (Server(child), base)
-}
-
-fn healthy(port: u16) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n");
-    let mut buf = [0u8; 16];
-    let n = s.read(&mut buf).unwrap_or(0);
-    buf[..n].starts_with(b"HTTP/1.0 200") || buf[..n].starts_with(b"HTTP/1.1 200")
+    wait_healthy(port, 60);
+    (KillOnDrop(child), format!("http://127.0.0.1:{port}"))
 }
 
 #[test]

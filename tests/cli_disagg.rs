@@ -6,23 +6,16 @@
 
 mod harness;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{free_port, model_fixture};
+use harness::{KillOnDrop, free_port, model_fixture};
 use serde_json::{Value, json};
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+type Proc = KillOnDrop;
 
 fn spawn(args: &[&str]) -> Proc {
-    Proc(
+    KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_preheat"))
             .args(args)
             .env("RUST_LOG", "warn")
@@ -221,14 +214,19 @@ fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
                 .unwrap();
             streams.push(r);
         }
-        let mut first = streams[0].chunk().await.unwrap().unwrap().to_vec();
+        // Every stream has a token, so every request is held by the worker (a request
+        // still on its way would find no decode worker once this one drains).
+        let mut firsts = Vec::new();
+        for s in &mut streams {
+            firsts.push(s.chunk().await.unwrap().unwrap().to_vec());
+        }
         let st = Command::new("kill").args(["-TERM", &decode.0.id().to_string()]).status().unwrap();
         assert!(st.success());
         // Out of the rotation at once...
         wait_for("deregistered", 5, async || workers(&c, &gw).await.is_empty()).await;
         // ...while every stream it held completes normally.
         for (i, mut s) in streams.into_iter().enumerate() {
-            let mut body = if i == 0 { std::mem::take(&mut first) } else { Vec::new() };
+            let mut body = std::mem::take(&mut firsts[i]);
             while let Some(chunk) = s.chunk().await.unwrap() {
                 body.extend_from_slice(&chunk);
             }

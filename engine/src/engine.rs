@@ -442,6 +442,25 @@ impl Engine {
         self.enqueue(req, Some(transfer_id.to_owned()))
     }
 
+    /// [`Engine::prefill`], awaited: the message to ship, or why there is none.
+    pub async fn prefill_message(
+        &self,
+        req: GenerateRequest,
+        transfer_id: &str,
+    ) -> Result<KvMessage> {
+        let mut h = self.prefill(req, transfer_id)?;
+        loop {
+            match h.events.recv().await {
+                Some(Event::KvReady(m)) => return Ok(*m),
+                Some(Event::Error(err)) => return Err(err),
+                Some(Event::Delta { .. }) => {}
+                Some(Event::Finished { .. }) | None => {
+                    return Err(EngineError::Internal("prefill ended without K/V".into()));
+                }
+            }
+        }
+    }
+
     /// Continues a sequence prefilled elsewhere: validates the message, takes blocks
     /// for it (all or nothing: `Overloaded` when the cache has no room), installs the
     /// K/V and decodes under continuous batching. The first event carries the first

@@ -291,7 +291,7 @@ async fn target(
 
 pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
-    elapsed_s();
+    let started = Instant::now();
     let snap = stage(&o)?;
     let profile = measured_profile(&snap)?;
     let info = gateway::model_info(&snap, 16, Some(MODEL))?;
@@ -395,7 +395,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 let want = want.clamp(p.min, p.max);
                 let have = p.replicas.len() as u32;
                 if want != have {
-                    println!("[{:>7.1}s] {}: {have} → {want} replicas", elapsed_s(), p.role);
+                    println!("[{:>7.1}s] {}: {have} → {want} replicas", started.elapsed().as_secs_f64(), p.role);
                 }
                 for _ in have..want {
                     p.start(&snap, &gw_url, &logs, o.kv_cache_mib)?;
@@ -430,11 +430,6 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
-}
-
-fn elapsed_s() -> f64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
 #[cfg(test)]

@@ -61,3 +61,36 @@ where
     let s = ok(args);
     serde_json::from_str(&s).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
+
+/// A spawned process killed (and reaped) when the test lets go of it.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits until `GET /health` on `port` answers 200 (a server answers 503 while its
+/// model loads), up to `secs`.
+pub fn wait_healthy(port: u16, secs: u64) {
+    use std::io::{Read, Write};
+    let healthy = || {
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+            return false;
+        };
+        let _ = s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n");
+        let mut buf = [0u8; 16];
+        let n = s.read(&mut buf).unwrap_or(0);
+        buf[..n].starts_with(b"HTTP/1.0 200") || buf[..n].starts_with(b"HTTP/1.1 200")
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !healthy() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "port {port} never became healthy"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::protocol::{PrefillBody, WireError};
 use crate::EngineError;
-use crate::engine::{Engine, Event, GenerateRequest};
+use crate::engine::{Engine, GenerateRequest};
 use crate::kv::transfer::KvMessage;
 
 const MAX_REQUEST: usize = 64 << 20;
@@ -100,23 +100,14 @@ async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std:
         let e = engine
             .get()
             .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))?;
-        let mut h = e.prefill(
+        e.prefill_message(
             GenerateRequest {
                 prompt: req.prompt,
                 params: req.params,
             },
             &req.request_id,
-        )?;
-        loop {
-            match h.events.recv().await {
-                Some(Event::KvReady(m)) => return Ok(m),
-                Some(Event::Error(err)) => return Err(err),
-                Some(Event::Delta { .. }) => {}
-                Some(Event::Finished { .. }) | None => {
-                    return Err(EngineError::Internal("prefill ended without K/V".into()));
-                }
-            }
-        }
+        )
+        .await
     }
     .await;
     match result {

@@ -120,29 +120,15 @@ async fn prefill(State(st): State<WorkerState>, Json(b): Json<PrefillBody>) -> R
         prompt: b.prompt,
         params: b.params,
     };
-    let mut h = match e.prefill(req, &b.request_id) {
-        Ok(h) => h,
+    let m = match e.prefill_message(req, &b.request_id).await {
+        Ok(m) => m,
         Err(err) => return wire_error(&err, false),
     };
-    loop {
-        match h.events.recv().await {
-            Some(Event::KvReady(m)) => {
-                let mut buf = Vec::with_capacity(m.payload.len() + 4096);
-                if let Err(err) = m.write_to(&mut buf).await {
-                    return wire_error(&EngineError::Internal(err.to_string()), false);
-                }
-                return ([(header::CONTENT_TYPE, "application/octet-stream")], buf).into_response();
-            }
-            Some(Event::Error(err)) => return wire_error(&err, false),
-            Some(Event::Finished { .. }) | None => {
-                return wire_error(
-                    &EngineError::Internal("prefill ended without K/V".into()),
-                    false,
-                );
-            }
-            Some(Event::Delta { .. }) => {}
-        }
+    let mut buf = Vec::with_capacity(m.payload.len() + 4096);
+    if let Err(err) = m.write_to(&mut buf).await {
+        return wire_error(&EngineError::Internal(err.to_string()), false);
     }
+    ([(header::CONTENT_TYPE, "application/octet-stream")], buf).into_response()
 }
 
 /// Pulls one KV message from a prefill worker, never buffering more than the
