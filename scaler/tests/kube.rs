@@ -226,14 +226,11 @@ async fn controller_discovers_pods_and_scales_the_deployment() {
     .await;
     let patches = state.lock().unwrap().patches;
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let f = state.lock().unwrap();
+    let later = state.lock().unwrap().patches;
     assert!(
-        f.patches <= patches + 2,
-        "an unchanged decision is not re-sent every tick ({} → {})",
-        patches,
-        f.patches
+        later <= patches + 2,
+        "an unchanged decision is not re-sent every tick ({patches} → {later})"
     );
-    drop(f);
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
 }
