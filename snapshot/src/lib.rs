@@ -9,6 +9,8 @@
 //!   atomically (temp file, fsync, rename);
 //! - [`source`] converts Hugging Face checkpoints and GGUF files;
 //! - [`packed`] is the compressed, chunked transport encoding;
+//! - [`residency`] asks the kernel how much of a file is in page cache, and moves it in
+//!   or out;
 //! - [`synth`] writes full-size synthetic models for tests and benchmarks.
 //!
 //! The on-disk layout is documented in [`format`].
@@ -22,6 +24,7 @@ pub mod manifest;
 pub mod packed;
 pub mod progress;
 mod reader;
+pub mod residency;
 pub mod source;
 pub mod synth;
 mod writer;
@@ -32,6 +35,6 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use manifest::{Manifest, TensorEntry};
 pub use progress::{NoProgress, Progress};
-pub use reader::{AccessHint, Mismatch, Snapshot, TensorView, VerifyReport, parse};
+pub use reader::{AccessHint, Mismatch, Snapshot, TensorView, VerifyReport, parse, parse_prefix};
 pub use source::{ModelSource, TargetDtype, convert};
 pub use writer::{SnapshotBuilder, TensorSpec, TokenizerData, WriteSummary};

@@ -142,6 +142,17 @@ impl Snapshot {
             .map_err(|e| Error::io(&self.path, e))
     }
 
+    /// How much of the file is in page cache now.
+    pub fn residency(&self) -> Result<crate::residency::Residency> {
+        crate::residency::of_map(&self.map).map_err(|e| Error::io(&self.path, e))
+    }
+
+    /// Maps every page of the file into this process (reading it from disk where it is
+    /// not in page cache), so the first forward pass takes no page faults.
+    pub fn populate(&self) -> Result<()> {
+        crate::residency::populate(&self.map).map_err(|e| Error::io(&self.path, e))
+    }
+
     /// Recomputes every digest (tensors and blobs) on `threads` threads and returns
     /// the names of those that do not match, in file order. `Ok` with an empty list
     /// means the file is intact.
@@ -186,6 +197,8 @@ impl Snapshot {
                                 i,
                                 Mismatch {
                                     name: name.clone(),
+                                    offset: b.offset,
+                                    nbytes: b.nbytes,
                                     expected: b.checksum,
                                     actual,
                                 },
@@ -216,6 +229,9 @@ pub struct VerifyReport {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mismatch {
     pub name: String,
+    /// Where the corrupt item lies in the file.
+    pub offset: u64,
+    pub nbytes: u64,
     pub expected: Checksum,
     pub actual: Checksum,
 }
@@ -322,11 +338,22 @@ fn short_header(len: u64) -> Error {
 /// JSON, dtypes, shapes, alignment, bounds, overlaps and duplicate names. This is the
 /// function the fuzz target drives.
 pub fn parse(bytes: &[u8]) -> Result<(Header, Manifest)> {
-    let len = bytes.len() as u64;
-    let header = Header::decode(bytes, len)?;
+    parse_prefix(bytes, bytes.len() as u64)
+}
+
+/// Like [`parse`], from the first bytes of a file of `file_len` bytes: enough for a
+/// fetcher to plan a download from the header and manifest alone. `prefix` must hold
+/// at least the header and the manifest (`64 + manifest_len` bytes).
+pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<(Header, Manifest)> {
+    let bytes = prefix;
+    let header = Header::decode(bytes, file_len)?;
     let m_start = header.manifest_offset as usize;
     let m_end = (header.manifest_offset + header.manifest_len) as usize;
-    let m_bytes = &bytes[m_start..m_end];
+    let m_bytes = bytes.get(m_start..m_end).ok_or(Error::Truncated {
+        what: "manifest".into(),
+        needed: m_end as u64,
+        actual: bytes.len() as u64,
+    })?;
     check("manifest", header.manifest_checksum, m_bytes)?;
     let manifest: Manifest = serde_json::from_slice(m_bytes)
         .map_err(|e| Error::InvalidManifest(format!("manifest JSON: {e}")))?;

@@ -1,1 +1,33 @@
+//! # preheat-warmpool
+//!
+//! The node agent that makes replicas start in seconds:
+//! - [`stage`] fetches a snapshot (plain or packed, local path or HTTP with Range
+//!   requests) in parallel, resumes after interruption, verifies every checksum and
+//!   publishes atomically;
+//! - [`store`] keeps the node's snapshot directory within a disk budget (LRU) and
+//!   stages each model once however many ask;
+//! - [`hot`] keeps the hot set in page cache within a memory budget;
+//! - [`files`] serves staged snapshots with Range support, so nodes (and tests) can
+//!   stage from a peer;
+//! - [`labels`] marks the node `preheat.dev/<model>=staged|hot` for pod affinity;
+//! - [`standby`] keeps parked standby replicas per pool and promotes them;
+//! - [`kernel_cache`] persists compiled kernels keyed by what they were built for;
+//! - [`agent`] ties them together behind `/metrics` and a small HTTP API.
 
+pub mod agent;
+pub mod config;
+mod error;
+pub mod fetch;
+pub mod files;
+pub mod hot;
+pub mod kernel_cache;
+pub mod labels;
+pub mod metrics;
+pub mod stage;
+pub mod standby;
+pub mod store;
+
+pub use error::{Error, Result};
+pub use fetch::{Fetcher, Source};
+pub use stage::{StageOptions, StageOutcome, stage};
+pub use store::Store;

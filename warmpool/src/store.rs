@@ -1,0 +1,237 @@
+//! The node's snapshot directory under a disk budget: which models are staged, when
+//! each was last used, least-recently-used eviction, and one staging per model however
+//! many ask for it at once.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use preheat_snapshot::Progress;
+use serde::{Deserialize, Serialize};
+
+use crate::fetch::Fetcher;
+use crate::stage::{self, EXTENSION, StageOptions, StageOutcome};
+use crate::{Error, Result};
+
+const STATE_FILE: &str = ".preheat-store.json";
+
+/// A staged model as the store sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StagedModel {
+    pub name: String,
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// Unix seconds of the last stage or use.
+    pub last_used: f64,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct State {
+    /// Model name → unix seconds of its last use.
+    last_used: BTreeMap<String, f64>,
+}
+
+/// The snapshot directory of one node.
+#[derive(Debug)]
+pub struct Store {
+    dir: PathBuf,
+    disk_budget: u64,
+    state: Mutex<State>,
+    /// One async mutex per model: concurrent requests for a model wait for the one
+    /// staging it, then find it published.
+    staging: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    evictions: std::sync::atomic::AtomicU64,
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl Store {
+    /// Opens (creating) `dir`; `disk_budget` bounds the bytes of staged snapshots.
+    pub fn open(dir: impl Into<PathBuf>, disk_budget: u64) -> Result<Self> {
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        let state_path = dir.join(STATE_FILE);
+        let state = match std::fs::read(&state_path) {
+            Ok(b) => serde_json::from_slice(&b).unwrap_or_else(|e| {
+                tracing::warn!(path = %state_path.display(), error = %e, "unreadable store state; usage times reset");
+                State::default()
+            }),
+            Err(_) => State::default(),
+        };
+        Ok(Store {
+            dir,
+            disk_budget,
+            state: Mutex::new(state),
+            staging: Mutex::new(HashMap::new()),
+            evictions: 0.into(),
+        })
+    }
+
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    #[must_use]
+    pub fn disk_budget(&self) -> u64 {
+        self.disk_budget
+    }
+
+    /// Snapshots evicted since the store was opened.
+    #[must_use]
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Published snapshots in the directory, least recently used first.
+    pub fn list(&self) -> Result<Vec<StagedModel>> {
+        let rd = std::fs::read_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        let state = self.state.lock().expect("no panics while held");
+        let mut out = Vec::new();
+        for e in rd.flatten() {
+            let path = e.path();
+            let Some(name) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(&format!(".{EXTENSION}")))
+            else {
+                continue;
+            };
+            if name.starts_with('.') {
+                continue;
+            }
+            let Ok(meta) = e.metadata() else { continue };
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0.0, |d| d.as_secs_f64());
+            out.push(StagedModel {
+                name: name.to_owned(),
+                bytes: meta.len(),
+                last_used: state.last_used.get(name).copied().unwrap_or(mtime),
+                path,
+            });
+        }
+        out.sort_by(|a, b| {
+            a.last_used
+                .total_cmp(&b.last_used)
+                .then(a.name.cmp(&b.name))
+        });
+        Ok(out)
+    }
+
+    /// Path of model `name` when it is staged.
+    #[must_use]
+    pub fn path_of(&self, name: &str) -> Option<PathBuf> {
+        let p = stage::snapshot_path(&self.dir, name);
+        p.is_file().then_some(p)
+    }
+
+    /// Records a use of `name` (a replica started from it): eviction goes by this.
+    pub fn touch(&self, name: &str) {
+        let mut s = self.state.lock().expect("no panics while held");
+        s.last_used.insert(name.to_owned(), now());
+        self.save(&s);
+    }
+
+    fn save(&self, s: &State) {
+        let path = self.dir.join(STATE_FILE);
+        let tmp = self.dir.join(format!("{STATE_FILE}.tmp"));
+        let r = serde_json::to_vec(s)
+            .map_err(std::io::Error::other)
+            .and_then(|b| std::fs::write(&tmp, b))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = r {
+            tracing::warn!(path = %path.display(), error = %e, "could not save store state");
+        }
+    }
+
+    /// Stages `name` from `fetcher` unless it is already staged, first evicting
+    /// least-recently-used snapshots (never one in `keep`) until it fits the budget.
+    pub async fn ensure(
+        &self,
+        name: &str,
+        fetcher: &Fetcher,
+        opts: &StageOptions,
+        keep: &HashSet<String>,
+        progress: Arc<dyn Progress>,
+    ) -> Result<StageOutcome> {
+        stage::validate_name(name)?;
+        let gate = {
+            let mut m = self.staging.lock().expect("no panics while held");
+            Arc::clone(m.entry(name.to_owned()).or_default())
+        };
+        let _turn = gate.lock().await;
+        if self.path_of(name).is_none() {
+            let plan = stage::plan(fetcher, opts.piece_bytes).await?;
+            self.make_room(name, plan.snapshot_bytes, keep)?;
+        }
+        let out = stage::stage(fetcher, &self.dir, name, opts, progress).await?;
+        self.touch(name);
+        Ok(out)
+    }
+
+    /// Evicts least-recently-used snapshots other than `name` and `keep` until
+    /// `incoming` more bytes fit the budget.
+    pub fn make_room(&self, name: &str, incoming: u64, keep: &HashSet<String>) -> Result<()> {
+        if incoming > self.disk_budget {
+            return Err(Error::OverBudget(format!(
+                "{name} needs {incoming} bytes, more than the whole budget of {}",
+                self.disk_budget
+            )));
+        }
+        let models = self.list()?;
+        let mut used: u64 = models.iter().map(|m| m.bytes).sum::<u64>() + self.partial_bytes();
+        for m in &models {
+            if used + incoming <= self.disk_budget {
+                break;
+            }
+            if m.name == name || keep.contains(&m.name) {
+                continue;
+            }
+            self.evict(&m.name)?;
+            used = used.saturating_sub(m.bytes);
+        }
+        if used + incoming > self.disk_budget {
+            return Err(Error::OverBudget(format!(
+                "{name} needs {incoming} bytes; {used} of {} are held by models that must stay",
+                self.disk_budget
+            )));
+        }
+        Ok(())
+    }
+
+    /// Bytes held by stagings in progress (their partial files).
+    fn partial_bytes(&self) -> u64 {
+        std::fs::read_dir(&self.dir).map_or(0, |rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".stage.partial"))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+    }
+
+    /// Removes model `name`. Replicas that have it mapped keep reading it: the kernel
+    /// frees the blocks only when the last mapping goes.
+    pub fn evict(&self, name: &str) -> Result<()> {
+        let p = stage::snapshot_path(&self.dir, name);
+        std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
+        let mut s = self.state.lock().expect("no panics while held");
+        s.last_used.remove(name);
+        self.save(&s);
+        self.evictions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            model = name,
+            "evicted (least recently used, past the disk budget)"
+        );
+        Ok(())
+    }
+}

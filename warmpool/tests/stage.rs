@@ -1,0 +1,455 @@
+//! Staging against real files and a real HTTP server that can fail, corrupt and count.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use preheat_snapshot::packed::{PackOptions, pack};
+use preheat_snapshot::synth::{SynthOptions, synthesize};
+use preheat_snapshot::{NoProgress, Snapshot};
+use preheat_warmpool::stage::{self, StageOptions};
+use preheat_warmpool::{Error, Fetcher, Source, Store};
+
+/// Faults the test server injects.
+#[derive(Default)]
+struct Faults {
+    /// Bytes served so far (all requests).
+    served: AtomicU64,
+    /// Refuse (500) every range once this many bytes were served.
+    fail_after: AtomicU64,
+    /// Flip a bit of the byte at this offset in every response that covers it.
+    corrupt_at: AtomicU64,
+    corrupt: AtomicBool,
+}
+
+struct Server {
+    url: String,
+    faults: Arc<Faults>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn serve_range(
+    State((dir, f)): State<(PathBuf, Arc<Faults>)>,
+    UrlPath(name): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    if f.served.load(Ordering::SeqCst) >= f.fail_after.load(Ordering::SeqCst) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "injected failure").into_response();
+    }
+    let Ok(bytes) = std::fs::read(dir.join(&name)) else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let len = bytes.len() as u64;
+    let Some((s, e)) = headers
+        .get("range")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| preheat_warmpool::files::parse_range(v, len))
+    else {
+        return StatusCode::RANGE_NOT_SATISFIABLE.into_response();
+    };
+    let mut body = bytes[s as usize..=e as usize].to_vec();
+    let c = f.corrupt_at.load(Ordering::SeqCst);
+    if f.corrupt.load(Ordering::SeqCst) && (s..=e).contains(&c) {
+        body[(c - s) as usize] ^= 0x10;
+    }
+    f.served.fetch_add(body.len() as u64, Ordering::SeqCst);
+    (
+        StatusCode::PARTIAL_CONTENT,
+        [("content-range", format!("bytes {s}-{e}/{len}"))],
+        body,
+    )
+        .into_response()
+}
+
+async fn server(dir: &Path) -> Server {
+    let faults = Arc::new(Faults {
+        fail_after: AtomicU64::new(u64::MAX),
+        ..Faults::default()
+    });
+    let app = axum::Router::new()
+        .route("/f/{name}", axum::routing::get(serve_range))
+        .with_state((dir.to_path_buf(), Arc::clone(&faults)));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        axum::serve(l, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+    });
+    Server {
+        url,
+        faults,
+        _stop: tx,
+    }
+}
+
+/// A tiny synthetic snapshot and its packed encoding in `dir`.
+fn model(dir: &Path) -> (PathBuf, PathBuf) {
+    let snap = dir.join("tiny.preheat");
+    synthesize("tiny", &snap, SynthOptions::default(), &NoProgress).unwrap();
+    let packed = dir.join("tiny.phpack");
+    pack(
+        &snap,
+        &packed,
+        PackOptions {
+            chunk_size: 64 << 10,
+            ..PackOptions::default()
+        },
+        &NoProgress,
+    )
+    .unwrap();
+    (snap, packed)
+}
+
+fn small_pieces() -> StageOptions {
+    StageOptions {
+        piece_bytes: 64 << 10,
+        concurrency: 3,
+        ..StageOptions::default()
+    }
+}
+
+fn fetcher(s: &str) -> Fetcher {
+    Fetcher::new(Source::parse(s), std::time::Duration::from_secs(10)).unwrap()
+}
+
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
+}
+
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".stage.") && !n.ends_with(".lock"))
+        .collect()
+}
+
+#[tokio::test]
+async fn stages_plain_and_packed_from_a_path_and_over_http() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, packed) = model(src.path());
+    let srv = server(src.path()).await;
+    for source in [
+        snap.display().to_string(),
+        packed.display().to_string(),
+        format!("{}/f/tiny.preheat", srv.url),
+        format!("{}/f/tiny.phpack", srv.url),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        let o = stage::stage(
+            &fetcher(&source),
+            out.path(),
+            "tiny",
+            &small_pieces(),
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap();
+        assert!(!o.already_staged);
+        assert_eq!(o.resumed_bytes, 0);
+        assert_eq!(o.bytes, std::fs::metadata(&snap).unwrap().len());
+        assert!(same_bytes(&o.path, &snap), "{source}");
+        assert!(
+            leftovers(out.path()).is_empty(),
+            "{:?}",
+            leftovers(out.path())
+        );
+        // Staging again finds it in place and verified.
+        let again = stage::stage(
+            &fetcher(&source),
+            out.path(),
+            "tiny",
+            &small_pieces(),
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap();
+        assert!(again.already_staged);
+        assert_eq!(again.fetched_bytes, 0);
+    }
+}
+
+#[tokio::test]
+async fn an_interrupted_staging_resumes_where_it_stopped() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, packed) = model(src.path());
+    for (file, total) in [
+        ("tiny.preheat", std::fs::metadata(&snap).unwrap().len()),
+        ("tiny.phpack", std::fs::metadata(&packed).unwrap().len()),
+    ] {
+        let srv = server(src.path()).await;
+        srv.faults.fail_after.store(total / 2, Ordering::SeqCst);
+        let out = tempfile::tempdir().unwrap();
+        let url = format!("{}/f/{file}", srv.url);
+        let opts = StageOptions {
+            concurrency: 1,
+            ..small_pieces()
+        };
+        let err = stage::stage(
+            &fetcher(&url),
+            out.path(),
+            "tiny",
+            &opts,
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::Fetch { .. }), "{err}");
+        assert!(
+            !stage::snapshot_path(out.path(), "tiny").exists(),
+            "nothing is published by a failed staging"
+        );
+        let first = srv.faults.served.load(Ordering::SeqCst);
+        srv.faults.fail_after.store(u64::MAX, Ordering::SeqCst);
+        let o = stage::stage(
+            &fetcher(&url),
+            out.path(),
+            "tiny",
+            &opts,
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap();
+        assert!(o.resumed_bytes > 0, "{file}: {o:?}");
+        let second = srv.faults.served.load(Ordering::SeqCst) - first;
+        assert!(
+            second < total * 3 / 4,
+            "{file}: the second run fetched {second} of {total} bytes"
+        );
+        assert!(same_bytes(&o.path, &snap));
+        assert!(leftovers(out.path()).is_empty());
+    }
+}
+
+#[tokio::test]
+async fn a_corrupt_source_is_never_published() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, _) = model(src.path());
+    let s = Snapshot::open(&snap).unwrap();
+    let t = s.manifest().tensors.last().unwrap();
+    let at = t.offset + t.nbytes / 2;
+    drop(s);
+    let srv = server(src.path()).await;
+    srv.faults.corrupt_at.store(at, Ordering::SeqCst);
+    srv.faults.corrupt.store(true, Ordering::SeqCst);
+    let out = tempfile::tempdir().unwrap();
+    let url = format!("{}/f/tiny.preheat", srv.url);
+    let err = stage::stage(
+        &fetcher(&url),
+        out.path(),
+        "tiny",
+        &small_pieces(),
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Corrupt(..)), "{err}");
+    assert!(!stage::snapshot_path(out.path(), "tiny").exists());
+    // The source is fixed: the next attempt succeeds.
+    srv.faults.corrupt.store(false, Ordering::SeqCst);
+    let o = stage::stage(
+        &fetcher(&url),
+        out.path(),
+        "tiny",
+        &small_pieces(),
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap();
+    assert!(same_bytes(&o.path, &snap));
+}
+
+#[tokio::test]
+async fn corruption_of_the_partial_file_is_caught_and_refetched() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, _) = model(src.path());
+    let total = std::fs::metadata(&snap).unwrap().len();
+    let srv = server(src.path()).await;
+    srv.faults.fail_after.store(total * 3 / 4, Ordering::SeqCst);
+    let out = tempfile::tempdir().unwrap();
+    let url = format!("{}/f/tiny.preheat", srv.url);
+    let opts = StageOptions {
+        concurrency: 1,
+        ..small_pieces()
+    };
+    stage::stage(
+        &fetcher(&url),
+        out.path(),
+        "tiny",
+        &opts,
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap_err();
+    // Flip bytes in what the journal says is done (a bad disk, a torn write).
+    let partial = out.path().join(".tiny.stage.partial");
+    let mut b = std::fs::read(&partial).unwrap();
+    let s = Snapshot::open(&snap).unwrap();
+    let t0 = s.manifest().tensors[0].clone();
+    b[(t0.offset + 1) as usize] ^= 0xff;
+    std::fs::write(&partial, b).unwrap();
+    srv.faults.fail_after.store(u64::MAX, Ordering::SeqCst);
+    let o = stage::stage(
+        &fetcher(&url),
+        out.path(),
+        "tiny",
+        &opts,
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap();
+    assert!(same_bytes(&o.path, &snap));
+}
+
+#[tokio::test]
+async fn a_corrupt_published_snapshot_is_staged_again() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, _) = model(src.path());
+    let out = tempfile::tempdir().unwrap();
+    let f = fetcher(&snap.display().to_string());
+    let o = stage::stage(
+        &f,
+        out.path(),
+        "tiny",
+        &small_pieces(),
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap();
+    let mut b = std::fs::read(&o.path).unwrap();
+    let n = b.len();
+    b[n - 10] ^= 1;
+    std::fs::write(&o.path, b).unwrap();
+    let again = stage::stage(
+        &f,
+        out.path(),
+        "tiny",
+        &small_pieces(),
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap();
+    assert!(!again.already_staged);
+    assert!(same_bytes(&again.path, &snap));
+}
+
+#[tokio::test]
+async fn concurrent_requests_for_one_model_stage_it_once() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, _) = model(src.path());
+    let total = std::fs::metadata(&snap).unwrap().len();
+    let srv = server(src.path()).await;
+    let out = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(out.path(), 1 << 30).unwrap());
+    let url = format!("{}/f/tiny.preheat", srv.url);
+    let runs = (0..4).map(|_| {
+        let store = Arc::clone(&store);
+        let f = fetcher(&url);
+        tokio::spawn(async move {
+            store
+                .ensure(
+                    "tiny",
+                    &f,
+                    &small_pieces(),
+                    &HashSet::new(),
+                    Arc::new(NoProgress),
+                )
+                .await
+        })
+    });
+    let outs: Vec<_> = futures_util::future::join_all(runs).await;
+    let fetched: u64 = outs
+        .into_iter()
+        .map(|r| r.unwrap().unwrap().fetched_bytes)
+        .sum();
+    assert_eq!(
+        fetched, total,
+        "one staging fetched it all, the others none"
+    );
+    // Header probes aside, the server sent the file once.
+    assert!(srv.faults.served.load(Ordering::SeqCst) < total + 64 * 1024);
+}
+
+#[tokio::test]
+async fn least_recently_used_snapshots_are_evicted_past_the_budget() {
+    let src = tempfile::tempdir().unwrap();
+    let (snap, _) = model(src.path());
+    let size = std::fs::metadata(&snap).unwrap().len();
+    let out = tempfile::tempdir().unwrap();
+    let store = Store::open(out.path(), size * 2 + size / 2).unwrap();
+    let f = fetcher(&snap.display().to_string());
+    let none = HashSet::new();
+    for name in ["a", "b"] {
+        store
+            .ensure(name, &f, &small_pieces(), &none, Arc::new(NoProgress))
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    store.touch("a");
+    store
+        .ensure("c", &f, &small_pieces(), &none, Arc::new(NoProgress))
+        .await
+        .unwrap();
+    let names: Vec<String> = store.list().unwrap().into_iter().map(|m| m.name).collect();
+    assert_eq!(names, vec!["a", "c"], "b was least recently used");
+    assert_eq!(store.evictions(), 1);
+    // Everything else must stay: no room for d.
+    let keep: HashSet<String> = ["a", "c"].map(String::from).into();
+    let err = store
+        .ensure("d", &f, &small_pieces(), &keep, Arc::new(NoProgress))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::OverBudget(_)), "{err}");
+    let tiny = Store::open(tempfile::tempdir().unwrap().path(), size / 2).unwrap();
+    assert!(matches!(
+        tiny.ensure("a", &f, &small_pieces(), &none, Arc::new(NoProgress))
+            .await,
+        Err(Error::OverBudget(_))
+    ));
+}
+
+#[tokio::test]
+async fn bad_sources_get_clear_errors() {
+    let src = tempfile::tempdir().unwrap();
+    std::fs::write(src.path().join("junk.preheat"), vec![b'x'; 4096]).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let srv = server(src.path()).await;
+    for s in [
+        src.path().join("junk.preheat").display().to_string(),
+        src.path().join("missing.preheat").display().to_string(),
+        format!("{}/f/missing.preheat", srv.url),
+        "http://127.0.0.1:1/x.preheat".to_owned(),
+    ] {
+        let e = stage::stage(
+            &fetcher(&s),
+            out.path(),
+            "m",
+            &small_pieces(),
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap_err();
+        assert!(!e.to_string().is_empty());
+    }
+    let e = stage::stage(
+        &fetcher("/x"),
+        out.path(),
+        "../m",
+        &small_pieces(),
+        Arc::new(NoProgress),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("model name"), "{e}");
+}
