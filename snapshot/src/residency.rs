@@ -98,25 +98,21 @@ pub fn populate(map: &memmap2::Mmap) -> io::Result<()> {
 /// Drops the file's clean pages from page cache (`POSIX_FADV_DONTNEED`). Needs no
 /// privilege; pages other processes have locked stay.
 pub fn evict(path: &Path) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let file = File::open(path)?;
-    // SAFETY: a valid open descriptor; the advice only affects cache state.
-    #[allow(unsafe_code)]
-    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    if rc != 0 {
-        return Err(io::Error::from_raw_os_error(rc));
-    }
-    Ok(())
+    fadvise(path, libc::POSIX_FADV_DONTNEED)
 }
 
 /// Starts reading the whole file into page cache (`POSIX_FADV_WILLNEED`); returns at
 /// once.
 pub fn prefetch(path: &Path) -> io::Result<()> {
+    fadvise(path, libc::POSIX_FADV_WILLNEED)
+}
+
+fn fadvise(path: &Path, advice: libc::c_int) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let file = File::open(path)?;
     // SAFETY: a valid open descriptor; the advice only affects cache state.
     #[allow(unsafe_code)]
-    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice) };
     if rc != 0 {
         return Err(io::Error::from_raw_os_error(rc));
     }
