@@ -35,11 +35,45 @@ pub enum Command {
     /// The KEDA external scaler: sizes prefill and decode pools from their metrics.
     #[command(subcommand)]
     Scaler(ScalerCmd),
+    /// The warm-pool node agent: stage snapshots onto local disk, keep them hot, keep
+    /// parked standbys.
+    #[command(subcommand)]
+    Warmpool(WarmpoolCmd),
     /// Replay a request trace against autoscaling policies in a discrete-event simulation.
     Simulate(SimulateArgs),
     /// Benchmarks that record the figures in BENCHMARKS.md.
     #[command(subcommand)]
     Bench(BenchCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WarmpoolCmd {
+    /// Run the agent (a DaemonSet in Kubernetes) from a YAML config.
+    Run {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Stage one snapshot into a directory: parallel, resumable, verified, published
+    /// atomically. Exit 0 only when a verified snapshot is in place.
+    Stage {
+        /// A path or http(s) URL of a snapshot or packed snapshot.
+        #[arg(long)]
+        source: String,
+        #[arg(long)]
+        dir: PathBuf,
+        /// Model name (file name `<name>.preheat`); default: the source's file name.
+        #[arg(long)]
+        name: Option<String>,
+        /// Ranges fetched at once.
+        #[arg(long, default_value_t = 4)]
+        concurrency: usize,
+        /// Range size for plain snapshots, MiB.
+        #[arg(long, default_value_t = 8)]
+        piece_mib: u64,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -291,6 +325,10 @@ pub struct ServeArgs {
     /// Seconds SIGTERM waits for in-flight requests before exiting.
     #[arg(long, default_value_t = 30)]
     pub drain_grace_secs: u64,
+    /// Load, page in and park without serving (workers: without registering) until
+    /// `POST /internal/promote`.
+    #[arg(long)]
+    pub standby: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -327,6 +365,9 @@ pub enum BenchCmd {
     /// KV transfer throughput (pulled and checked as a decode worker does) vs raw
     /// loopback TCP in the same run.
     Kv(BenchKvArgs),
+    /// Replica start to first token from an HF checkpoint over HTTP, a staged snapshot
+    /// (cold page cache), a hot one and a parked standby, against a page-cache read.
+    Coldstart(BenchColdstartArgs),
 }
 
 #[derive(Debug, Args)]
@@ -342,6 +383,31 @@ pub struct BenchKvArgs {
     pub head_dim: usize,
     #[arg(long, default_value_t = 9)]
     pub reps: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchColdstartArgs {
+    /// A synthetic preset (`llama-1b`, `tiny`), a .gguf, an HF directory or a .preheat.
+    #[arg(long, default_value = "llama-1b")]
+    pub model: String,
+    /// Where the snapshot, the exported checkpoint and downloads go (kept between runs).
+    #[arg(long, default_value = ".cache/bench-coldstart")]
+    pub work_dir: PathBuf,
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "convert,staged,hot,standby"
+    )]
+    pub sources: Vec<String>,
+    #[arg(long, default_value_t = 64)]
+    pub kv_cache_mib: usize,
+    /// Write the phase breakdown per source as an SVG chart.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     #[command(flatten)]
     pub out: OutputArgs,
 }

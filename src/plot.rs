@@ -204,6 +204,133 @@ pub fn svg(title: &str, x_label: &str, panels: &[Panel]) -> String {
     o
 }
 
+/// Horizontal stacked bars: one bar per row, one segment per (phase, seconds), colour by
+/// phase name; each bar is labelled with its total (short bars stay readable), and an
+/// optional vertical marker line shows a target.
+#[must_use]
+pub fn stacked_bars(
+    title: &str,
+    x_label: &str,
+    rows: &[(String, Vec<(String, f64)>)],
+    marker: Option<(String, f64)>,
+) -> String {
+    let (w, left, right, top, bar_h, gap) = (960.0, 90.0, 170.0, 40.0, 28.0, 14.0);
+    let plot_w = w - left - right;
+    let plot_h = rows.len() as f64 * (bar_h + gap) + gap;
+    let h = top + plot_h + 50.0;
+    let mut names: Vec<&str> = Vec::new();
+    for (_, segs) in rows {
+        for (n, _) in segs {
+            if !names.contains(&n.as_str()) {
+                names.push(n);
+            }
+        }
+    }
+    let color =
+        |name: &str| PALETTE[names.iter().position(|n| *n == name).unwrap_or(0) % PALETTE.len()];
+    let total = |segs: &[(String, f64)]| segs.iter().map(|s| s.1.max(0.0)).sum::<f64>();
+    let xmax = rows
+        .iter()
+        .map(|(_, s)| total(s))
+        .chain(marker.as_ref().map(|m| m.1))
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, f64::max);
+    let step = tick_step(xmax.max(1e-3));
+    let xmax = (xmax / step).ceil().max(1.0) * step;
+    let sx = |x: f64| left + x / xmax * plot_w;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(o, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        o,
+        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
+        left + plot_w / 2.0,
+        esc(title)
+    );
+    let _ = writeln!(
+        o,
+        r##"<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>"##
+    );
+    let mut t = 0.0;
+    while t <= xmax + step / 2.0 {
+        let x = sx(t);
+        let _ = writeln!(
+            o,
+            r##"<line x1="{x}" y1="{top}" x2="{x}" y2="{}" stroke="#eee"/><text x="{x}" y="{}" text-anchor="middle">{}</text>"##,
+            top + plot_h,
+            top + plot_h + 16.0,
+            fmt_num(t)
+        );
+        t += step;
+    }
+    let _ = writeln!(
+        o,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+        left + plot_w / 2.0,
+        top + plot_h + 36.0,
+        esc(x_label)
+    );
+    for (i, (label, segs)) in rows.iter().enumerate() {
+        let y = top + gap + i as f64 * (bar_h + gap);
+        let _ = writeln!(
+            o,
+            r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
+            left - 8.0,
+            y + bar_h / 2.0 + 4.0,
+            esc(label)
+        );
+        let mut at = 0.0;
+        for (name, v) in segs {
+            let v = v.max(0.0);
+            let _ = writeln!(
+                o,
+                r#"<rect x="{}" y="{y}" width="{}" height="{bar_h}" fill="{}"><title>{}: {v:.3} s</title></rect>"#,
+                sx(at),
+                (sx(at + v) - sx(at)).max(0.0),
+                color(name),
+                esc(name)
+            );
+            at += v;
+        }
+        let _ = writeln!(
+            o,
+            r#"<text x="{}" y="{}">{:.3} s</text>"#,
+            sx(at) + 4.0,
+            y + bar_h / 2.0 + 4.0,
+            at
+        );
+    }
+    if let Some((label, x)) = marker {
+        let px = sx(x);
+        let _ = writeln!(
+            o,
+            r##"<line x1="{px}" y1="{top}" x2="{px}" y2="{}" stroke="#000" stroke-dasharray="5,4"/><text x="{}" y="{}" font-size="11">{}</text>"##,
+            top + plot_h,
+            px + 4.0,
+            top + 12.0,
+            esc(&label)
+        );
+    }
+    for (i, n) in names.iter().enumerate() {
+        let y = top + 10.0 + i as f64 * 18.0;
+        let x = left + plot_w + 16.0;
+        let _ = writeln!(
+            o,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{}</text>"#,
+            y - 10.0,
+            color(n),
+            x + 18.0,
+            y,
+            esc(n)
+        );
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -866,8 +866,7 @@ impl Worker {
             return;
         };
         self.metrics
-            .ttft
-            .observe(live.arrival.elapsed().as_secs_f64());
+            .observe_ttft(live.arrival.elapsed().as_secs_f64());
         self.metrics.generation_tokens.inc();
         let layout = self.backend.kv_layout();
         let bs = layout.block_size;
@@ -970,8 +969,7 @@ impl Worker {
         match live.last_token {
             None => self
                 .metrics
-                .ttft
-                .observe((now - live.arrival).as_secs_f64()),
+                .observe_ttft((now - live.arrival).as_secs_f64()),
             Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
         }
         live.last_token = Some(now);

@@ -2,8 +2,8 @@
 //! vLLM's names verbatim so existing dashboards and autoscalers read them unchanged.
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 /// All exported metric names.
@@ -83,6 +83,11 @@ pub struct EngineMetrics {
     pub itl: Histogram,
     pub e2e: Histogram,
     pub queue_time: Histogram,
+    /// `preheat:startup_phase_seconds{phase, source}`: seconds from the start's origin
+    /// (process start, or promotion of a standby) to the end of each phase.
+    pub startup: GaugeVec,
+    startup_origin: std::sync::Mutex<(std::time::Instant, String)>,
+    first_token_seen: std::sync::atomic::AtomicBool,
     labels: [String; 2],
 }
 
@@ -130,7 +135,21 @@ impl EngineMetrics {
         registry
             .register(Box::new(success.clone()))
             .expect("unique metric");
+        let startup = GaugeVec::new(
+            opts(
+                STARTUP_PHASE,
+                "Seconds from the start (process start or standby promotion) to the end of each phase",
+            ),
+            &["phase", "source"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(startup.clone()))
+            .expect("unique metric");
         EngineMetrics {
+            startup,
+            startup_origin: std::sync::Mutex::new((std::time::Instant::now(), "staged".to_owned())),
+            first_token_seen: false.into(),
             running: reg!(
                 IntGauge,
                 NUM_REQUESTS_RUNNING,
@@ -188,6 +207,38 @@ impl EngineMetrics {
             ),
             registry,
             labels,
+        }
+    }
+
+    /// Starts a new start-up record: phases are measured from `origin`, labelled
+    /// `source` (`convert`, `staged`, `hot`, `standby`); the next first token counts.
+    pub fn set_startup_origin(&self, origin: std::time::Instant, source: &str) {
+        *self.startup_origin.lock().expect("no panics while held") = (origin, source.to_owned());
+        self.first_token_seen
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Records that `phase` ended now; returns its seconds from the origin.
+    pub fn mark_startup(&self, phase: &str) -> f64 {
+        let (origin, source) = self
+            .startup_origin
+            .lock()
+            .expect("no panics while held")
+            .clone();
+        let secs = origin.elapsed().as_secs_f64();
+        self.startup.with_label_values(&[phase, &source]).set(secs);
+        secs
+    }
+
+    /// Observes a time to first token; the first one after a start also ends the
+    /// `first_token` start-up phase.
+    pub fn observe_ttft(&self, secs: f64) {
+        self.ttft.observe(secs);
+        if !self
+            .first_token_seen
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.mark_startup("first_token");
         }
     }
 

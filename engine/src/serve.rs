@@ -32,6 +32,11 @@ pub struct ServeOptions {
     pub drain_grace: Duration,
     /// `role` label of the metrics.
     pub role: Role,
+    /// When this replica's start began (the process start): start-up phases are
+    /// measured from here.
+    pub started: Instant,
+    /// Load, page in and warm up, then wait parked for a promotion before serving.
+    pub standby: bool,
 }
 
 impl ServeOptions {
@@ -46,6 +51,8 @@ impl ServeOptions {
             max_body_bytes: DEFAULT_MAX_BODY,
             drain_grace: Duration::from_secs(30),
             role: Role::Colocated,
+            started: Instant::now(),
+            standby: false,
         }
     }
 }
@@ -54,6 +61,19 @@ impl ServeOptions {
 pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
     let t0 = Instant::now();
     let (snap, source) = open_model(&opts.model)?;
+    let opened = opts.started.elapsed().as_secs_f64();
+    // Where the bytes came from decides the start-up class the scaler learns from.
+    let start_source = match source {
+        crate::model::ModelSource::Converted => "convert",
+        crate::model::ModelSource::Snapshot => match snap.residency() {
+            Ok(r) if r.fraction() >= 0.9 => "hot",
+            _ => "staged",
+        },
+    };
+    if let Err(e) = snap.populate() {
+        tracing::warn!(error = %e, "could not page in the weights; the first requests will");
+    }
+    let resident = opts.started.elapsed().as_secs_f64();
     let c = &snap.manifest().model;
     let block_bytes = CpuBackend::kv_block_bytes(c, opts.block_size);
     let num_blocks = (opts.kv_cache_bytes / block_bytes.max(1)).max(1);
@@ -64,6 +84,13 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
     let tokenizer = Tokenizer::from_snapshot(&snap)?;
     let backend = CpuBackend::new(Arc::clone(&snap), num_blocks, opts.block_size)?;
     let metrics = Arc::new(EngineMetrics::new(&name, opts.role));
+    metrics.set_startup_origin(opts.started, start_source);
+    for (phase, secs) in [("snapshot_open", opened), ("weights_resident", resident)] {
+        metrics
+            .startup
+            .with_label_values(&[phase, start_source])
+            .set(secs);
+    }
     let engine = Engine::start(
         Box::new(backend),
         tokenizer,
@@ -75,8 +102,9 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
         },
         metrics,
     )?;
+    engine.metrics.mark_startup("loaded");
     tracing::info!(
-        model = %name, source = source.as_str(), kv_blocks = num_blocks, block_size = opts.block_size,
+        model = %name, source = start_source, kv_blocks = num_blocks, block_size = opts.block_size,
         max_model_len = engine.max_model_len, secs = t0.elapsed().as_secs_f64(), "model loaded"
     );
     Ok(engine)
@@ -116,7 +144,22 @@ pub async fn serve_on(
     let loader = {
         let state = state.clone();
         let opts = opts.clone();
-        tokio::task::spawn_blocking(move || load_engine(&opts).map(|e| state.set_engine(e)))
+        tokio::task::spawn_blocking(move || {
+            load_engine(&opts).map(|e| {
+                if opts.standby {
+                    e.metrics.mark_startup("parked");
+                    tracing::info!(
+                        "parked as a standby: POST /internal/promote (or SIGUSR1) to serve"
+                    );
+                    state.park(e);
+                } else {
+                    state.set_engine(e);
+                    if let Ok(e) = state.engine() {
+                        e.metrics.mark_startup("ready");
+                    }
+                }
+            })
+        })
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let drain_state = state.clone();

@@ -172,16 +172,23 @@ struct Tick<'a> {
     namespace: &'a str,
 }
 
-/// Slowest measured start to first token among readings.
+/// Slowest measured start among readings: seconds from the start of a replica to
+/// serving (`registered` for workers, `ready` for colocated servers), or to its first
+/// token when an engine reports only that.
 fn startup_of<'a>(
     readings: impl Iterator<Item = &'a crate::signals::exposition::Reading>,
 ) -> Option<f64> {
     readings
         .filter_map(|r| {
-            r.startup
+            ["registered", "ready", "first_token"]
                 .iter()
-                .find(|((phase, _), _)| phase == "first_token")
-                .map(|(_, v)| *v)
+                .find_map(|want| {
+                    r.startup
+                        .iter()
+                        .filter(|((phase, _), _)| phase == want)
+                        .map(|(_, v)| *v)
+                        .reduce(f64::max)
+                })
         })
         .fold(None, |acc: Option<f64>, v| {
             Some(acc.map_or(v, |a| a.max(v)))

@@ -126,6 +126,71 @@ impl ModelConfig {
         }
     }
 
+    /// The Hugging Face `config.json` this config reads back from.
+    pub fn to_hf_json(&self) -> Result<Value> {
+        let (arch, ty) = match self.architecture {
+            Architecture::Llama => ("LlamaForCausalLM", "llama"),
+            Architecture::Mistral => ("MistralForCausalLM", "mistral"),
+            Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        };
+        let mut v = serde_json::json!({
+            "architectures": [arch],
+            "model_type": ty,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "eos_token_id": self.eos_token_ids,
+        });
+        if let Some(b) = self.bos_token_id {
+            v["bos_token_id"] = b.into();
+        }
+        if let Some(d) = self.source_dtype {
+            v["torch_dtype"] = match d {
+                DType::F32 => "float32",
+                DType::F16 => "float16",
+                DType::BF16 => "bfloat16",
+            }
+            .into();
+        }
+        match self.sliding_window {
+            Some(w) => v["sliding_window"] = w.into(),
+            None => v["use_sliding_window"] = false.into(),
+        }
+        match &self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                v["rope_scaling"] = serde_json::json!({
+                    "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                });
+            }
+            Some(RopeScaling::Linear { factor }) => {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": factor});
+            }
+            Some(RopeScaling::Factors { .. }) => {
+                return Err(Error::Unsupported(
+                    "rope scaling by explicit factors has no config.json form".into(),
+                ));
+            }
+        }
+        Ok(v)
+    }
+
     /// Parses a Hugging Face `config.json`. Missing or malformed fields are collected and
     /// reported together.
     pub fn from_hf_json(v: &Value) -> Result<Self> {

@@ -262,6 +262,13 @@ impl<'a> TensorView<'a> {
     pub fn name(&self) -> &'a str {
         &self.entry.name
     }
+
+    /// The tensor's raw little-endian bytes.
+    #[must_use]
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
     #[must_use]
     pub fn dtype(&self) -> DType {
         self.entry.dtype()

@@ -203,3 +203,28 @@ fn broken_checkpoints_are_clear_errors() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn export_to_hf_reads_back_identically() {
+    use preheat_snapshot::synth::{SynthOptions, synthesize};
+    let d = tempfile::tempdir().unwrap();
+    let snap_path = d.path().join("tiny.preheat");
+    synthesize("tiny", &snap_path, SynthOptions::default(), &NoProgress).unwrap();
+    let snap = Snapshot::open(&snap_path).unwrap();
+    let hf = d.path().join("hf");
+    preheat_snapshot::source::hf::export(&snap, &hf).unwrap();
+    let back_path = d.path().join("back.preheat");
+    preheat_snapshot::convert(&hf, &back_path, TargetDtype::Keep, &NoProgress).unwrap();
+    let back = Snapshot::open(&back_path).unwrap();
+    assert_eq!(back.manifest().model, snap.manifest().model);
+    assert_eq!(back.manifest().tensors.len(), snap.manifest().tensors.len());
+    for t in snap.tensors() {
+        let b = back.require(t.name()).unwrap();
+        assert_eq!(b.shape(), t.shape());
+        assert_eq!(b.bytes(), t.bytes(), "{}", t.name());
+    }
+    assert_eq!(
+        back.tokenizer_json().unwrap(),
+        snap.tokenizer_json().unwrap()
+    );
+}

@@ -2,6 +2,7 @@
 //! reported next to a baseline measured in the same run, since absolute times on a
 //! shared machine are not stable.
 
+pub mod coldstart;
 pub mod engine;
 pub mod kv;
 pub mod router;

@@ -268,5 +268,7 @@ pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
         max_waiting: a.max_waiting,
     };
     o.drain_grace = Duration::from_secs(a.drain_grace_secs);
+    o.standby = a.standby;
+    o.started = crate::process_started();
     Ok(o)
 }

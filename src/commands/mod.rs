@@ -13,6 +13,7 @@ mod scaler;
 mod simulate;
 mod snapshot;
 mod up;
+mod warmpool;
 
 use std::process::ExitCode;
 
@@ -24,6 +25,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Engine(cmd) => engine::run(cmd),
         Command::Scaler(cmd) => scaler::run(cmd),
         Command::Up(args) => up::run(&args),
+        Command::Warmpool(cmd) => warmpool::run(cmd),
         Command::Simulate(args) => simulate::run(&args),
         Command::Bench(BenchCmd::Snapshot(args)) => crate::bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => crate::bench::engine::run(&args),
@@ -31,6 +33,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCmd::Serve(args)) => crate::bench::serve::run(&args),
         Command::Bench(BenchCmd::Router(args)) => crate::bench::router::run(&args),
         Command::Bench(BenchCmd::Kv(args)) => crate::bench::kv::run(&args),
+        Command::Bench(BenchCmd::Coldstart(args)) => crate::bench::coldstart::run(&args),
     }
 }
 

@@ -41,9 +41,16 @@ pub struct WorkerOptions {
     pub kv_listener: Option<(std::net::SocketAddr, String)>,
 }
 
+/// A promotion request: when it was asked for, and where to say how long it took.
+type Promotion = (std::time::Instant, tokio::sync::oneshot::Sender<f64>);
+
 #[derive(Clone)]
 struct WorkerState {
     engine: Arc<OnceLock<Engine>>,
+    /// `loading`, `standby` or `serving`.
+    phase: Arc<std::sync::Mutex<&'static str>>,
+    /// Set while parked as a standby.
+    promote: Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<Promotion>>>>,
     role: WorkerRole,
     client: reqwest::Client,
     transfer_timeout: Duration,
@@ -85,6 +92,35 @@ async fn health(State(st): State<WorkerState>) -> Response {
 
 async fn metrics(State(st): State<WorkerState>) -> Response {
     crate::server::metrics_of(st.engine.get())
+}
+
+async fn state(State(st): State<WorkerState>) -> Response {
+    let phase = *st.phase.lock().expect("no panics while held");
+    Json(serde_json::json!({"state": phase})).into_response()
+}
+
+/// Promotes a parked standby: answers once the worker is registered with the gateway
+/// (serving), with how long that took.
+async fn promote(State(st): State<WorkerState>) -> Response {
+    let t0 = std::time::Instant::now();
+    let Some(tx) = st.promote.lock().expect("no panics while held").take() else {
+        let phase = *st.phase.lock().expect("no panics while held");
+        return (
+            StatusCode::CONFLICT,
+            Json(serde_json::json!({"state": phase, "error": "not a parked standby"})),
+        )
+            .into_response();
+    };
+    let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+    if tx.send((t0, reply_tx)).is_err() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "worker stopping").into_response();
+    }
+    match reply_rx.await {
+        Ok(secs) => {
+            Json(serde_json::json!({"state": "serving", "promote_ms": secs * 1e3})).into_response()
+        }
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "registration failed").into_response(),
+    }
 }
 
 async fn model(State(st): State<WorkerState>) -> Response {
@@ -268,6 +304,7 @@ async fn membership(
     opts: WorkerOptions,
     e: Engine,
     id: String,
+    mut on_registered: Option<tokio::sync::oneshot::Sender<f64>>,
 ) -> Result<()> {
     let reg = Registration {
         id: id.clone(),
@@ -304,6 +341,10 @@ async fn membership(
         }
     };
     register().await?;
+    let secs = e.metrics.mark_startup("registered");
+    if let Some(tx) = on_registered.take() {
+        let _ = tx.send(secs);
+    }
     loop {
         tokio::time::sleep(opts.heartbeat).await;
         if !e.is_alive() {
@@ -345,6 +386,8 @@ pub async fn run(
     let client = reqwest::Client::new();
     let st = WorkerState {
         engine: Arc::new(OnceLock::new()),
+        phase: Arc::new(std::sync::Mutex::new("loading")),
+        promote: Arc::default(),
         role: opts.role,
         client: client.clone(),
         transfer_timeout: opts.transfer_timeout,
@@ -353,6 +396,8 @@ pub async fn run(
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/internal/model", get(model))
+        .route("/internal/state", get(state))
+        .route("/internal/promote", post(promote))
         .route("/internal/prefill", post(prefill))
         .route("/internal/generate", post(generate))
         .layer(axum::extract::DefaultBodyLimit::max(
@@ -380,7 +425,33 @@ pub async fn run(
     let engine = tokio::task::spawn_blocking(move || load_engine(&serve))
         .await
         .map_err(|e| EngineError::Internal(format!("model loader: {e}")))??;
+    let mut stop = Box::pin(stop);
+    let mut on_registered = None;
+    if opts.serve.standby {
+        engine.metrics.mark_startup("parked");
+        let (tx, rx) = tokio::sync::oneshot::channel::<Promotion>();
+        *st.promote.lock().expect("no panics while held") = Some(tx);
+        *st.phase.lock().expect("no panics while held") = "standby";
+        tracing::info!("parked as a standby: POST /internal/promote to register and serve");
+        tokio::select! {
+            r = rx => {
+                if let Ok((t0, reply)) = r {
+                    engine.metrics.set_startup_origin(t0, "standby");
+                    on_registered = Some(reply);
+                }
+            }
+            () = &mut stop => {
+                let _ = stop_tx.send(());
+                let _ = server.await;
+                if let Some(k) = kv_server {
+                    k.abort();
+                }
+                return Ok(());
+            }
+        }
+    }
     let _ = st.engine.set(engine.clone());
+    *st.phase.lock().expect("no panics while held") = "serving";
     let id = format!(
         "{}-{}-{}",
         opts.role.as_str(),
@@ -392,10 +463,11 @@ pub async fn run(
         opts.clone(),
         engine.clone(),
         id.clone(),
+        on_registered,
     ));
     let member_abort = member.abort_handle();
     let outcome = tokio::select! {
-        () = stop => Ok(()),
+        () = &mut stop => Ok(()),
         r = member => match r {
             Ok(Err(e)) => Err(e),
             _ => Ok(()),

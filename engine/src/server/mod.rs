@@ -29,6 +29,8 @@ pub const DEFAULT_MAX_BODY: usize = 4 << 20;
 #[derive(Debug, Clone)]
 pub struct ApiState {
     engine: Arc<OnceLock<Engine>>,
+    /// A standby's loaded engine, waiting for promotion.
+    parked: Arc<std::sync::Mutex<Option<Engine>>>,
     max_body: usize,
 }
 
@@ -37,6 +39,7 @@ impl ApiState {
     pub fn new(max_body: usize) -> Self {
         ApiState {
             engine: Arc::new(OnceLock::new()),
+            parked: Arc::default(),
             max_body,
         }
     }
@@ -44,6 +47,36 @@ impl ApiState {
     /// Installs the loaded engine; `/health` turns 200.
     pub fn set_engine(&self, e: Engine) {
         let _ = self.engine.set(e);
+    }
+
+    /// Holds a loaded engine as a parked standby: `/health` stays 503 and the API
+    /// refuses requests until [`ApiState::promote`].
+    pub fn park(&self, e: Engine) {
+        *self.parked.lock().expect("no panics while held") = Some(e);
+    }
+
+    /// Serves the parked engine from now on; the start-up record restarts with
+    /// source `standby`. Returns the seconds promotion took, `None` when nothing is
+    /// parked.
+    pub fn promote(&self) -> Option<f64> {
+        let t0 = std::time::Instant::now();
+        let e = self.parked.lock().expect("no panics while held").take()?;
+        e.metrics.set_startup_origin(t0, "standby");
+        let m = Arc::clone(&e.metrics);
+        self.set_engine(e);
+        Some(m.mark_startup("ready"))
+    }
+
+    /// `loading`, `standby` or `serving`.
+    #[must_use]
+    pub fn state(&self) -> &'static str {
+        if self.engine.get().is_some() {
+            "serving"
+        } else if self.parked.lock().expect("no panics while held").is_some() {
+            "standby"
+        } else {
+            "loading"
+        }
     }
 
     pub fn engine(&self) -> Result<&Engine> {
@@ -61,7 +94,27 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/internal/state", get(state_route))
+        .route("/internal/promote", post(promote_route))
         .with_state(state)
+}
+
+async fn state_route(State(st): State<ApiState>) -> Response {
+    axum::Json(serde_json::json!({"state": st.state()})).into_response()
+}
+
+async fn promote_route(State(st): State<ApiState>) -> Response {
+    match st.promote() {
+        Some(secs) => axum::Json(serde_json::json!({"state": "serving", "promote_ms": secs * 1e3}))
+            .into_response(),
+        None => (
+            StatusCode::CONFLICT,
+            axum::Json(
+                serde_json::json!({"state": st.state(), "error": "nothing parked to promote"}),
+            ),
+        )
+            .into_response(),
+    }
 }
 
 async fn health(State(st): State<ApiState>) -> Response {
@@ -69,6 +122,12 @@ async fn health(State(st): State<ApiState>) -> Response {
 }
 
 async fn metrics(State(st): State<ApiState>) -> Response {
+    if st.engine.get().is_none()
+        && let Some(e) = st.parked.lock().expect("no panics while held").as_ref()
+    {
+        // A standby reports its load phases while parked.
+        return metrics_of(Some(e));
+    }
     metrics_of(st.engine.get())
 }
 

@@ -30,5 +30,6 @@ pub const ITL: &[&str] = &[
 pub const PREFILL_QUEUE_TOKENS: &[&str] = &["preheat:prefill_queue_tokens"];
 /// preheat gateway only: requests held while a pool is at zero.
 pub const GATEWAY_PENDING: &[&str] = &["preheat:gateway_pending_requests"];
-/// preheat workers: seconds spent in each start-up phase, by `phase` and `source`.
+/// preheat workers: seconds from the start of a replica (process start, or promotion
+/// of a standby) to the end of each start-up phase, by `phase` and `source`.
 pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";

@@ -277,3 +277,81 @@ impl ModelSource for HfCheckpoint {
         )
     }
 }
+
+/// One tensor of a snapshot as a safetensors view (borrowed from the mapping).
+struct ExportView<'a> {
+    dtype: StDtype,
+    shape: Vec<usize>,
+    bytes: &'a [u8],
+}
+
+impl safetensors::View for ExportView<'_> {
+    fn dtype(&self) -> StDtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Writes `snap` as a Hugging Face checkpoint directory (`config.json`,
+/// `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`): what a replica
+/// without preheat would download, for benchmarks and for interoperability.
+pub fn export(snap: &crate::Snapshot, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let m = snap.manifest();
+    let write_json = |name: &str, v: &Value| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, serde_json::to_vec_pretty(v).unwrap_or_default())
+            .map_err(|e| Error::io(&p, e))
+    };
+    write_json("config.json", &m.model.to_hf_json()?)?;
+    let mut views = Vec::with_capacity(m.tensors.len());
+    for t in snap.tensors() {
+        let dtype = match t.dtype() {
+            DType::F32 => StDtype::F32,
+            DType::F16 => StDtype::F16,
+            DType::BF16 => StDtype::BF16,
+        };
+        let shape = t
+            .shape()
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| Error::Unsupported(format!("tensor {} is too large", t.name())))?;
+        views.push((
+            t.name().to_owned(),
+            ExportView {
+                dtype,
+                shape,
+                bytes: t.bytes(),
+            },
+        ));
+    }
+    let st = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &st)
+        .map_err(|e| Error::InvalidSource(format!("{}: {e}", st.display())))?;
+    if let Some(t) = &m.tokenizer {
+        let json = snap.tokenizer_json()?.unwrap_or_default();
+        let p = dir.join("tokenizer.json");
+        std::fs::write(&p, json).map_err(|e| Error::io(&p, e))?;
+        let mut tc = serde_json::json!({"add_bos_token": t.add_bos_token});
+        if let Some(b) = &t.bos_token {
+            tc["bos_token"] = Value::String(b.clone());
+        }
+        if let Some(e) = &t.eos_token {
+            tc["eos_token"] = Value::String(e.clone());
+        }
+        if let Some(ct) = &m.chat_template {
+            tc["chat_template"] = Value::String(ct.clone());
+        }
+        write_json("tokenizer_config.json", &tc)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,31 @@
+{{/* Names and labels shared by every object. */}}
+{{- define "preheat.fullname" -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "preheat.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "preheat.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "preheat.selector" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Where workers find the staged snapshot. */}}
+{{- define "preheat.snapshotDir" -}}
+{{- printf "%s/snapshots" .Values.warmpool.hostPath -}}
+{{- end -}}
+
+{{- define "preheat.gatewayUrl" -}}
+{{- printf "http://%s-gateway:%v" (include "preheat.fullname" .) .Values.gateway.port -}}
+{{- end -}}

@@ -1,0 +1,111 @@
+//! `preheat warmpool …`
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use preheat_warmpool::config::AgentConfig;
+use preheat_warmpool::stage::{self, StageOptions};
+use preheat_warmpool::{Fetcher, Source};
+
+use crate::cli::WarmpoolCmd;
+use crate::commands::human_bytes;
+
+pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        WarmpoolCmd::Run { config } => {
+            let text = std::fs::read_to_string(&config)
+                .with_context(|| format!("reading {}", config.display()))?;
+            let cfg = AgentConfig::from_yaml(&text, std::env::var("NODE_NAME").ok())?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind(cfg.listen)
+                    .await
+                    .with_context(|| format!("binding {}", cfg.listen))?;
+                tracing::info!(addr = %cfg.listen, dir = %cfg.dir.display(), models = cfg.models.len(), "warm-pool agent");
+                preheat_warmpool::agent::run(cfg, l, preheat_engine::server::shutdown_signal()).await?;
+                anyhow::Ok(())
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        WarmpoolCmd::Stage {
+            source,
+            dir,
+            name,
+            concurrency,
+            piece_mib,
+            json,
+        } => {
+            let mut errs = Vec::new();
+            if concurrency == 0 || concurrency > 256 {
+                errs.push(format!("--concurrency {concurrency} must be in 1..=256"));
+            }
+            if piece_mib == 0 || piece_mib > 1024 {
+                errs.push(format!("--piece-mib {piece_mib} must be in 1..=1024"));
+            }
+            let src = Source::parse(&source);
+            let name = name.or_else(|| stage::default_name(&src));
+            match &name {
+                None => errs.push(format!("--name is needed: no model name in {source:?}")),
+                Some(n) => {
+                    if let Err(e) = stage::validate_name(n) {
+                        errs.push(e.to_string());
+                    }
+                }
+            }
+            if !errs.is_empty() {
+                anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
+            }
+            let name = name.context("checked above")?;
+            let opts = StageOptions {
+                concurrency,
+                piece_bytes: piece_mib << 20,
+                ..StageOptions::default()
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let o = rt.block_on(async {
+                let f = Fetcher::new(src, Duration::from_secs(60))?;
+                stage::stage(
+                    &f,
+                    &dir,
+                    &name,
+                    &opts,
+                    Arc::new(crate::progress_bar::Bar::new()),
+                )
+                .await
+            })?;
+            if json {
+                crate::commands::print_json(&serde_json::json!({
+                    "path": o.path, "bytes": o.bytes, "fetched_bytes": o.fetched_bytes,
+                    "resumed_bytes": o.resumed_bytes, "already_staged": o.already_staged,
+                    "seconds": o.seconds,
+                }))?;
+            } else if o.already_staged {
+                outln!(
+                    "{} already staged and verified ({})",
+                    o.path.display(),
+                    human_bytes(o.bytes)
+                );
+            } else {
+                outln!(
+                    "staged {} ({}; fetched {}, resumed {}) in {:.2} s ({}/s)",
+                    o.path.display(),
+                    human_bytes(o.bytes),
+                    human_bytes(o.fetched_bytes),
+                    human_bytes(o.resumed_bytes),
+                    o.seconds,
+                    human_bytes(
+                        (o.bytes.saturating_sub(o.resumed_bytes) as f64 / o.seconds.max(1e-3))
+                            as u64
+                    )
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! The Helm chart: Helm's own strict lint and rendering (helm-python-sdk, Helm's Go SDK),
+//! every object validated against the Kubernetes and KEDA schemas (tests/chart/
+//! validate.py), and the rendered scaler and warm-pool configs accepted by the real
+//! parsers of those components.
+
+mod harness;
+
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn helm_chart_lints_renders_and_validates_for_every_variant() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let py = root.join(".cache/python");
+    if !py.join("helm_python").exists() {
+        assert!(
+            std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
+            "helm-python-sdk missing from .cache/python (run .ci/fetch-tools)"
+        );
+        eprintln!(
+            "skipped: run .ci/fetch-tools to install helm-python-sdk and kubernetes-validate"
+        );
+        return;
+    }
+    let dump = tempfile::tempdir().unwrap();
+    let out = Command::new("python3")
+        .arg(root.join("tests/chart/validate.py"))
+        .arg("--dump")
+        .arg(dump.path())
+        .env("PYTHONPATH", &py)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "chart validation failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut checked = 0;
+    for variant in std::fs::read_dir(dump.path()).unwrap().flatten() {
+        let scaler = variant.path().join("scaler.yaml");
+        let cfg = preheat_scaler::config::Config::load(Some(&scaler), &[])
+            .unwrap_or_else(|e| panic!("{}: {e}", scaler.display()));
+        assert_eq!(cfg.models.len(), 1);
+        checked += 1;
+        let wp = variant.path().join("warmpool.yaml");
+        if wp.exists() {
+            let text = std::fs::read_to_string(&wp).unwrap();
+            preheat_warmpool::config::AgentConfig::from_yaml(&text, Some("node-1".into()))
+                .unwrap_or_else(|e| panic!("{}: {e}", wp.display()));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 7, "{checked} configs checked");
+}

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Lints the Helm chart (strict), renders it for the default values and every variant
+in charts/preheat/ci/, and validates every rendered object: Kubernetes objects against
+the Kubernetes schemas (kubernetes-validate), ScaledObjects against KEDA's CRD schema in
+../shared/schemas/, plus the chart's own promises (least-privilege RBAC, probes, drain,
+scale to zero, consistent names). Exit 0 when all hold; prints every problem."""
+
+import glob
+import os
+import sys
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHART = os.path.join(ROOT, "charts", "preheat")
+KEDA_CRD = os.path.join(ROOT, "..", "shared", "schemas", "keda.sh_scaledobjects.yaml")
+KUBE_VERSION = "1.33.0"
+
+problems = []
+
+
+def fail(variant, msg):
+    problems.append(f"[{variant}] {msg}")
+
+
+def keda_schema():
+    with open(KEDA_CRD) as f:
+        crd = yaml.safe_load(f)
+    for v in crd["spec"]["versions"]:
+        if v["name"] == "v1alpha1":
+            return v["schema"]["openAPIV3Schema"]
+    raise SystemExit("no v1alpha1 in the KEDA CRD")
+
+
+def deep_merge(base, over):
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def check_variant(variant, values, defaults, schema, dump):
+    merged = deep_merge(defaults, values)
+    chart = helm_python.Chart.load(CHART)
+    rendered = chart.render(values, name="rel", namespace="llm", is_install=True)
+    objs = []
+    for path, text in rendered.items():
+        if path.endswith("NOTES.txt"):
+            if "rel-preheat-gateway" not in text:
+                fail(variant, "NOTES.txt does not say how to reach the gateway")
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objs.append((path, doc))
+    by_kind = {}
+    for path, o in objs:
+        by_kind.setdefault(o["kind"], []).append(o)
+        name = f'{o["kind"]}/{o["metadata"]["name"]}'
+        if o["kind"] == "ScaledObject":
+            try:
+                jsonschema.validate(o, schema)
+            except jsonschema.ValidationError as e:
+                fail(variant, f"{name} fails KEDA's schema: {e.message} at {list(e.absolute_path)}")
+        elif o["kind"] == "ServiceMonitor":
+            if not o["spec"].get("endpoints"):
+                fail(variant, f"{name} has no endpoints")
+        else:
+            try:
+                kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                fail(variant, f"{name} fails the Kubernetes {KUBE_VERSION} schema: {e.message} at {list(e.path)}")
+    names = lambda kind: {o["metadata"]["name"] for o in by_kind.get(kind, [])}
+    deployments = names("Deployment")
+    services = names("Service")
+    for want in ["rel-preheat-gateway", "rel-preheat-prefill", "rel-preheat-decode", "rel-preheat-scaler"]:
+        if want not in deployments:
+            fail(variant, f"no Deployment {want}")
+    # Least privilege: no wildcards anywhere.
+    for kind in ["Role", "ClusterRole"]:
+        for r in by_kind.get(kind, []):
+            for rule in r.get("rules", []):
+                for key in ["apiGroups", "resources", "verbs", "resourceNames"]:
+                    if "*" in rule.get(key, []):
+                        fail(variant, f'{kind}/{r["metadata"]["name"]} grants a wildcard in {key}')
+    scaler_role = [r for r in by_kind.get("Role", []) if r["metadata"]["name"] == "rel-preheat-scaler"]
+    if not scaler_role:
+        fail(variant, "no scaler Role")
+    else:
+        resources = {res for rule in scaler_role[0]["rules"] for res in rule["resources"]}
+        direct = merged["scaler"]["mode"] == "direct"
+        if ("deployments/scale" in resources) != direct:
+            fail(variant, f"scaler Role has deployments/scale={('deployments/scale' in resources)} in mode {merged['scaler']['mode']}")
+    # Workers: probes sized for loading, drain covered by the grace period, warm affinity.
+    for d in by_kind.get("Deployment", []):
+        pod = d["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if not c.get("resources", {}).get("limits"):
+                fail(variant, f'{d["metadata"]["name"]}: container {c["name"]} has no limits')
+        role = d["metadata"]["labels"].get("app.kubernetes.io/component")
+        if role in ("prefill", "decode"):
+            c = pod["containers"][0]
+            p = merged[role]
+            if "startupProbe" not in c:
+                fail(variant, f"{role}: no startupProbe")
+            else:
+                sp = c["startupProbe"]
+                if sp["periodSeconds"] * sp["failureThreshold"] < p["startupSeconds"]:
+                    fail(variant, f"{role}: startupProbe shorter than startupSeconds")
+            if "preStop" not in c.get("lifecycle", {}):
+                fail(variant, f"{role}: no preStop")
+            if pod.get("terminationGracePeriodSeconds", 30) <= p["drainGraceSeconds"]:
+                fail(variant, f"{role}: termination grace does not cover the drain")
+            if "nvidia.com/gpu" not in c["resources"]["limits"]:
+                fail(variant, f"{role}: no GPU limit")
+            if merged["preferWarmNodes"] and "affinity" not in pod:
+                fail(variant, f"{role}: no warm-node affinity")
+    # KEDA: one ScaledObject per pool pointing at real objects.
+    if merged["scaler"]["mode"] == "keda":
+        sos = by_kind.get("ScaledObject", [])
+        if sorted(o["metadata"]["name"] for o in sos) != ["rel-preheat-decode", "rel-preheat-prefill"]:
+            fail(variant, "expected one ScaledObject per pool")
+        for so in sos:
+            spec = so["spec"]
+            if spec["scaleTargetRef"]["name"] not in deployments:
+                fail(variant, f"{so['metadata']['name']} targets a missing Deployment")
+            want_min = 0 if merged["scaleToZero"] else merged[so["metadata"]["labels"]["app.kubernetes.io/component"]]["minReplicas"]
+            if spec["minReplicaCount"] != want_min:
+                fail(variant, f"{so['metadata']['name']}: minReplicaCount {spec['minReplicaCount']} != {want_min}")
+            trig = spec["triggers"][0]
+            if trig["type"] != "external-push":
+                fail(variant, "trigger is not external-push")
+            svc = trig["metadata"]["scalerAddress"].split(".")[0]
+            if svc not in services:
+                fail(variant, f"scalerAddress names no Service ({svc})")
+            if trig["metadata"]["pool"] not in ("prefill", "decode"):
+                fail(variant, "trigger has no pool")
+            beh = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+            if "tolerance" not in beh["scaleUp"] or "tolerance" not in beh["scaleDown"]:
+                fail(variant, "HPA tolerance not set")
+    elif by_kind.get("ScaledObject"):
+        fail(variant, "ScaledObjects rendered in direct mode")
+    if merged["warmpool"]["enabled"] != bool(by_kind.get("DaemonSet")):
+        fail(variant, "warm-pool DaemonSet does not follow warmpool.enabled")
+    # The scaler's config parses as YAML and names both pools; with --dump, every
+    # config file is written out for the Rust side to parse with the real parsers.
+    for cm in by_kind.get("ConfigMap", []):
+        for k, v in cm.get("data", {}).items():
+            parsed = yaml.safe_load(v)
+            if dump:
+                d = os.path.join(dump, variant)
+                os.makedirs(d, exist_ok=True)
+                with open(os.path.join(d, k), "w") as f:
+                    f.write(v)
+            if k == "scaler.yaml" and set(parsed["models"][0]) < {"prefill", "decode"}:
+                fail(variant, "scaler config misses a pool")
+    return len(objs)
+
+
+def main():
+    dump = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--dump" else None
+    lint = helm_python.lint(CHART, strict=True, kube_version="v" + KUBE_VERSION)
+    for m in lint.get("messages", []):
+        # 1 = info (e.g. "icon is recommended"); warnings and errors fail.
+        if m.get("severity", 0) > 1:
+            fail("lint", f'{m.get("path")}: {m.get("error")}')
+    for e in lint.get("errors", []):
+        fail("lint", str(e))
+    schema = keda_schema()
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        defaults = yaml.safe_load(f)
+    variants = [("default", {})]
+    for p in sorted(glob.glob(os.path.join(CHART, "ci", "*-values.yaml"))):
+        with open(p) as f:
+            variants.append((os.path.basename(p), yaml.safe_load(f) or {}))
+    total = 0
+    for name, values in variants:
+        lint_v = helm_python.lint(CHART, values, strict=True, kube_version="v" + KUBE_VERSION)
+        for e in lint_v.get("errors", []):
+            fail(name, f"lint: {e}")
+        total += check_variant(name, values, defaults, schema, dump)
+    if problems:
+        print("\n".join(problems))
+        return 1
+    print(f"chart ok: {len(variants)} variants, {total} objects validated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

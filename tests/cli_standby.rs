@@ -1,0 +1,234 @@
+//! Parked standbys as operators run them: the warm-pool agent stages a snapshot,
+//! keeps one standby parked per pool (not registered with the gateway), promotes one
+//! on request in well under a second, starts a replacement, and every start is
+//! measured in `preheat:startup_phase_seconds`.
+
+mod harness;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use harness::{KillOnDrop, free_port, model_fixture};
+use serde_json::{Value, json};
+
+fn spawn(args: &[&str]) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_preheat"))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn get(url: &str) -> Option<(u16, String)> {
+    let r = reqwest::blocking::get(url).ok()?;
+    Some((r.status().as_u16(), r.text().ok()?))
+}
+
+fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = reqwest::blocking::Client::new()
+        .post(url)
+        .json(body)
+        .timeout(Duration::from_secs(60))
+        .send()
+        .unwrap();
+    (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+}
+
+/// The value of `name{…}` whose labels include every one of `labels` (`k="v"`).
+fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.split(',').all(|p| l.contains(p)))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+fn sigterm(p: &KillOnDrop) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &p.0.id().to_string()])
+        .status();
+}
+
+#[test]
+fn colocated_standby_serves_only_after_promotion() {
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let m = model_fixture("llama-tiny");
+    let _s = spawn(&[
+        "engine",
+        "serve",
+        "--model",
+        m.to_str().unwrap(),
+        "--port",
+        &port.to_string(),
+        "--kv-cache-mib",
+        "16",
+        "--standby",
+    ]);
+    wait_for("parked", 60, || {
+        get(&format!("{base}/internal/state")).is_some_and(|(_, b)| b.contains("standby"))
+    });
+    assert_eq!(
+        get(&format!("{base}/health")).unwrap().0,
+        503,
+        "a standby is not ready"
+    );
+    let req = json!({"prompt": "hi", "max_tokens": 2, "temperature": 0});
+    assert_eq!(post(&format!("{base}/v1/completions"), &req).0, 503);
+    let metrics = get(&format!("{base}/metrics")).unwrap().1;
+    assert!(
+        metric(
+            &metrics,
+            "preheat:startup_phase_seconds",
+            "phase=\"parked\""
+        )
+        .is_some(),
+        "load phases are reported while parked:\n{metrics}"
+    );
+    let (st, v) = post(&format!("{base}/internal/promote"), &json!({}));
+    assert_eq!(st, 200, "{v}");
+    assert!(v["promote_ms"].as_f64().unwrap() < 100.0, "{v}");
+    assert_eq!(get(&format!("{base}/health")).unwrap().0, 200);
+    let (st, v) = post(&format!("{base}/v1/completions"), &req);
+    assert_eq!(st, 200, "{v}");
+    let metrics = get(&format!("{base}/metrics")).unwrap().1;
+    for phase in ["ready", "first_token"] {
+        let label = format!("phase=\"{phase}\",source=\"standby\"");
+        assert!(
+            metric(&metrics, "preheat:startup_phase_seconds", &label).is_some(),
+            "{phase}:\n{metrics}"
+        );
+    }
+    // Promoting twice is a clear refusal, not a second engine.
+    assert_eq!(post(&format!("{base}/internal/promote"), &json!({})).0, 409);
+}
+
+#[test]
+fn the_agent_keeps_standbys_parked_and_promotes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let snap = tmp.path().join("published/llama-tiny.preheat");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    let m = model_fixture("llama-tiny");
+    harness::ok([
+        "snapshot",
+        "convert",
+        m.to_str().unwrap(),
+        "-o",
+        snap.to_str().unwrap(),
+    ]);
+    let gport = free_port();
+    let gw = format!("http://127.0.0.1:{gport}");
+    let _gateway = spawn(&["engine", "gateway", "--port", &gport.to_string()]);
+    let aport = free_port();
+    let agent_url = format!("http://127.0.0.1:{aport}");
+    let exe = env!("CARGO_BIN_EXE_preheat");
+    let pool = |role: &str, base: u16| {
+        json!({"pool": role, "model": "llama-tiny", "count": 1, "base_port": base,
+               "command": [exe, "engine", role, "--model", "{model_path}", "--port", "{port}",
+                           "--kv-cache-mib", "16", "--gateway", gw, "--standby"]})
+    };
+    let cfg = json!({
+        "dir": tmp.path().join("node"),
+        "disk_budget": "1GiB",
+        "memory_budget": "256MiB",
+        "listen": format!("127.0.0.1:{aport}"),
+        "refresh_secs": 0.2,
+        "kernel_cache_dir": tmp.path().join("kernels"),
+        "models": [{"name": "llama-tiny", "source": snap, "hot": true}],
+        "standbys": [pool("prefill", free_port()), pool("decode", free_port())],
+    });
+    let cfg_path = tmp.path().join("agent.yaml");
+    std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let agent = spawn(&["warmpool", "run", "--config", cfg_path.to_str().unwrap()]);
+    let parked = |pool: &str| {
+        get(&format!("{agent_url}/metrics")).and_then(|(_, t)| {
+            metric(
+                &t,
+                "preheat:warmpool_parked_standbys",
+                &format!("pool=\"{pool}\""),
+            )
+        }) == Some(1.0)
+    };
+    wait_for("both pools parked", 120, || {
+        parked("prefill") && parked("decode")
+    });
+    let (_, models) = get(&format!("{agent_url}/models")).unwrap();
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models[0]["state"], "hot", "{models}");
+    assert!(
+        models[0]["resident_bytes"].as_u64().unwrap() > 0,
+        "{models}"
+    );
+    let workers = |gw: &str| -> usize {
+        get(&format!("{gw}/internal/workers"))
+            .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
+            .and_then(|v| v["workers"].as_array().map(Vec::len))
+            .unwrap_or(0)
+    };
+    assert_eq!(workers(&gw), 0, "parked standbys are not registered");
+    let mut promoted = Vec::new();
+    for p in ["prefill", "decode"] {
+        let (st, v) = post(&format!("{agent_url}/standbys/{p}/promote"), &json!({}));
+        assert_eq!(st, 200, "{v}");
+        assert!(v["promote_ms"].as_f64().unwrap() < 1000.0, "{v}");
+        promoted.push(v["url"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(workers(&gw), 2, "promoted standbys serve at once");
+    let (st, v) = post(
+        &format!("{gw}/v1/completions"),
+        &json!({"prompt": "hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    let dm = get(&format!("{}/metrics", promoted[1])).unwrap().1;
+    assert!(
+        metric(
+            &dm,
+            "preheat:startup_phase_seconds",
+            "phase=\"registered\",source=\"standby\""
+        )
+        .is_some_and(|s| s < 1.0),
+        "{dm}"
+    );
+    // Replacements park again.
+    wait_for("replacements parked", 120, || {
+        parked("prefill") && parked("decode")
+    });
+    assert_eq!(workers(&gw), 2);
+    // The staged snapshot is served to peers with Range support.
+    let r = reqwest::blocking::Client::new()
+        .get(format!("{agent_url}/snapshots/llama-tiny.preheat"))
+        .header("range", "bytes=0-7")
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 206);
+    assert_eq!(&r.bytes().unwrap()[..], b"PREHEAT\0");
+    assert_eq!(
+        post(&format!("{agent_url}/standbys/nope/promote"), &json!({})).0,
+        404
+    );
+    sigterm(&agent);
+    let mut agent = agent;
+    let t0 = Instant::now();
+    while agent.0.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "agent did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_for("standbys stopped with the agent", 30, || workers(&gw) == 0);
+}
