@@ -15,15 +15,7 @@ use serde_json::{Value, json};
 type Proc = KillOnDrop;
 
 fn spawn(args: &[&str]) -> Proc {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_preheat"))
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    )
+    harness::spawn(args, Stdio::piped())
 }
 
 fn worker(role: &str, model: &str, gw: &str) -> (Proc, u16) {

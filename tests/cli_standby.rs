@@ -12,15 +12,7 @@ use harness::{KillOnDrop, free_port, model_fixture};
 use serde_json::{Value, json};
 
 fn spawn(args: &[&str]) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_preheat"))
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    harness::spawn(args, Stdio::null())
 }
 
 fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {

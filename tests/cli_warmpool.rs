@@ -3,7 +3,7 @@
 mod harness;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use harness::KillOnDrop;
 use preheat_snapshot::synth::preset_config;
 use preheat_snapshot::{DType, NoProgress, SnapshotBuilder, TensorSpec};
 
@@ -121,15 +120,7 @@ fn staging_killed_midway_resumes_where_it_stopped() {
         "1",
         "--json",
     ];
-    let mut child = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_preheat"))
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut child = harness::spawn(&args, Stdio::null());
     // Kill it once some pieces are durably journaled, well before the end.
     let t0 = Instant::now();
     while journal_entries(out.path()) < 2 {

@@ -65,6 +65,20 @@ where
 /// A spawned process killed (and reaped) when the test lets go of it.
 pub struct KillOnDrop(pub std::process::Child);
 
+/// Starts `preheat ARGS…` in the background (stdout discarded, quiet logs on
+/// `stderr`); killed when dropped.
+pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_preheat"))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn preheat"),
+    )
+}
+
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
