@@ -112,6 +112,10 @@ pub struct UpArgs {
     /// Staged snapshots, the measured profile and worker logs.
     #[arg(long, default_value = ".cache/up")]
     pub cache_dir: PathBuf,
+    /// Parked standby workers kept per pool (loaded, not registered); a scale-up
+    /// promotes them first.
+    #[arg(long, default_value_t = 1)]
+    pub standbys: u32,
 }
 
 #[derive(Debug, Args)]

@@ -5,7 +5,7 @@
 
 mod harness;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use harness::{KillOnDrop, free_port, model_fixture};
@@ -46,12 +46,6 @@ fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
     text.lines()
         .filter(|l| l.starts_with(name) && labels.split(',').all(|p| l.contains(p)))
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
-fn sigterm(p: &KillOnDrop) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &p.0.id().to_string()])
-        .status();
 }
 
 #[test]
@@ -212,15 +206,17 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         post(&format!("{agent_url}/standbys/nope/promote"), &json!({})).0,
         404
     );
-    sigterm(&agent);
+    // Even killed outright, the agent takes its standbys with it (parent-death
+    // signal): promoted ones deregister, parked ones exit.
     let mut agent = agent;
-    let t0 = Instant::now();
-    while agent.0.try_wait().unwrap().is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "agent did not stop on SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    agent.0.kill().unwrap();
+    agent.0.wait().unwrap();
     wait_for("standbys stopped with the agent", 30, || workers(&gw) == 0);
+    let mine = format!("{}.*--standby", tmp.path().display());
+    wait_for("no standby outlives the agent", 30, || {
+        std::process::Command::new("pgrep")
+            .args(["-f", &mine])
+            .output()
+            .is_ok_and(|o| o.stdout.is_empty())
+    });
 }

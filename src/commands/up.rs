@@ -2,14 +2,15 @@
 //! gRPC endpoint open, and a local replica driver that does what KEDA and Kubernetes
 //! would: it asks the scaler over the same gRPC API (`IsActive`, `GetMetrics`) and
 //! starts and stops prefill and decode worker processes to match, within the pools'
-//! limits. The model is staged once as a snapshot in the cache directory (workers then
-//! start from it), and requests arriving at zero are held by the gateway until the
-//! scaler wakes a pool.
+//! limits, promoting parked standbys first. The warm-pool agent runs in-process: it
+//! stages the model's snapshot into the cache directory (verified, atomically) and keeps
+//! it hot; workers start from the staged copy. Requests arriving at zero are held by the
+//! gateway until the scaler wakes a pool.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{ExitCode, Stdio};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,9 @@ use preheat_scaler::policy::Pool;
 use preheat_scaler::profile::Profile;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+use preheat_warmpool::config::{AgentConfig, ModelSpec, StandbySpec};
+use preheat_warmpool::standby::StandbyPool;
+use tokio::process::{Child, Command};
 
 use crate::cli::UpArgs;
 
@@ -52,6 +56,7 @@ struct Options {
     kv_cache_mib: usize,
     slo_ttft: f64,
     slo_itl: f64,
+    standbys: u32,
 }
 
 fn options(a: &UpArgs) -> anyhow::Result<Options> {
@@ -102,6 +107,7 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
         kv_cache_mib: a.kv_cache_mib,
         slo_ttft: a.slo_ttft,
         slo_itl: a.slo_itl,
+        standbys: a.standbys,
     })
 }
 
@@ -164,6 +170,7 @@ struct PoolState {
     replicas: Vec<Replica>,
     stopping: Vec<Child>,
     endpoints: SharedEndpoints,
+    standby: StandbyPool,
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -188,7 +195,10 @@ impl PoolState {
     fn start(&mut self, snap: &Path, gw: &str, logs: &Path, kv_mib: usize) -> anyhow::Result<()> {
         let port = free_port()?;
         let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.args(["engine", self.role, "--model"])
+        preheat_warmpool::standby::die_with_parent(&mut cmd);
+        cmd.env("PREHEAT_SPAWNED_AT_UNIX_MS", unix_ms().to_string())
+            .kill_on_drop(true)
+            .args(["engine", self.role, "--model"])
             .arg(snap)
             .args([
                 "--host",
@@ -223,12 +233,43 @@ impl PoolState {
         Ok(())
     }
 
+    /// Adds a replica: a parked standby when one is ready (promotion takes
+    /// milliseconds), else a cold start.
+    async fn add(
+        &mut self,
+        snap: &Path,
+        gw: &str,
+        logs: &Path,
+        kv_mib: usize,
+    ) -> anyhow::Result<&'static str> {
+        match self.standby.promote_take().await {
+            Ok(Some((p, port, child))) => {
+                tracing::info!(pool = self.role, url = %p.url, ms = p.promote_ms, "standby promoted");
+                self.replicas.push(Replica {
+                    child,
+                    port,
+                    started: Instant::now(),
+                });
+                self.publish();
+                return Ok("standby");
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(pool = self.role, error = %e, "standby promotion failed; starting cold")
+            }
+        }
+        self.start(snap, gw, logs, kv_mib)?;
+        Ok("cold")
+    }
+
     /// SIGTERM: the worker deregisters, finishes what it holds, then exits.
     fn stop_newest(&mut self) {
         if let Some(r) = self.replicas.pop() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &r.child.id().to_string()])
-                .status();
+            if let Some(pid) = r.child.id() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+            }
             self.stopping.push(r.child);
             self.publish();
         }
@@ -250,6 +291,31 @@ impl PoolState {
             self.publish();
         }
     }
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// The warm-pool agent's view of this machine: one model, staged into `<cache>/node`
+/// and kept hot, with the kernel cache beside it.
+fn agent_config(o: &Options, source: &Path) -> anyhow::Result<AgentConfig> {
+    let bytes = std::fs::metadata(source)?.len();
+    let mut cfg = AgentConfig::from_yaml("{}", None)?;
+    cfg.dir = o.cache.join("node");
+    cfg.disk_budget = bytes.saturating_mul(4).max(1 << 30);
+    cfg.memory_budget = bytes.saturating_mul(2).max(256 << 20);
+    cfg.listen = "127.0.0.1:0".parse()?;
+    cfg.refresh = Duration::from_secs(5);
+    cfg.kernel_cache_dir = Some(o.cache.join("kernels"));
+    cfg.models = vec![ModelSpec {
+        name: MODEL.to_owned(),
+        source: preheat_warmpool::Source::Path(source.to_path_buf()),
+        hot: true,
+    }];
+    Ok(cfg)
 }
 
 fn sref(pool: Pool) -> ScaledObjectRef {
@@ -292,11 +358,13 @@ async fn target(
 pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
     let started = Instant::now();
-    let snap = stage(&o)?;
-    let profile = measured_profile(&snap)?;
-    let info = gateway::model_info(&snap, 16, Some(MODEL))?;
+    let source = stage(&o)?;
+    let profile = measured_profile(&source)?;
+    let info = gateway::model_info(&source, 16, Some(MODEL))?;
     let logs = o.cache.join("logs");
     std::fs::create_dir_all(&logs)?;
+    let agent_cfg = agent_config(&o, &source)?;
+    let snap = preheat_warmpool::stage::snapshot_path(&agent_cfg.dir, MODEL);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -305,6 +373,17 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|v| *v).await;
         };
+        // The warm-pool agent stages the snapshot into the node directory; workers
+        // start only from its verified, published copy.
+        let al = tokio::net::TcpListener::bind(agent_cfg.listen).await?;
+        let agent_url = format!("http://{}", al.local_addr()?);
+        let agent_task = tokio::spawn(preheat_warmpool::agent::run(agent_cfg, al, stopped(stop_rx.clone())));
+        while !snap.exists() {
+            if agent_task.is_finished() {
+                bail!("the warm-pool agent stopped before staging the model");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         // Gateway, knowing the model from the start so it holds requests at zero.
         let gl = tokio::net::TcpListener::bind(o.gateway)
             .await
@@ -316,20 +395,39 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             ..GatewayOptions::default()
         };
         let gw_task = tokio::spawn(gateway::run(gl, gopts, stopped(stop_rx.clone())));
+        let exe = std::env::current_exe()?.to_string_lossy().into_owned();
+        let standby_spec = |role: &str| -> anyhow::Result<StandbySpec> {
+            Ok(StandbySpec {
+                pool: role.to_owned(),
+                model: MODEL.to_owned(),
+                count: o.standbys,
+                base_port: free_port()?,
+                command: [
+                    exe.as_str(), "engine", role, "--model", "{model_path}", "--host", "127.0.0.1",
+                    "--port", "{port}", "--gateway", &gw_url, "--kv-cache-mib",
+                    &o.kv_cache_mib.to_string(), "--served-model-name", MODEL, "--standby",
+                ]
+                .map(str::to_owned)
+                .to_vec(),
+            })
+        };
         // Scaler, fed the live worker lists by the driver below.
         let mut pools: Vec<PoolState> = [(Pool::Prefill, "prefill"), (Pool::Decode, "decode")]
             .into_iter()
             .zip(o.limits)
-            .map(|((pool, role), (min, max))| PoolState {
-                pool,
-                role,
-                min,
-                max,
-                replicas: Vec::new(),
-                stopping: Vec::new(),
-                endpoints: Arc::new(RwLock::new(Vec::new())),
+            .map(|((pool, role), (min, max))| {
+                Ok(PoolState {
+                    pool,
+                    role,
+                    min,
+                    max,
+                    replicas: Vec::new(),
+                    stopping: Vec::new(),
+                    endpoints: Arc::new(RwLock::new(Vec::new())),
+                    standby: StandbyPool::new(standby_spec(role)?, &snap).with_log_dir(&logs),
+                })
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         let pool_yaml = |min: u32, max: u32| {
             format!(
                 "{{min_replicas: {min}, max_replicas: {max}, idle_grace_s: {}, scale_down_stabilization_s: 30, default_lead_s: 2, slo_ttft_s: {}, slo_itl_s: {}}}",
@@ -364,6 +462,11 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         println!("  OpenAI API        {gw_url}/v1  (health {gw_url}/health, metrics {gw_url}/metrics)");
         println!("  KEDA scaler gRPC  {}", o.scaler);
         println!(
+            "  warm pool         {agent_url}/models  (staged {}; {} parked standby per pool)",
+            snap.display(),
+            o.standbys
+        );
+        println!(
             "  pools             prefill {}..{}, decode {}..{}, idle grace {} s; worker logs in {}",
             o.limits[0].0,
             o.limits[0].1,
@@ -394,14 +497,19 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 let Some(want) = target(&mut client, p.pool).await else { continue };
                 let want = want.clamp(p.min, p.max);
                 let have = p.replicas.len() as u32;
-                if want != have {
-                    println!("[{:>7.1}s] {}: {have} → {want} replicas", started.elapsed().as_secs_f64(), p.role);
-                }
+                let mut how = Vec::new();
                 for _ in have..want {
-                    p.start(&snap, &gw_url, &logs, o.kv_cache_mib)?;
+                    how.push(p.add(&snap, &gw_url, &logs, o.kv_cache_mib).await?);
                 }
                 for _ in want..have {
                     p.stop_newest();
+                }
+                if want != have {
+                    let how = if how.is_empty() { String::new() } else { format!(" ({})", how.join(", ")) };
+                    println!("[{:>7.1}s] {}: {have} → {want} replicas{how}", started.elapsed().as_secs_f64(), p.role);
+                }
+                if let Err(e) = p.standby.reconcile().await {
+                    tracing::warn!(pool = p.role, error = %e, "standbys not kept");
                 }
             }
         }
@@ -420,13 +528,14 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         }
         for p in &mut pools {
             for c in &mut p.stopping {
-                let _ = c.kill();
-                let _ = c.wait();
+                let _ = c.kill().await;
             }
+            p.standby.shutdown().await;
         }
         let _ = stop_tx.send(true);
         let _ = gw_task.await;
         let _ = scaler_task.await;
+        let _ = agent_task.await;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)

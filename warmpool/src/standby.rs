@@ -38,6 +38,9 @@ pub struct StandbyPool {
     /// Handed over; kept to reap them and stop them with the agent.
     promoted: Vec<(u16, Child)>,
     client: reqwest::Client,
+    /// Where each standby's stderr goes (`<pool>-standby-<port>.log`); inherited when
+    /// unset.
+    log_dir: Option<PathBuf>,
 }
 
 impl StandbyPool {
@@ -49,7 +52,15 @@ impl StandbyPool {
             parked: Vec::new(),
             promoted: Vec::new(),
             client: reqwest::Client::new(),
+            log_dir: None,
         }
+    }
+
+    /// Sends each standby's stderr to a file in `dir`.
+    #[must_use]
+    pub fn with_log_dir(mut self, dir: &Path) -> Self {
+        self.log_dir = Some(dir.to_path_buf());
+        self
     }
 
     #[must_use]
@@ -103,9 +114,21 @@ impl StandbyPool {
             let (prog, rest) = args
                 .split_first()
                 .ok_or_else(|| Error::Invalid("empty standby command".into()))?;
-            let child = Command::new(prog)
-                .args(rest)
-                .kill_on_drop(true)
+            let mut cmd = Command::new(prog);
+            die_with_parent(&mut cmd);
+            cmd.args(rest).kill_on_drop(true).env(
+                "PREHEAT_SPAWNED_AT_UNIX_MS",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis())
+                    .to_string(),
+            );
+            if let Some(dir) = &self.log_dir {
+                let path = dir.join(format!("{}-standby-{port}.log", self.spec.pool));
+                let f = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
+                cmd.stdout(std::process::Stdio::null()).stderr(f);
+            }
+            let child = cmd
                 .spawn()
                 .map_err(|e| Error::Invalid(format!("starting standby {prog}: {e}")))?;
             tracing::info!(pool = %self.spec.pool, port, pid = child.id(), "standby started");
@@ -127,12 +150,24 @@ impl StandbyPool {
             .find(|p| {
                 !self.parked.iter().any(|x| x.port == *p)
                     && !self.promoted.iter().any(|(q, _)| q == p)
+                    && bindable(*p)
+                    && p.checked_add(1).is_some_and(bindable)
             })
             .ok_or_else(|| Error::Invalid("no free standby port".into()))
     }
 
-    /// Promotes one ready standby; `None` when none is ready.
+    /// Promotes one ready standby; `None` when none is ready. The pool keeps the
+    /// process (stopped with the pool).
     pub async fn promote(&mut self) -> Result<Option<Promoted>> {
+        Ok(self.promote_take().await?.map(|(p, port, child)| {
+            self.promoted.push((port, child));
+            p
+        }))
+    }
+
+    /// Like [`StandbyPool::promote`], handing the process (and its port) to the caller,
+    /// which then owns stopping it.
+    pub async fn promote_take(&mut self) -> Result<Option<(Promoted, u16, Child)>> {
         let Some(i) = self.parked.iter().position(|p| p.ready) else {
             return Ok(None);
         };
@@ -152,8 +187,7 @@ impl StandbyPool {
                     promote_ms: t0.elapsed().as_secs_f64() * 1e3,
                 };
                 tracing::info!(pool = %self.spec.pool, url = %out.url, ms = out.promote_ms, "standby promoted");
-                self.promoted.push((p.port, p.child));
-                Ok(Some(out))
+                Ok(Some((out, p.port, p.child)))
             }
             other => {
                 let why = match other {
@@ -177,6 +211,32 @@ impl StandbyPool {
             let _ = c.kill().await;
         }
     }
+}
+
+/// Makes the child receive SIGTERM (and drain) when the process that started it
+/// dies, even by SIGKILL: parked and promoted replicas never outlive their manager.
+/// (Linux ties this to the thread that forks; tokio's runtime threads, which spawn
+/// here, live as long as the process.)
+pub fn die_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl,
+    // which is async-signal-safe; it touches no memory of the parent.
+    #[allow(unsafe_code)]
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
+/// Whether `port` can be bound on loopback now (another process may hold it).
+fn bindable(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
 /// The worker's `/internal/state`: `loading`, `standby` or `serving`.
