@@ -34,6 +34,10 @@ const PACKED_ENTRY: u64 = 48;
 /// this often bounds what an interruption can lose.
 const SYNC_EVERY_BYTES: u64 = 64 << 20;
 const SYNC_EVERY: Duration = Duration::from_secs(1);
+/// Largest header + manifest (or chunk table), and largest packed chunk, a source may
+/// declare: a corrupt or hostile header must not make the agent allocate gigabytes.
+const MAX_PREFIX: u64 = 256 << 20;
+const MAX_CHUNK: u64 = 1 << 30;
 
 /// Options of one staging.
 #[derive(Clone, Debug)]
@@ -160,6 +164,9 @@ pub async fn plan(fetcher: &Fetcher, piece_bytes: u64) -> Result<Plan> {
     let head = fetcher.read(0, 64).await?;
     if head[..8] == format::MAGIC {
         let h = format::Header::decode(&head, total)?;
+        if h.manifest_len > MAX_PREFIX {
+            return Err(bad(format!("manifest of {} bytes", h.manifest_len)));
+        }
         let prefix = fetcher.read(0, 64 + h.manifest_len).await?;
         preheat_snapshot::parse_prefix(&prefix, total)?;
         let step = piece_bytes.max(format::ALIGN);
@@ -187,10 +194,20 @@ pub async fn plan(fetcher: &Fetcher, piece_bytes: u64) -> Result<Plan> {
         let prefix_len = count
             .checked_mul(PACKED_ENTRY)
             .and_then(|t| t.checked_add(PACKED_HEADER))
-            .filter(|&n| n <= total)
+            .filter(|&n| n <= total && n <= MAX_PREFIX)
             .ok_or_else(|| bad(format!("chunk table of {count} entries is past the end")))?;
         let prefix = fetcher.read(0, prefix_len).await?;
         let index = PackedIndex::parse(&prefix, total)?;
+        if let Some(c) = index
+            .chunks
+            .iter()
+            .find(|c| c.orig_len > MAX_CHUNK || c.packed_len > MAX_CHUNK)
+        {
+            return Err(bad(format!(
+                "chunk at {} is larger than 1 GiB",
+                c.orig_offset
+            )));
+        }
         let pieces = index
             .chunks
             .iter()

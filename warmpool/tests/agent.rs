@@ -31,7 +31,11 @@ async fn get_node(State(n): State<Node>, Path(name): Path<String>) -> impl IntoR
     }))
 }
 
-async fn patch_node(State(n): State<Node>, Path(name): Path<String>, body: Bytes) -> impl IntoResponse {
+async fn patch_node(
+    State(n): State<Node>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> impl IntoResponse {
     let p: Value = serde_json::from_slice(&body).unwrap();
     let mut f = n.lock().unwrap();
     if let Some(l) = p["metadata"]["labels"].as_object() {
@@ -121,7 +125,13 @@ models:
     assert_eq!(good["progress"], 1.0);
     let broken = ms.iter().find(|m| m["name"] == "broken").unwrap();
     assert_eq!(broken["state"], "failed", "{broken}");
-    assert!(broken["error"].as_str().unwrap().contains("missing.preheat"), "{broken}");
+    assert!(
+        broken["error"]
+            .as_str()
+            .unwrap()
+            .contains("missing.preheat"),
+        "{broken}"
+    );
     // The node carries our label and lost the stale one.
     eventually("node labelled", async || {
         let l = node.lock().unwrap().labels.clone();
@@ -164,9 +174,17 @@ models:
         .await
         .unwrap();
     assert_eq!(r["already_staged"], true, "{r}");
-    let r = c.post(format!("{url}/models/nope/stage")).send().await.unwrap();
+    let r = c
+        .post(format!("{url}/models/nope/stage"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
-    let r = c.post(format!("{url}/models/broken/stage")).send().await.unwrap();
+    let r = c
+        .post(format!("{url}/models/broken/stage"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 502);
     let _ = stop_tx.send(());
     tokio::time::timeout(Duration::from_secs(10), agent)
