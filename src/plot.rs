@@ -59,6 +59,22 @@ fn fmt_num(v: f64) -> String {
     }
 }
 
+/// The `<svg>` element, a white background and the title centred at `title_x`.
+fn open_svg(w: f64, h: f64, title: &str, title_x: f64) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(o, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        o,
+        r#"<text x="{title_x}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
+        esc(title)
+    );
+    o
+}
+
 /// Renders the panels one above the other; series keep their colour across panels by
 /// name, so one legend serves all.
 #[must_use]
@@ -91,18 +107,7 @@ pub fn svg(title: &str, x_label: &str, panels: &[Panel]) -> String {
         (0.0, 1.0)
     };
     let sx = |x: f64| left + (x - x0) / (x1 - x0) * plot_w;
-    let mut o = String::new();
-    let _ = writeln!(
-        o,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(o, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = writeln!(
-        o,
-        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
-        left + plot_w / 2.0,
-        esc(title)
-    );
+    let mut o = open_svg(w, h, title, left + plot_w / 2.0);
     for (pi, panel) in panels.iter().enumerate() {
         let py = top + pi as f64 * (panel_h + gap);
         let ymax = panel
@@ -238,18 +243,7 @@ pub fn stacked_bars(
     let step = tick_step(xmax.max(1e-3));
     let xmax = (xmax / step).ceil().max(1.0) * step;
     let sx = |x: f64| left + x / xmax * plot_w;
-    let mut o = String::new();
-    let _ = writeln!(
-        o,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(o, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-    let _ = writeln!(
-        o,
-        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
-        left + plot_w / 2.0,
-        esc(title)
-    );
+    let mut o = open_svg(w, h, title, left + plot_w / 2.0);
     let _ = writeln!(
         o,
         r##"<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>"##

@@ -17,13 +17,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use preheat_snapshot::residency;
 use serde_json::{Value, json};
 
 use crate::cli::BenchColdstartArgs;
+use crate::commands::up::{free_port, unix_ms};
 use crate::commands::{human_bytes, outln};
 
 /// Phases in the order a start goes through them (server side).
@@ -50,18 +51,6 @@ struct Start {
     resident_at_start: f64,
 }
 
-fn now_unix_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 struct Replica {
     child: std::process::Child,
     base: String,
@@ -85,7 +74,7 @@ fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Rep
             "--kv-cache-mib",
             &kv_mib.to_string(),
         ])
-        .env("PREHEAT_SPAWNED_AT_UNIX_MS", now_unix_ms().to_string())
+        .env("PREHEAT_SPAWNED_AT_UNIX_MS", unix_ms().to_string())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null());

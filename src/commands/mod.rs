@@ -12,7 +12,7 @@ mod engine;
 mod scaler;
 mod simulate;
 mod snapshot;
-mod up;
+pub(crate) mod up;
 mod warmpool;
 
 use std::process::ExitCode;

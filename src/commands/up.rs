@@ -173,7 +173,8 @@ struct PoolState {
     standby: StandbyPool,
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A loopback port free now (bound and released).
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -293,7 +294,8 @@ impl PoolState {
     }
 }
 
-fn unix_ms() -> u128 {
+/// Now as Unix milliseconds: what `PREHEAT_SPAWNED_AT_UNIX_MS` carries.
+pub(crate) fn unix_ms() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())

@@ -305,6 +305,19 @@ pub async fn stage(
     opts: &StageOptions,
     progress: Arc<dyn Progress>,
 ) -> Result<StageOutcome> {
+    stage_with_plan(fetcher, dir, name, opts, progress, None).await
+}
+
+/// [`stage`] with the source's [`Plan`] when the caller already read it (the store
+/// does, to make room), so the header and manifest are fetched once.
+pub async fn stage_with_plan(
+    fetcher: &Fetcher,
+    dir: &Path,
+    name: &str,
+    opts: &StageOptions,
+    progress: Arc<dyn Progress>,
+    plan: Option<Plan>,
+) -> Result<StageOutcome> {
     validate_name(name)?;
     let t0 = Instant::now();
     tokio::fs::create_dir_all(dir)
@@ -323,7 +336,10 @@ pub async fn stage(
             seconds: t0.elapsed().as_secs_f64(),
         });
     }
-    let plan = plan(fetcher, opts.piece_bytes).await?;
+    let plan = match plan {
+        Some(p) => p,
+        None => self::plan(fetcher, opts.piece_bytes).await?,
+    };
     let out = stage_planned(fetcher, dir, name, &plan, opts, progress).await;
     drop(lock);
     let (fetched, resumed) = out?;

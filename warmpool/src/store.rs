@@ -41,6 +41,10 @@ pub struct Store {
     /// One async mutex per model: concurrent requests for a model wait for the one
     /// staging it, then find it published.
     staging: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Models staged or fully verified by this store: the agent calls [`Store::ensure`]
+    /// every refresh, and re-reading gigabytes each time to re-verify them would be
+    /// wasted I/O (published files are only ever replaced by rename).
+    verified: Mutex<HashSet<String>>,
     evictions: std::sync::atomic::AtomicU64,
 }
 
@@ -68,6 +72,7 @@ impl Store {
             disk_budget,
             state: Mutex::new(state),
             staging: Mutex::new(HashMap::new()),
+            verified: Mutex::new(HashSet::new()),
             evictions: 0.into(),
         })
     }
@@ -168,11 +173,40 @@ impl Store {
             Arc::clone(m.entry(name.to_owned()).or_default())
         };
         let _turn = gate.lock().await;
-        if self.path_of(name).is_none() {
-            let plan = stage::plan(fetcher, opts.piece_bytes).await?;
-            self.make_room(name, plan.snapshot_bytes, keep)?;
+        let staged = self.path_of(name);
+        if let Some(path) = &staged
+            && self
+                .verified
+                .lock()
+                .expect("no panics while held")
+                .contains(name)
+        {
+            let bytes = std::fs::metadata(path)
+                .map_err(|e| Error::io(path, e))?
+                .len();
+            self.touch(name);
+            return Ok(StageOutcome {
+                path: path.clone(),
+                bytes,
+                fetched_bytes: 0,
+                resumed_bytes: 0,
+                already_staged: true,
+                seconds: 0.0,
+            });
         }
-        let out = stage::stage(fetcher, &self.dir, name, opts, progress).await?;
+        let plan = match staged {
+            Some(_) => None,
+            None => {
+                let plan = stage::plan(fetcher, opts.piece_bytes).await?;
+                self.make_room(name, plan.snapshot_bytes, keep)?;
+                Some(plan)
+            }
+        };
+        let out = stage::stage_with_plan(fetcher, &self.dir, name, opts, progress, plan).await?;
+        self.verified
+            .lock()
+            .expect("no panics while held")
+            .insert(name.to_owned());
         self.touch(name);
         Ok(out)
     }
@@ -223,6 +257,10 @@ impl Store {
     pub fn evict(&self, name: &str) -> Result<()> {
         let p = stage::snapshot_path(&self.dir, name);
         std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
+        self.verified
+            .lock()
+            .expect("no panics while held")
+            .remove(name);
         let mut s = self.state.lock().expect("no panics while held");
         s.last_used.remove(name);
         self.save(&s);

@@ -121,6 +121,15 @@ fn fetcher(s: &str) -> Fetcher {
     Fetcher::new(Source::parse(s), std::time::Duration::from_secs(10)).unwrap()
 }
 
+/// Stages `source` as model `tiny` in `dir`.
+async fn stage_tiny(
+    source: &str,
+    dir: &Path,
+    opts: &StageOptions,
+) -> preheat_warmpool::Result<stage::StageOutcome> {
+    stage::stage(&fetcher(source), dir, "tiny", opts, Arc::new(NoProgress)).await
+}
+
 fn same_bytes(a: &Path, b: &Path) -> bool {
     std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
 }
@@ -146,15 +155,9 @@ async fn stages_plain_and_packed_from_a_path_and_over_http() {
         format!("{}/f/tiny.phpack", srv.url),
     ] {
         let out = tempfile::tempdir().unwrap();
-        let o = stage::stage(
-            &fetcher(&source),
-            out.path(),
-            "tiny",
-            &small_pieces(),
-            Arc::new(NoProgress),
-        )
-        .await
-        .unwrap();
+        let o = stage_tiny(&source, out.path(), &small_pieces())
+            .await
+            .unwrap();
         assert!(!o.already_staged);
         assert_eq!(o.resumed_bytes, 0);
         assert_eq!(o.bytes, std::fs::metadata(&snap).unwrap().len());
@@ -165,15 +168,9 @@ async fn stages_plain_and_packed_from_a_path_and_over_http() {
             leftovers(out.path())
         );
         // Staging again finds it in place and verified.
-        let again = stage::stage(
-            &fetcher(&source),
-            out.path(),
-            "tiny",
-            &small_pieces(),
-            Arc::new(NoProgress),
-        )
-        .await
-        .unwrap();
+        let again = stage_tiny(&source, out.path(), &small_pieces())
+            .await
+            .unwrap();
         assert!(again.already_staged);
         assert_eq!(again.fetched_bytes, 0);
     }
@@ -195,15 +192,7 @@ async fn an_interrupted_staging_resumes_where_it_stopped() {
             concurrency: 1,
             ..small_pieces()
         };
-        let err = stage::stage(
-            &fetcher(&url),
-            out.path(),
-            "tiny",
-            &opts,
-            Arc::new(NoProgress),
-        )
-        .await
-        .unwrap_err();
+        let err = stage_tiny(&url, out.path(), &opts).await.unwrap_err();
         assert!(matches!(err, Error::Fetch { .. }), "{err}");
         assert!(
             !stage::snapshot_path(out.path(), "tiny").exists(),
@@ -211,15 +200,7 @@ async fn an_interrupted_staging_resumes_where_it_stopped() {
         );
         let first = srv.faults.served.load(Ordering::SeqCst);
         srv.faults.fail_after.store(u64::MAX, Ordering::SeqCst);
-        let o = stage::stage(
-            &fetcher(&url),
-            out.path(),
-            "tiny",
-            &opts,
-            Arc::new(NoProgress),
-        )
-        .await
-        .unwrap();
+        let o = stage_tiny(&url, out.path(), &opts).await.unwrap();
         assert!(o.resumed_bytes > 0, "{file}: {o:?}");
         let second = srv.faults.served.load(Ordering::SeqCst) - first;
         assert!(
@@ -244,28 +225,14 @@ async fn a_corrupt_source_is_never_published() {
     srv.faults.corrupt.store(true, Ordering::SeqCst);
     let out = tempfile::tempdir().unwrap();
     let url = format!("{}/f/tiny.preheat", srv.url);
-    let err = stage::stage(
-        &fetcher(&url),
-        out.path(),
-        "tiny",
-        &small_pieces(),
-        Arc::new(NoProgress),
-    )
-    .await
-    .unwrap_err();
+    let err = stage_tiny(&url, out.path(), &small_pieces())
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Corrupt(..)), "{err}");
     assert!(!stage::snapshot_path(out.path(), "tiny").exists());
     // The source is fixed: the next attempt succeeds.
     srv.faults.corrupt.store(false, Ordering::SeqCst);
-    let o = stage::stage(
-        &fetcher(&url),
-        out.path(),
-        "tiny",
-        &small_pieces(),
-        Arc::new(NoProgress),
-    )
-    .await
-    .unwrap();
+    let o = stage_tiny(&url, out.path(), &small_pieces()).await.unwrap();
     assert!(same_bytes(&o.path, &snap));
 }
 
@@ -282,15 +249,7 @@ async fn corruption_of_the_partial_file_is_caught_and_refetched() {
         concurrency: 1,
         ..small_pieces()
     };
-    stage::stage(
-        &fetcher(&url),
-        out.path(),
-        "tiny",
-        &opts,
-        Arc::new(NoProgress),
-    )
-    .await
-    .unwrap_err();
+    stage_tiny(&url, out.path(), &opts).await.unwrap_err();
     // Flip bytes in what the journal says is done (a bad disk, a torn write).
     let partial = out.path().join(".tiny.stage.partial");
     let mut b = std::fs::read(&partial).unwrap();
@@ -299,15 +258,7 @@ async fn corruption_of_the_partial_file_is_caught_and_refetched() {
     b[(t0.offset + 1) as usize] ^= 0xff;
     std::fs::write(&partial, b).unwrap();
     srv.faults.fail_after.store(u64::MAX, Ordering::SeqCst);
-    let o = stage::stage(
-        &fetcher(&url),
-        out.path(),
-        "tiny",
-        &opts,
-        Arc::new(NoProgress),
-    )
-    .await
-    .unwrap();
+    let o = stage_tiny(&url, out.path(), &opts).await.unwrap();
     assert!(same_bytes(&o.path, &snap));
 }
 
