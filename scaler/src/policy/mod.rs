@@ -73,6 +73,9 @@ pub struct PoolPolicy {
     /// Seconds with nothing running, queued or held before the pool goes to zero
     /// (only when `min_replicas` is 0).
     pub idle_grace_s: f64,
+    /// Seconds the capacity a short burst needed is kept (prefill): bursts recur, and
+    /// one shorter than a start-up can only be met by replicas already running.
+    pub burst_memory_s: f64,
     /// Start-up lead time used for the forecast when no start has been measured.
     pub default_lead_s: f64,
     /// Mean prompt length assumed before any traffic is seen.
@@ -90,6 +93,7 @@ impl Default for PoolPolicy {
             scale_down_stabilization_s: 300.0,
             scale_down_step: 0.25,
             idle_grace_s: 300.0,
+            burst_memory_s: 600.0,
             default_lead_s: 60.0,
             default_prompt_len: 2048.0,
         }
@@ -131,6 +135,7 @@ impl PoolPolicy {
                 self.scale_down_stabilization_s,
             ),
             ("idle_grace_s", self.idle_grace_s),
+            ("burst_memory_s", self.burst_memory_s),
             ("default_lead_s", self.default_lead_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
@@ -181,6 +186,11 @@ pub struct PreheatPolicy {
     recent: VecDeque<(f64, u32)>,
     idle_since: Option<f64>,
     last_scale_down: f64,
+    /// (time, replicas the short-term peak needed) over the burst memory.
+    bursts: VecDeque<(f64, f64)>,
+    /// When this policy first decided: it removes nothing before it has watched the
+    /// load for a stabilisation window (a restarted scaler knows no history).
+    first_seen: Option<f64>,
 }
 
 impl PreheatPolicy {
@@ -194,6 +204,8 @@ impl PreheatPolicy {
             recent: VecDeque::new(),
             idle_since: None,
             last_scale_down: f64::NEG_INFINITY,
+            bursts: VecDeque::new(),
+            first_seen: None,
         }
     }
 
@@ -232,8 +244,20 @@ impl PreheatPolicy {
                 let peak = s.prompt_rate_peak * uncached;
                 if peak > 0.0 && s.peak_span_s > 0.0 {
                     let span = s.peak_span_s;
-                    n = n.max((peak * span / (span + slo) + drain) / per_replica);
+                    let burst = (peak * span / (span + slo) + drain) / per_replica;
+                    n = n.max(burst);
+                    self.bursts.push_back((t, burst));
                 }
+                // ...and keep that capacity for a while: bursts recur, and one that comes
+                // faster than a replica starts can only be met by replicas already up.
+                while self
+                    .bursts
+                    .front()
+                    .is_some_and(|b| b.0 < t - self.cfg.burst_memory_s)
+                {
+                    self.bursts.pop_front();
+                }
+                n = n.max(self.bursts.iter().map(|b| b.1).fold(0.0, f64::max));
                 // Observed latency corrects the model while a real queue persists: a factor
                 // on the modelled need, not on current replicas, so replicas still
                 // starting do not compound it; an emptied queue means it is history.
@@ -287,6 +311,7 @@ impl PreheatPolicy {
 
     /// Decides desired replicas at time `t` (seconds, monotonic).
     pub fn decide(&mut self, t: f64, o: &Observation) -> Decision {
+        self.first_seen.get_or_insert(t);
         let s = &o.signals;
         // Work in flight or queued: never zero. Traffic of any kind: not idle.
         let work = s.running + s.waiting + s.queued_prompt_tokens + o.held_requests > 0.0;
@@ -367,7 +392,9 @@ impl PreheatPolicy {
         }
         // Zero is reached only through the idle grace above.
         let floor = window_max.max(desired).max(1);
+        let watched = t - self.first_seen.unwrap_or(t);
         if floor >= o.current
+            || watched < self.cfg.scale_down_stabilization_s
             || t - self.last_scale_down < self.cfg.scale_down_stabilization_s / 4.0
         {
             return Decision {
@@ -496,6 +523,49 @@ mod tests {
         // After it, one step of 25%.
         let d = p.decide(61.0, &obs(8, quiet));
         assert_eq!(d.desired, 6, "{d:?}");
+    }
+
+    #[test]
+    fn a_restarted_policy_removes_nothing_before_a_stabilisation_window() {
+        // Regression: a fresh policy (scaler restart, simulator start) had no window
+        // history and scaled a loaded pool down on its first tick, before any rate was
+        // measured.
+        let mut p = policy(Pool::Prefill);
+        for t in 0..60 {
+            let d = p.decide(t as f64, &obs(8, |_| {}));
+            assert_eq!(d.desired, 8, "t={t}: {d:?}");
+        }
+        assert!(p.decide(61.0, &obs(8, |_| {})).desired < 8);
+    }
+
+    #[test]
+    fn a_burst_keeps_its_capacity_for_the_burst_memory() {
+        let mut p = PreheatPolicy::new(
+            Pool::Prefill,
+            PoolPolicy {
+                scale_down_stabilization_s: 10.0,
+                burst_memory_s: 100.0,
+                ..PoolPolicy::default()
+            },
+            Profile::default(),
+        );
+        let burst = |s: &mut PoolSignals| {
+            s.prompt_rate = 5_000.0;
+            s.prompt_rate_peak = 100_000.0;
+            s.peak_span_s = 5.0;
+        };
+        let quiet = |s: &mut PoolSignals| s.prompt_rate = 1_000.0;
+        let held = p.decide(0.0, &obs(1, burst)).desired;
+        assert!(held >= 4, "{held}");
+        let mut cur = held;
+        for t in 1..100 {
+            cur = p.decide(t as f64, &obs(cur, quiet)).desired;
+            assert_eq!(cur, held, "t={t}: still inside the burst memory");
+        }
+        for t in 101..200 {
+            cur = p.decide(t as f64, &obs(cur, quiet)).desired;
+        }
+        assert_eq!(cur, 1, "released after the memory and the stabilisation");
     }
 
     #[test]

@@ -59,9 +59,10 @@ pub trait Autoscaler: Send {
 }
 
 /// Names accepted by `--policy`, in report order.
-pub const POLICIES: [&str; 6] = [
+pub const POLICIES: [&str; 7] = [
     "preheat",
     "static-peak",
+    "clairvoyant",
     "hpa-utilization",
     "keda-queue",
     "kpa",

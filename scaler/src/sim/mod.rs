@@ -12,6 +12,7 @@
 //! deterministic: the same trace and settings give the same report.
 
 pub mod autoscalers;
+pub mod clairvoyant;
 pub mod cluster;
 pub mod trace;
 
@@ -196,6 +197,11 @@ fn autoscalers(
         "static-peak" => {
             let (p, d) = static_peak(cfg, trace);
             (Box::new(Static(p)), Box::new(Static(d)), Some((p, d)))
+        }
+        "clairvoyant" => {
+            let (p, d) = static_peak(cfg, trace);
+            let plan = clairvoyant::prefill_plan(cfg, trace, p, d);
+            (Box::new(plan), Box::new(Static(d)), None)
         }
         "hpa-utilization" => (
             Box::new(HpaUtilization::new(mp)),
@@ -480,7 +486,12 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn run(mut self) -> PolicyReport {
+    fn run(self) -> PolicyReport {
+        self.run_detailed().0
+    }
+
+    /// Runs to the end; the report and, per request, whether it attained its SLOs.
+    fn run_detailed(mut self) -> (PolicyReport, Vec<bool>) {
         let last_arrival = self.trace.last().map_or(0.0, |r| r.t);
         let give_up = last_arrival + self.cfg.max_drain_s;
         loop {
@@ -495,7 +506,7 @@ impl<'a> Sim<'a> {
                 break;
             }
         }
-        self.report()
+        self.report_detailed()
     }
 
     fn next_event_time(&self) -> f64 {
@@ -923,12 +934,14 @@ impl<'a> Sim<'a> {
         self.retire_drained();
     }
 
-    fn report(self) -> PolicyReport {
+    /// The report and, per request, whether it attained its SLOs.
+    fn report_detailed(self) -> (PolicyReport, Vec<bool>) {
         let mut ttft = Vec::new();
         let mut itl = Vec::new();
         let mut ok = 0usize;
         let mut unfinished = 0usize;
-        for (r, st) in self.trace.iter().zip(&self.reqs) {
+        let mut attained = vec![false; self.trace.len()];
+        for (i, (r, st)) in self.trace.iter().zip(&self.reqs).enumerate() {
             if st.done.is_nan() {
                 unfinished += 1;
                 continue;
@@ -942,6 +955,7 @@ impl<'a> Sim<'a> {
             }
             if self.cfg.attained(r, tt, it) {
                 ok += 1;
+                attained[i] = true;
             }
         }
         let pct = |v: &mut Vec<f64>, q: f64| {
@@ -953,7 +967,7 @@ impl<'a> Sim<'a> {
         };
         let n = self.trace.len().max(1);
         let [p, d] = &self.ctl;
-        PolicyReport {
+        let report = PolicyReport {
             name: String::new(),
             slo_attainment: ok as f64 / n as f64,
             gpu_seconds: p.gpu_s + d.gpu_s,
@@ -976,7 +990,8 @@ impl<'a> Sim<'a> {
             max_decode_replicas: d.max_replicas,
             fixed_replicas: None,
             timeline: self.timeline,
-        }
+        };
+        (report, attained)
     }
 }
 
