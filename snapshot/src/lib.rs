@@ -20,6 +20,7 @@ pub mod config;
 pub mod dtype;
 mod error;
 pub mod format;
+pub mod kernel_cache;
 pub mod manifest;
 pub mod packed;
 pub mod progress;

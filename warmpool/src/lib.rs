@@ -20,7 +20,8 @@ mod error;
 pub mod fetch;
 pub mod files;
 pub mod hot;
-pub mod kernel_cache;
+/// Compiled-kernel cache, shared with the engine (defined in the snapshot crate).
+pub use preheat_snapshot::kernel_cache;
 pub mod labels;
 pub mod metrics;
 pub mod stage;

@@ -3,6 +3,8 @@
 //! backend-neutral, so the CPU backend here and a GPU backend are interchangeable.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::Result;
 use crate::kv::BlockId;

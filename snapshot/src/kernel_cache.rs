@@ -1,17 +1,17 @@
 //! Compiled kernels (CUDA modules, captured-graph plans) persisted on the node, keyed
 //! by everything that makes them valid: model, backend, GPU architecture and driver.
 //! A GPU backend asks [`KernelCache::get`] before compiling and [`KernelCache::put`]s
-//! what it compiled; the agent keeps the directory across pod restarts and seeds it
-//! from the kernel-cache sections of staged snapshots.
+//! what it compiled; the warm-pool agent keeps the directory across pod restarts and
+//! seeds it from the kernel-cache sections of staged snapshots. It lives here, beside
+//! the snapshot's own kernel-cache sections, so the engine and the agent share it
+//! without depending on each other.
 //!
 //! Each entry is one file: `PHKC` magic, XXH3-64 of the payload, payload. A corrupt
 //! entry is removed and reported as a miss, never handed to a driver.
 
 use std::path::{Path, PathBuf};
 
-use preheat_snapshot::{Checksum, Snapshot};
-
-use crate::{Error, Result};
+use crate::{Checksum, Error, Result, Snapshot};
 
 const MAGIC: &[u8; 4] = b"PHKC";
 

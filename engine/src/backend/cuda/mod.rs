@@ -1,0 +1,3 @@
+//! The GPU backend (feature `cuda`).
+
+pub mod nvrtc;
