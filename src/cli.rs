@@ -333,6 +333,14 @@ pub struct ServeArgs {
     /// `POST /internal/promote`.
     #[arg(long)]
     pub standby: bool,
+    /// Where the model runs: auto (the GPU when built with `--features cuda` and a
+    /// driver and device are present, else the CPU), cpu, or cuda (the GPU or fail).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda"])]
+    pub device: String,
+    /// Directory of compiled GPU kernels kept across restarts (the warm-pool agent's
+    /// kernel cache on the node).
+    #[arg(long, env = "PREHEAT_KERNEL_CACHE")]
+    pub kernel_cache: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -372,6 +380,21 @@ pub enum BenchCmd {
     /// Replica start to first token from an HF checkpoint over HTTP, a staged snapshot
     /// (cold page cache), a hot one and a parked standby, against a page-cache read.
     Coldstart(BenchColdstartArgs),
+    /// A GPU replica's start phases (needs `--features cuda` and a GPU): weights upload
+    /// vs the host-to-device copy limit, NVRTC compile vs kernel-cache restore, graphs.
+    Gpu(BenchGpuArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchGpuArgs {
+    /// A synthetic preset (`llama-1b`, `tiny`), a .gguf, an HF directory or a .preheat.
+    #[arg(long, default_value = "llama-1b")]
+    pub model: String,
+    /// Where a converted or synthetic snapshot is kept between runs.
+    #[arg(long, default_value = ".cache/bench-coldstart")]
+    pub work_dir: PathBuf,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
 #[derive(Debug, Args)]

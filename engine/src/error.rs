@@ -29,6 +29,9 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     Template(String),
+    /// The accelerator failed (driver, cuBLAS, out of device memory).
+    #[error("device: {0}")]
+    Device(String),
     /// A bug: an invariant the engine maintains was broken.
     #[error("internal error: {0}")]
     Internal(String),

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::{EngineMetrics, Role};
@@ -37,6 +38,36 @@ pub struct ServeOptions {
     pub started: Instant,
     /// Load, page in and warm up, then wait parked for a promotion before serving.
     pub standby: bool,
+    /// Which device runs the model.
+    pub device: Device,
+    /// Where compiled GPU kernels are kept across restarts (the warm-pool agent's
+    /// kernel-cache directory on the node).
+    pub kernel_cache: Option<PathBuf>,
+}
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The GPU when the build has the `cuda` feature and a driver and device are
+    /// present, else the CPU (logged).
+    #[default]
+    Auto,
+    Cpu,
+    /// The GPU, or an error.
+    Cuda,
+}
+
+impl Device {
+    /// Parses `auto`, `cpu` or `cuda`.
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "auto" => Device::Auto,
+            "cpu" => Device::Cpu,
+            "cuda" => Device::Cuda,
+            _ => return None,
+        })
+    }
 }
 
 impl ServeOptions {
@@ -53,8 +84,98 @@ impl ServeOptions {
             role: Role::Colocated,
             started: Instant::now(),
             standby: false,
+            device: Device::Auto,
+            kernel_cache: None,
         }
     }
+}
+
+/// The backend `opts.device` asks for; `Auto` falls back to the CPU, saying why.
+fn backend_for(
+    opts: &ServeOptions,
+    snap: &Arc<preheat_snapshot::Snapshot>,
+    num_blocks: usize,
+    metrics: &EngineMetrics,
+    source: &str,
+) -> Result<Box<dyn Backend>> {
+    if opts.device != Device::Cpu {
+        match gpu_backend(opts, snap, num_blocks, metrics, source) {
+            Ok(b) => return Ok(b),
+            Err(e) if opts.device == Device::Cuda => return Err(e),
+            Err(e) => tracing::info!(reason = %e, "serving on the CPU"),
+        }
+    }
+    Ok(Box::new(CpuBackend::new(
+        Arc::clone(snap),
+        num_blocks,
+        opts.block_size,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_backend(
+    _: &ServeOptions,
+    _: &Arc<preheat_snapshot::Snapshot>,
+    _: usize,
+    _: &EngineMetrics,
+    _: &str,
+) -> Result<Box<dyn Backend>> {
+    Err(EngineError::Device(
+        "this build has no GPU backend (build with --features cuda)".into(),
+    ))
+}
+
+/// Loads onto the GPU and records its start phases (kernels, weights upload, graph
+/// capture) as seconds from the replica's start, like every other phase.
+#[cfg(feature = "cuda")]
+fn gpu_backend(
+    opts: &ServeOptions,
+    snap: &Arc<preheat_snapshot::Snapshot>,
+    num_blocks: usize,
+    metrics: &EngineMetrics,
+    source: &str,
+) -> Result<Box<dyn Backend>> {
+    use crate::backend::cuda::{CudaBackend, CudaOptions, Probe};
+    match CudaBackend::probe() {
+        Probe::Ready { .. } => {}
+        Probe::NoDriver => {
+            return Err(EngineError::Device(
+                "no CUDA driver library (libcuda.so) on this machine".into(),
+            ));
+        }
+        Probe::NoDevice(why) => return Err(EngineError::Device(format!("no GPU: {why}"))),
+    }
+    let before = opts.started.elapsed().as_secs_f64();
+    let be = CudaBackend::new(
+        Arc::clone(snap),
+        num_blocks,
+        opts.block_size,
+        &CudaOptions {
+            device: 0,
+            kernel_cache: opts.kernel_cache.clone(),
+            graphs: true,
+            max_batch_tokens: opts.scheduler.max_batched_tokens,
+        },
+    )?;
+    let g = be.startup();
+    let kernels = before + g.kernels_s;
+    let uploaded = kernels + g.upload_s;
+    let kernel_phase = if g.kernels_from_cache {
+        "kernels_restored"
+    } else {
+        "kernels_compiled"
+    };
+    for (phase, secs) in [
+        (kernel_phase, kernels),
+        ("weights_uploaded", uploaded),
+        ("graphs_captured", uploaded + g.graph_capture_s),
+    ] {
+        metrics
+            .startup
+            .with_label_values(&[phase, source])
+            .set(secs);
+    }
+    Ok(Box::new(be))
 }
 
 /// Loads the model and builds the engine (blocking).
@@ -82,7 +203,6 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
         .clone()
         .unwrap_or_else(|| default_name(&opts.model));
     let tokenizer = Tokenizer::from_snapshot(&snap)?;
-    let backend = CpuBackend::new(Arc::clone(&snap), num_blocks, opts.block_size)?;
     let metrics = Arc::new(EngineMetrics::new(&name, opts.role));
     metrics.set_startup_origin(opts.started, start_source);
     for (phase, secs) in [("snapshot_open", opened), ("weights_resident", resident)] {
@@ -91,8 +211,9 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
             .with_label_values(&[phase, start_source])
             .set(secs);
     }
+    let backend = backend_for(opts, &snap, num_blocks, &metrics, start_source)?;
     let engine = Engine::start(
-        Box::new(backend),
+        backend,
         tokenizer,
         EngineConfig {
             model_name: name.clone(),

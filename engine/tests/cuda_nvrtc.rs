@@ -32,7 +32,10 @@ fn every_kernel_compiles_with_nvrtc_for_sm80_and_sm90() {
         let Image::Ptx(ptx) = nvrtc::compile(arch).unwrap() else {
             panic!("{arch} must give PTX");
         };
-        assert!(ptx.contains(&format!(".target sm_{}", &arch[8..])), "{arch}");
+        assert!(
+            ptx.contains(&format!(".target sm_{}", &arch[8..])),
+            "{arch}"
+        );
         for k in KERNELS {
             assert!(
                 ptx.contains(&format!(".entry {k}(")),
@@ -70,7 +73,10 @@ fn nvrtc_images_are_restored_from_the_kernel_cache() {
     let restore = t.elapsed();
     assert_eq!((o1, o2), (Origin::Compiled, Origin::Cache));
     assert_eq!(first, again);
-    assert!(restore < compile, "restore {restore:?} vs compile {compile:?}");
+    assert!(
+        restore < compile,
+        "restore {restore:?} vs compile {compile:?}"
+    );
     // Another driver is another key: compiled again, not served a foreign image.
     let (_, o3) = nvrtc::image_for("sm_90", "580.1", Some(&cache)).unwrap();
     assert_eq!(o3, Origin::Compiled);

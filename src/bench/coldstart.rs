@@ -263,7 +263,9 @@ struct Prepared {
     convert_is_dir: bool,
 }
 
-fn prepare(model: &str, work: &Path) -> anyhow::Result<Prepared> {
+/// The snapshot of `model` (a synthetic preset, a .preheat, or a checkpoint converted
+/// once) in `work`: its name, path, and the path `model` names.
+pub(crate) fn snapshot_for(model: &str, work: &Path) -> anyhow::Result<(String, PathBuf, PathBuf)> {
     std::fs::create_dir_all(work)?;
     let bar = crate::progress_bar::Bar::new();
     let as_path = PathBuf::from(model);
@@ -296,6 +298,11 @@ fn prepare(model: &str, work: &Path) -> anyhow::Result<Prepared> {
             )?;
         }
     }
+    Ok((name, snapshot, as_path))
+}
+
+fn prepare(model: &str, work: &Path) -> anyhow::Result<Prepared> {
+    let (name, snapshot, as_path) = snapshot_for(model, work)?;
     let is_gguf = as_path.extension().is_some_and(|e| e == "gguf");
     if is_gguf {
         let dir = as_path.parent().unwrap_or(Path::new(".")).to_path_buf();

@@ -4,6 +4,7 @@
 
 pub mod coldstart;
 pub mod engine;
+pub mod gpu;
 pub mod kv;
 pub mod router;
 pub mod scaler;

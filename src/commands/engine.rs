@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use preheat_engine::scheduler::SchedulerConfig;
-use preheat_engine::serve::{ServeOptions, serve};
+use preheat_engine::serve::{Device, ServeOptions, serve};
 
 use crate::cli::{EngineCmd, GatewayArgs, ServeArgs, WorkerArgs};
 use preheat_engine::disagg::protocol::WorkerRole;
@@ -269,6 +269,8 @@ pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
     };
     o.drain_grace = Duration::from_secs(a.drain_grace_secs);
     o.standby = a.standby;
+    o.device = Device::parse(&a.device).context("checked by clap")?;
+    o.kernel_cache = a.kernel_cache.clone();
     o.started = crate::process_started();
     Ok(o)
 }

@@ -34,6 +34,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCmd::Router(args)) => crate::bench::router::run(&args),
         Command::Bench(BenchCmd::Kv(args)) => crate::bench::kv::run(&args),
         Command::Bench(BenchCmd::Coldstart(args)) => crate::bench::coldstart::run(&args),
+        Command::Bench(BenchCmd::Gpu(args)) => crate::bench::gpu::run(&args),
     }
 }
 

@@ -6,8 +6,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use crate::Result;
 use crate::kv::BlockId;
+use crate::{EngineError, Result};
 use preheat_snapshot::ModelConfig;
 
 /// Shape of the KV cache a backend holds.
@@ -63,4 +63,72 @@ pub trait Backend: Send {
     fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>);
     /// Writes K/V laid out as [`Backend::export_kv`] produces into `blocks`.
     fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()>;
+}
+
+/// Checks a batch against a backend's KV layout and vocabulary: equal lengths, known
+/// sequences, block tables covering every position, ids and rows in range. Every
+/// backend runs it first, so a bad batch is an error, never an out-of-bounds access.
+pub fn check_batch(b: &ForwardBatch<'_>, layout: &KvLayout, vocab_size: u64) -> Result<()> {
+    let t = b.tokens.len();
+    if b.positions.len() != t || b.seq_of.len() != t {
+        return Err(EngineError::Internal(
+            "batch arrays differ in length".into(),
+        ));
+    }
+    let bs = layout.block_size;
+    for i in 0..t {
+        let s = b
+            .seqs
+            .get(b.seq_of[i] as usize)
+            .ok_or_else(|| EngineError::Internal("bad seq index".into()))?;
+        let need = b.positions[i] as usize / bs + 1;
+        if s.block_table.len() < need {
+            return Err(EngineError::Internal(format!(
+                "block table too short for position {}",
+                b.positions[i]
+            )));
+        }
+        if b.tokens[i] as u64 >= vocab_size {
+            return Err(EngineError::Internal(format!(
+                "token {} out of vocabulary",
+                b.tokens[i]
+            )));
+        }
+    }
+    if b.seqs.iter().any(|s| {
+        s.block_table
+            .iter()
+            .any(|&blk| blk as usize >= layout.num_blocks)
+    }) {
+        return Err(EngineError::Internal("block id out of range".into()));
+    }
+    if b.logits_rows.iter().any(|&r| r as usize >= t) {
+        return Err(EngineError::Internal("logits row out of range".into()));
+    }
+    Ok(())
+}
+
+/// The (layer, block, K bytes, V bytes) items of a K/V import laid out as
+/// [`Backend::export_kv`] writes it, after checking its size and block ids.
+pub fn kv_import_items<'a>(
+    layout: &KvLayout,
+    blocks: &'a [BlockId],
+    data: &'a [u8],
+) -> Result<impl Iterator<Item = (usize, BlockId, &'a [u8], &'a [u8])> + 'a> {
+    let per = layout.block_elems() * 4;
+    let want = layout.num_layers * blocks.len() * 2 * per;
+    if data.len() != want {
+        return Err(EngineError::Internal(format!(
+            "KV import of {} bytes, expected {want}",
+            data.len()
+        )));
+    }
+    if let Some(b) = blocks.iter().find(|&&b| b as usize >= layout.num_blocks) {
+        return Err(EngineError::Internal(format!("KV import into block {b}")));
+    }
+    let layers = layout.num_layers;
+    Ok((0..layers)
+        .flat_map(move |l| blocks.iter().map(move |&b| (l, b)))
+        .zip(data.chunks_exact(2 * per))
+        .map(move |((l, b), kv)| (l, b, &kv[..per], &kv[per..])))
 }

@@ -176,42 +176,7 @@ impl CpuBackend {
     }
 
     fn check(&self, b: &ForwardBatch<'_>) -> Result<()> {
-        let t = b.tokens.len();
-        if b.positions.len() != t || b.seq_of.len() != t {
-            return Err(EngineError::Internal(
-                "batch arrays differ in length".into(),
-            ));
-        }
-        let bs = self.layout.block_size;
-        for i in 0..t {
-            let s = b
-                .seqs
-                .get(b.seq_of[i] as usize)
-                .ok_or_else(|| EngineError::Internal("bad seq index".into()))?;
-            let need = b.positions[i] as usize / bs + 1;
-            if s.block_table.len() < need {
-                return Err(EngineError::Internal(format!(
-                    "block table too short for position {}",
-                    b.positions[i]
-                )));
-            }
-            if s.block_table
-                .iter()
-                .any(|&blk| blk as usize >= self.layout.num_blocks)
-            {
-                return Err(EngineError::Internal("block id out of range".into()));
-            }
-            if b.tokens[i] as u64 >= self.config.vocab_size {
-                return Err(EngineError::Internal(format!(
-                    "token {} out of vocabulary",
-                    b.tokens[i]
-                )));
-            }
-        }
-        if b.logits_rows.iter().any(|&r| r as usize >= t) {
-            return Err(EngineError::Internal("logits row out of range".into()));
-        }
-        Ok(())
+        super::check_batch(b, &self.layout, self.config.vocab_size)
     }
 }
 
@@ -246,34 +211,12 @@ impl Backend for CpuBackend {
 
     fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()> {
         let n = self.layout.block_elems();
-        let per = n * 4;
-        let want = self.layout.num_layers * blocks.len() * 2 * per;
-        if data.len() != want {
-            return Err(EngineError::Internal(format!(
-                "KV import of {} bytes, expected {want}",
-                data.len()
-            )));
-        }
-        if let Some(b) = blocks
-            .iter()
-            .find(|&&b| b as usize >= self.layout.num_blocks)
-        {
-            return Err(EngineError::Internal(format!("KV import into block {b}")));
-        }
-        let mut chunks = data.chunks_exact(per);
-        let mut k = vec![0f32; n];
-        let mut v = vec![0f32; n];
-        for layer in 0..self.layout.num_layers {
-            for &b in blocks {
-                // Unaligned input: copy through bytes rather than casting in place.
-                let (kb, vb) = (chunks.next(), chunks.next());
-                let (Some(kb), Some(vb)) = (kb, vb) else {
-                    return Err(EngineError::Internal("KV import ran short".into()));
-                };
-                bytemuck::cast_slice_mut::<f32, u8>(&mut k).copy_from_slice(kb);
-                bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(vb);
-                self.set_block(layer, b as usize, &k, &v);
-            }
+        // Unaligned input: copy through bytes rather than casting in place.
+        let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
+        for (layer, b, kb, vb) in super::kv_import_items(&self.layout, blocks, data)? {
+            bytemuck::cast_slice_mut::<f32, u8>(&mut k).copy_from_slice(kb);
+            bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(vb);
+            self.set_block(layer, b as usize, &k, &v);
         }
         Ok(())
     }

@@ -177,9 +177,7 @@ pub fn compile(arch: &'static str) -> Result<Image> {
 
 fn describe(e: &cudarc::nvrtc::CompileError) -> String {
     match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-            log.to_string_lossy().into_owned()
-        }
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
         other => format!("{other:?}"),
     }
 }
@@ -326,7 +324,10 @@ mod tests {
 
     #[test]
     fn images_round_trip_through_their_encoding() {
-        for img in [Image::Ptx(".version 8.0".into()), Image::Cubin(vec![0x7f, b'E'])] {
+        for img in [
+            Image::Ptx(".version 8.0".into()),
+            Image::Cubin(vec![0x7f, b'E']),
+        ] {
             assert_eq!(Image::decode(&img.encode()), Some(img));
         }
         assert_eq!(Image::decode(b""), None);
