@@ -658,6 +658,9 @@ impl CudaBackend {
             )?;
             launch!(st, k.get("add_inplace"), flat(t * h), &mut s.x, &s.o, &n_i)?;
         }
+        if n_logits == 0 {
+            return Ok(());
+        }
         launch!(
             st,
             k.get("gather_rows"),
@@ -796,7 +799,8 @@ impl Backend for CudaBackend {
         self.check(b)?;
         let t = b.tokens.len();
         let rows = b.logits_rows.len();
-        if t == 0 || rows == 0 {
+        // A chunk of a longer prompt may want no logits, but its K/V must be written.
+        if t == 0 {
             return Ok(Vec::new());
         }
         let vocab = self.config.vocab_size as usize;
@@ -839,6 +843,10 @@ impl Backend for CudaBackend {
         }
         self.stage_inputs(b, t, bt_stride)?;
         self.launch_forward(t, rows, bt_stride)?;
+        if rows == 0 {
+            self.stream.synchronize().map_err(dev)?;
+            return Ok(Vec::new());
+        }
         self.stream
             .clone_dtoh(&self.s.logits.slice(..rows * vocab))
             .map_err(dev)
