@@ -110,6 +110,15 @@ fn check(name: &str) {
     let c = forward(&mut cpu, one, &next[..1], &[20], &[0], &[0]);
     let g = forward(&mut gpu, one, &next[..1], &[20], &[0], &[0]);
     assert!(rel_err(&c, &g) < 0.02, "{name} single decode");
+    // A prompt fed in two chunks, the first wanting no logits, ends where the whole
+    // prompt does (the first chunk's K/V must still be written).
+    let t3 = vec![(12..16).collect::<Vec<u32>>()];
+    let p3: Vec<u32> = prompt[..12].to_vec();
+    let pos: Vec<u32> = (0..12).collect();
+    let _ = forward(&mut gpu, &t3, &p3[..6], &pos[..6], &[0; 6], &[]);
+    let g = forward(&mut gpu, &t3, &p3[6..], &pos[6..], &[0; 6], &[5]);
+    let c = forward(&mut cpu, &t3, &p3, &pos, &[0; 12], &[11]);
+    assert!(rel_err(&c, &g) < 0.02, "{name} chunked prefill");
     // K/V written by the GPU, read back, is what the CPU computed.
     let (mut kc, mut kg) = (Vec::new(), Vec::new());
     cpu.export_kv(&tables[1], &mut kc);
