@@ -77,6 +77,7 @@ fn nvrtc_images_are_restored_from_the_kernel_cache() {
         restore < compile,
         "restore {restore:?} vs compile {compile:?}"
     );
+    eprintln!("sm_90 cubin: NVRTC {compile:?}, restored from the cache {restore:?}");
     // Another driver is another key: compiled again, not served a foreign image.
     let (_, o3) = nvrtc::image_for("sm_90", "580.1", Some(&cache)).unwrap();
     assert_eq!(o3, Origin::Compiled);
