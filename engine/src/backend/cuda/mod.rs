@@ -177,6 +177,9 @@ pub struct CudaBackend {
     /// Block-table entries per sequence in a graph replay.
     graph_bt_stride: usize,
     graphs: BTreeMap<usize, Graph>,
+    /// Decode steps replay graphs; buckets dropped when the activations grew are
+    /// captured again on first use.
+    use_graphs: bool,
     startup: GpuStartup,
 }
 
@@ -394,6 +397,7 @@ impl CudaBackend {
             s,
             graph_bt_stride,
             graphs: BTreeMap::new(),
+            use_graphs: opts.graphs,
             startup,
         };
         if opts.graphs {
@@ -820,7 +824,17 @@ impl Backend for CudaBackend {
                 .enumerate()
                 .all(|(i, &r)| r as usize == i)
             && max_table <= self.graph_bt_stride;
-        let bucket = GRAPH_BUCKETS.iter().copied().find(|&g| g >= t);
+        let bucket = GRAPH_BUCKETS
+            .iter()
+            .copied()
+            .find(|&g| g >= t && g <= self.s.cap_tokens);
+        if decode
+            && self.use_graphs
+            && let Some(g) = bucket
+            && !self.graphs.contains_key(&g)
+        {
+            self.capture(g)?;
+        }
         if decode && let Some(g) = bucket.filter(|g| self.graphs.contains_key(g)) {
             self.stage_inputs(b, g, self.graph_bt_stride)?;
             self.graphs[&g].0.launch().map_err(dev)?;
