@@ -229,7 +229,9 @@ impl CudaBackend {
         // would break graph capture).
         // SAFETY: see above: no allocation is used on two streams concurrently.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: graphs cannot be captured on the legacy default stream,
+        // which also serialises with every other blocking stream.
+        let stream = ctx.new_stream().map_err(dev)?;
         let (major, minor) = ctx.compute_capability().map_err(dev)?;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
         let mut driver_v = 0i32;
