@@ -20,7 +20,7 @@ use std::time::Instant;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, LaunchConfig,
-    PushKernelArg, sys,
+    PinnedHostSlice, PushKernelArg, sys,
 };
 use preheat_snapshot::kernel_cache::KernelCache;
 use preheat_snapshot::{DType, ModelConfig, Snapshot};
@@ -180,6 +180,8 @@ pub struct CudaBackend {
     /// Decode steps replay graphs; buckets dropped when the activations grew are
     /// captured again on first use.
     use_graphs: bool,
+    /// Pinned host staging for K/V transfers, grown to the largest one.
+    kv_pinned: std::sync::Mutex<Option<PinnedHostSlice<f32>>>,
     startup: GpuStartup,
 }
 
@@ -400,6 +402,7 @@ impl CudaBackend {
             graph_bt_stride,
             graphs: BTreeMap::new(),
             use_graphs: opts.graphs,
+            kv_pinned: std::sync::Mutex::new(None),
             startup,
         };
         if opts.graphs {
@@ -731,19 +734,63 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The K and V of one block of one layer (f32), copied to the host.
-    fn block_to_host(&self, layer: usize, block: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// The K/V staging buffer, at least `elems` floats, locked for one transfer.
+    fn kv_staging(
+        &self,
+        elems: usize,
+    ) -> Result<std::sync::MutexGuard<'_, Option<PinnedHostSlice<f32>>>> {
+        let mut g = self
+            .kv_pinned
+            .lock()
+            .map_err(|_| EngineError::Internal("KV staging lock poisoned".into()))?;
+        let slot = g.take();
+        *g = Some(pinned_at_least(&self.ctx, slot, elems)?);
+        Ok(g)
+    }
+
+    /// `blocks`' K/V in the transfer layout (per layer, per block: K then V), copied
+    /// device → pinned host in one batch of asynchronous copies.
+    fn export_kv_pinned(&self, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<()> {
         let n = self.layout.block_elems();
-        let r = block * n..(block + 1) * n;
-        let k = self
-            .stream
-            .clone_dtoh(&self.k_cache[layer].slice(r.clone()))
+        let total = self.layout.num_layers * blocks.len() * 2 * n;
+        let mut g = self.kv_staging(total)?;
+        let buf = g
+            .as_mut()
+            .ok_or_else(|| EngineError::Internal("no KV staging".into()))?
+            .as_mut_slice()
             .map_err(dev)?;
-        let v = self
-            .stream
-            .clone_dtoh(&self.v_cache[layer].slice(r))
-            .map_err(dev)?;
-        Ok((k, v))
+        let mut off = 0;
+        for layer in 0..self.layout.num_layers {
+            for &b in blocks {
+                let r = b as usize * n..(b as usize + 1) * n;
+                for cache in [&self.k_cache[layer], &self.v_cache[layer]] {
+                    self.stream
+                        .memcpy_dtoh(&cache.slice(r.clone()), &mut buf[off..off + n])
+                        .map_err(dev)?;
+                    off += n;
+                }
+            }
+        }
+        self.stream.synchronize().map_err(dev)?;
+        out.extend_from_slice(bytemuck::cast_slice(&buf[..total]));
+        Ok(())
+    }
+}
+
+/// `slot` if it holds at least `elems` floats, else a new pinned buffer of that size:
+/// ordinary cached pinned memory (the CPU reads K/V back out of it, which
+/// write-combined memory makes slow).
+fn pinned_at_least(
+    ctx: &Arc<CudaContext>,
+    slot: Option<PinnedHostSlice<f32>>,
+    elems: usize,
+) -> Result<PinnedHostSlice<f32>> {
+    match slot {
+        Some(p) if p.len() >= elems => Ok(p),
+        _ => {
+            // SAFETY: every element handed out is first written by a copy.
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(elems.max(1), 0) }.map_err(dev)
+        }
     }
 }
 
@@ -869,41 +916,42 @@ impl Backend for CudaBackend {
     }
 
     fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>) {
-        let n = self.layout.block_elems();
-        out.reserve(self.layout.num_layers * blocks.len() * n * 8);
-        for layer in 0..self.layout.num_layers {
-            for &b in blocks {
-                match self.block_to_host(layer, b as usize) {
-                    Ok((k, v)) => {
-                        out.extend_from_slice(bytemuck::cast_slice(&k));
-                        out.extend_from_slice(bytemuck::cast_slice(&v));
-                    }
-                    Err(e) => {
-                        // The trait cannot fail here; a short export is refused by the
-                        // receiver's size check, so the request fails, not silently.
-                        tracing::error!(error = %e, "KV export from the GPU failed");
-                        return;
-                    }
-                }
-            }
+        let before = out.len();
+        if let Err(e) = self.export_kv_pinned(blocks, out) {
+            // The trait cannot fail here: nothing is appended, and the receiver's size
+            // check refuses the short transfer, so the request fails, not silently.
+            out.truncate(before);
+            tracing::error!(error = %e, "KV export from the GPU failed");
         }
     }
 
     fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()> {
         let n = self.layout.block_elems();
-        let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
-        for (layer, b, kb, vb) in super::kv_import_items(&self.layout, blocks, data)? {
-            bytemuck::cast_slice_mut::<f32, u8>(&mut k).copy_from_slice(kb);
-            bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(vb);
+        let items = super::kv_import_items(&self.layout, blocks, data)?;
+        let total = data.len() / 4;
+        let slot = self
+            .kv_pinned
+            .get_mut()
+            .map_err(|_| EngineError::Internal("KV staging lock poisoned".into()))?
+            .take();
+        let mut pinned = pinned_at_least(&self.ctx, slot, total)?;
+        let buf = pinned.as_mut_slice().map_err(dev)?;
+        // Unaligned input: copied through bytes into the pinned floats.
+        bytemuck::cast_slice_mut::<f32, u8>(&mut buf[..total]).copy_from_slice(data);
+        for (i, (layer, b, _, _)) in items.enumerate() {
             let r = b as usize * n..(b as usize + 1) * n;
+            let src = &buf[2 * i * n..(2 * i + 2) * n];
             self.stream
-                .memcpy_htod(&k, &mut self.k_cache[layer].slice_mut(r.clone()))
+                .memcpy_htod(&src[..n], &mut self.k_cache[layer].slice_mut(r.clone()))
                 .map_err(dev)?;
             self.stream
-                .memcpy_htod(&v, &mut self.v_cache[layer].slice_mut(r))
+                .memcpy_htod(&src[n..], &mut self.v_cache[layer].slice_mut(r))
                 .map_err(dev)?;
-            // The host buffers are reused: the copies must land first.
-            self.stream.synchronize().map_err(dev)?;
+        }
+        // The staging buffer is reused by the next transfer: these copies land first.
+        self.stream.synchronize().map_err(dev)?;
+        if let Ok(g) = self.kv_pinned.get_mut() {
+            *g = Some(pinned);
         }
         Ok(())
     }
