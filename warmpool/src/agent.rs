@@ -152,8 +152,12 @@ impl Shared {
                 });
             }
         }
-        self.metrics.evictions.reset();
-        self.metrics.evictions.inc_by(self.store.evictions());
+        // Only ever forward: a reset between two scrapes would read as a counter
+        // restart and spike `rate()`.
+        let (total, shown) = (self.store.evictions(), self.metrics.evictions.get());
+        if total > shown {
+            self.metrics.evictions.inc_by(total - shown);
+        }
         r
     }
 }
