@@ -144,6 +144,9 @@ fn gpu_backend(
             ));
         }
         Probe::NoDevice(why) => return Err(EngineError::Device(format!("no GPU: {why}"))),
+        Probe::MissingLibrary(lib) => {
+            return Err(EngineError::Device(format!("{lib} not found")));
+        }
     }
     let before = opts.started.elapsed().as_secs_f64();
     let be = CudaBackend::new(

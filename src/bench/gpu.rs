@@ -52,7 +52,7 @@ mod on_gpu {
         use preheat_engine::backend::cuda::{CudaBackend, CudaOptions, Probe, upload};
         use preheat_engine::backend::{Backend, ForwardBatch, SeqSlice};
 
-        if let Probe::NoDriver | Probe::NoDevice(_) = CudaBackend::probe() {
+        if !matches!(CudaBackend::probe(), Probe::Ready { .. }) {
             anyhow::bail!("no GPU here ({:?})", CudaBackend::probe());
         }
         let (name, path, _) = crate::bench::coldstart::snapshot_for(&a.model, &a.work_dir)?;

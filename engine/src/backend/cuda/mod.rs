@@ -57,6 +57,9 @@ pub const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 pub enum Probe {
     /// No driver library (`libcuda.so`) on this machine.
     NoDriver,
+    /// The driver is there but a library the backend needs is not (cudarc would panic
+    /// on first use).
+    MissingLibrary(&'static str),
     /// The driver loaded but reported no device, or failed.
     NoDevice(String),
     Ready {
@@ -209,6 +212,10 @@ impl CudaBackend {
         // SAFETY: only tries to dlopen the driver library by its usual names.
         if !unsafe { sys::is_culib_present() } {
             return Probe::NoDriver;
+        }
+        // SAFETY: as above, for cuBLAS.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Probe::MissingLibrary("cuBLAS (libcublas.so.12)");
         }
         match CudaContext::device_count() {
             Ok(0) => Probe::NoDevice("the driver reports no device".into()),
