@@ -147,6 +147,10 @@ pub struct SimulateArgs {
     /// the profile).
     #[arg(long, default_value = "hot")]
     pub start: String,
+    /// With `--start standby`: parked standbys kept per pool (their GPU time counts);
+    /// scale-ups beyond them start hot.
+    #[arg(long, default_value_t = 1)]
+    pub standbys: u32,
     /// Write the full report (every policy, timelines) as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -70,6 +70,7 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     };
     let mut sim = SimConfig::new(prefill, decode, profile);
     sim.start = start;
+    sim.standbys = a.standbys;
     if let Some(i) = interval {
         sim.interval_s = i;
     }
@@ -119,6 +120,12 @@ fn print_table(r: &SimReport) -> anyhow::Result<()> {
         r.startup_s,
         r.start_class
     );
+    if let Some(n) = r.standbys {
+        outln!(
+            "{n} parked standby per pool, promoted in {} s, replaced by hot starts; their GPU time counts",
+            r.startup_s
+        );
+    }
     outln!("profile: {}", r.profile_source);
     outln!(
         "{:<16} {:>8} {:>11} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7}",

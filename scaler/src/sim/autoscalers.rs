@@ -56,6 +56,11 @@ pub trait Autoscaler: Send {
     fn initial(&self) -> Option<u32> {
         None
     }
+    /// Whether the deployment keeps parked standbys (`--start standby`): a policy that
+    /// never reacts to load has no use for them and is not charged for them.
+    fn keeps_standbys(&self) -> bool {
+        true
+    }
 }
 
 /// Names accepted by `--policy`, in report order.
@@ -156,6 +161,9 @@ impl Autoscaler for Static {
     }
     fn initial(&self) -> Option<u32> {
         Some(self.0)
+    }
+    fn keeps_standbys(&self) -> bool {
+        false
     }
 }
 

@@ -42,6 +42,10 @@ impl Autoscaler for Plan {
     fn initial(&self) -> Option<u32> {
         Some(self.at(0.0).max(1))
     }
+    /// It knows the load: it starts replicas ahead instead of parking standbys.
+    fn keeps_standbys(&self) -> bool {
+        false
+    }
 }
 
 /// Plans prefill replicas from fixed-size runs of 1..=`peak` replicas (decode fixed at
@@ -71,8 +75,11 @@ pub fn prefill_plan(cfg: &SimConfig, trace: &[TraceRequest], peak: u32, decode: 
         let m = &mut per_minute[(r.t / MINUTE) as usize];
         *m = (*m).max(n);
     }
-    Plan {
-        per_minute,
-        lead_s: cfg.startup_s(),
-    }
+    // Without standbys of its own, every start it makes takes the full (hot) time.
+    let lead_s = if cfg.start == super::StartClass::Standby {
+        cfg.profile.startup_s.hot
+    } else {
+        cfg.startup_s()
+    };
+    Plan { per_minute, lead_s }
 }

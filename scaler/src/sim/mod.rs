@@ -78,6 +78,11 @@ pub struct SimConfig {
     pub max_drain_s: f64,
     /// Timeline resolution of the report.
     pub sample_s: f64,
+    /// With `start` = `Standby`: parked standbys kept per pool. A scale-up promotes
+    /// them first (the profile's standby time) and starts the rest hot; each promoted
+    /// one is replaced by a hot start. Parked standbys hold a GPU, so their time counts
+    /// in GPU-seconds.
+    pub standbys: u32,
 }
 
 impl SimConfig {
@@ -91,6 +96,7 @@ impl SimConfig {
             window_s: 60.0,
             max_drain_s: 1800.0,
             sample_s: 10.0,
+            standbys: 1,
         }
     }
 
@@ -120,6 +126,8 @@ pub struct PolicyReport {
     pub gpu_seconds: f64,
     pub prefill_gpu_seconds: f64,
     pub decode_gpu_seconds: f64,
+    /// Of `gpu_seconds`, what parked standbys held (`--start standby`).
+    pub standby_gpu_seconds: f64,
     /// Replicas started (each pays the start-up time).
     pub cold_starts: u32,
     /// Decisions that changed a pool's replica count.
@@ -152,6 +160,9 @@ pub struct SimReport {
     pub slo_itl_s: f64,
     pub start_class: StartClass,
     pub startup_s: f64,
+    /// Parked standbys per pool (`start_class` standby only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standbys: Option<u32>,
     pub profile_source: String,
     /// (time, prompt tokens/s, requests/s) per `sample_s` bin.
     pub load: Vec<(f64, f64, f64)>,
@@ -277,6 +288,7 @@ pub fn run(
         slo_itl_s: cfg.decode.slo_itl_s,
         start_class: cfg.start,
         startup_s: cfg.startup_s(),
+        standbys: (cfg.start == StartClass::Standby).then_some(cfg.standbys),
         profile_source: cfg.profile.source.clone(),
         load: load_series(trace, cfg.sample_s),
         policies,
@@ -388,6 +400,11 @@ struct PoolCtl {
     retired_busy: f64,
     gpu_s: f64,
     measured_startup: Option<f64>,
+    /// Parked standbys, and the times replacements being started will park.
+    parked: u32,
+    refilling: Vec<f64>,
+    /// Of `gpu_s`, seconds standbys spent parked or starting to park.
+    standby_gpu_s: f64,
 }
 
 impl PoolCtl {
@@ -402,6 +419,9 @@ impl PoolCtl {
             retired_busy: 0.0,
             gpu_s: 0.0,
             measured_startup: None,
+            parked: 0,
+            refilling: Vec::new(),
+            standby_gpu_s: 0.0,
         }
     }
 }
@@ -451,6 +471,9 @@ impl<'a> Sim<'a> {
         // The replicas that served before the trace have exported their start phases.
         for c in &mut ctl {
             c.measured_startup = Some(cfg.startup_s());
+            if cfg.start == StartClass::Standby && c.scaler.keeps_standbys() {
+                c.parked = cfg.standbys;
+            }
         }
         Sim {
             cfg,
@@ -527,6 +550,11 @@ impl<'a> Sim<'a> {
         let dt = (to - self.t).max(0.0);
         self.ctl[PREFILL].gpu_s += dt * self.prefill.len() as f64;
         self.ctl[DECODE].gpu_s += dt * self.decode.len() as f64;
+        for c in &mut self.ctl {
+            let held = dt * f64::from(c.parked + c.refilling.len() as u32);
+            c.gpu_s += held;
+            c.standby_gpu_s += held;
+        }
         self.t = to;
     }
 
@@ -891,8 +919,20 @@ impl<'a> Sim<'a> {
         if desired > current {
             let add = desired - current;
             ctl.starts += add;
-            let ready_at = t + self.startup;
+            let standby = self.cfg.start == StartClass::Standby && ctl.scaler.keeps_standbys();
+            let hot = self.cfg.profile.startup_s.hot;
+            ctl.parked += ctl.refilling.iter().filter(|&&r| r <= t).count() as u32;
+            ctl.refilling.retain(|&r| r > t);
             for _ in 0..add {
+                let ready_at = if !standby {
+                    t + self.startup
+                } else if ctl.parked > 0 {
+                    ctl.parked -= 1;
+                    ctl.refilling.push(t + hot);
+                    t + self.startup
+                } else {
+                    t + hot
+                };
                 if pool == PREFILL {
                     self.prefill
                         .push(PrefillReplica::new(ready_at, self.cache_blocks));
@@ -971,6 +1011,7 @@ impl<'a> Sim<'a> {
             name: String::new(),
             slo_attainment: ok as f64 / n as f64,
             gpu_seconds: p.gpu_s + d.gpu_s,
+            standby_gpu_seconds: p.standby_gpu_s + d.standby_gpu_s,
             prefill_gpu_seconds: p.gpu_s,
             decode_gpu_seconds: d.gpu_s,
             cold_starts: p.starts + d.starts,

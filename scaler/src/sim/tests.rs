@@ -196,3 +196,58 @@ fn plan_at(plan: &clairvoyant::Plan, t: f64) -> u32 {
         ..autoscalers::PoolView::default()
     })
 }
+
+/// `before` replicas until `at`, then `after`.
+struct StepAt(f64, u32, u32);
+
+impl Autoscaler for StepAt {
+    fn period_s(&self) -> f64 {
+        1.0
+    }
+    fn wakes_on_arrival(&self) -> bool {
+        false
+    }
+    fn decide(&mut self, v: &autoscalers::PoolView) -> u32 {
+        if v.t >= self.0 { self.2 } else { self.1 }
+    }
+    fn initial(&self) -> Option<u32> {
+        Some(self.1)
+    }
+}
+
+#[test]
+fn parked_standbys_are_promoted_first_and_their_gpu_time_counts() {
+    let trace = steady(0.0, 100, 1.0, 512, 2);
+    let run = |start: StartClass| {
+        let mut c = cfg();
+        c.start = start;
+        c.standbys = 1;
+        Sim::new(
+            &c,
+            &trace,
+            Box::new(StepAt(10.0, 1, 3)),
+            Box::new(Static(1)),
+        )
+        .run()
+    };
+    let (hot, standby) = (run(StartClass::Hot), run(StartClass::Standby));
+    assert_eq!(hot.standby_gpu_seconds, 0.0);
+    // One parked standby for the scaling prefill pool over the whole run (promoted at
+    // 10 s, its replacement held from then on while it starts and parks); the fixed
+    // decode pool keeps none.
+    let end = 99.0;
+    assert!(
+        (standby.standby_gpu_seconds - end).abs() < 2.0,
+        "{}",
+        standby.standby_gpu_seconds
+    );
+    // Replicas cost the same from their start either way: the difference is the
+    // standbys' time.
+    assert!(
+        (standby.gpu_seconds - hot.gpu_seconds - standby.standby_gpu_seconds).abs() < 1.0,
+        "{} - {} vs {}",
+        standby.gpu_seconds,
+        hot.gpu_seconds,
+        standby.standby_gpu_seconds
+    );
+}
