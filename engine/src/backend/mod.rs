@@ -10,6 +10,31 @@ use crate::kv::BlockId;
 use crate::{EngineError, Result};
 use preheat_snapshot::ModelConfig;
 
+/// A model's sizes as backends index with them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+}
+
+impl Dims {
+    #[must_use]
+    pub fn of(c: &ModelConfig) -> Self {
+        Dims {
+            hidden: c.hidden_size as usize,
+            ffn: c.intermediate_size as usize,
+            heads: c.num_attention_heads as usize,
+            kv_heads: c.num_key_value_heads as usize,
+            head_dim: c.head_dim as usize,
+            vocab: c.vocab_size as usize,
+        }
+    }
+}
+
 /// Shape of the KV cache a backend holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayout {

@@ -16,6 +16,7 @@ pub mod clairvoyant;
 pub mod cluster;
 pub mod trace;
 
+use std::cell::OnceCell;
 use std::collections::VecDeque;
 
 use serde::Serialize;
@@ -177,12 +178,15 @@ pub struct UnknownPolicy(pub String);
 /// A policy's (prefill, decode) autoscalers, and its fixed sizes if it has them.
 type PolicyPair = (Box<dyn Autoscaler>, Box<dyn Autoscaler>, Option<(u32, u32)>);
 
-/// Builds a policy's pair of autoscalers (prefill, decode).
+/// Builds a policy's pair of autoscalers (prefill, decode). `peak` holds the
+/// `static-peak` sizes once searched, shared by the policies that need them.
 fn autoscalers(
     name: &str,
     cfg: &SimConfig,
     trace: &[TraceRequest],
+    peak: &OnceCell<(u32, u32)>,
 ) -> Result<PolicyPair, UnknownPolicy> {
+    let peak = || *peak.get_or_init(|| static_peak(cfg, trace));
     let prof = &cfg.profile;
     let (cp, cd) = (
         Capacity::new(prof, &cfg.prefill),
@@ -206,11 +210,11 @@ fn autoscalers(
             None,
         ),
         "static-peak" => {
-            let (p, d) = static_peak(cfg, trace);
+            let (p, d) = peak();
             (Box::new(Static(p)), Box::new(Static(d)), Some((p, d)))
         }
         "clairvoyant" => {
-            let (p, d) = static_peak(cfg, trace);
+            let (p, d) = peak();
             let plan = clairvoyant::prefill_plan(cfg, trace, p, d);
             (Box::new(plan), Box::new(Static(d)), None)
         }
@@ -249,7 +253,16 @@ pub fn run_policy(
     cfg: &SimConfig,
     trace: &[TraceRequest],
 ) -> Result<PolicyReport, UnknownPolicy> {
-    let (p, d, fixed) = autoscalers(name, cfg, trace)?;
+    run_policy_sharing(name, cfg, trace, &OnceCell::new())
+}
+
+fn run_policy_sharing(
+    name: &str,
+    cfg: &SimConfig,
+    trace: &[TraceRequest],
+    peak: &OnceCell<(u32, u32)>,
+) -> Result<PolicyReport, UnknownPolicy> {
+    let (p, d, fixed) = autoscalers(name, cfg, trace, peak)?;
     let mut r = Sim::new(cfg, trace, p, d).run();
     r.name = name.to_owned();
     r.fixed_replicas = fixed;
@@ -275,9 +288,11 @@ pub fn run(
         return Err(UnknownPolicy(bad.clone()));
     }
     let mut policies = Vec::new();
+    // `static-peak` and `clairvoyant` both need the static search: done once.
+    let peak = OnceCell::new();
     for n in &list {
         progress(n);
-        policies.push(run_policy(n, cfg, trace)?);
+        policies.push(run_policy_sharing(n, cfg, trace, &peak)?);
     }
     Ok(SimReport {
         trace: trace_name.to_owned(),

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use self::matmul::{axpy, dot, linear};
 use self::weights::Weight;
-use super::{Backend, ForwardBatch, KvLayout};
+use super::{Backend, Dims, ForwardBatch, KvLayout};
 use crate::kv::BlockId;
 use crate::{EngineError, Result};
 
@@ -67,13 +67,14 @@ impl CpuBackend {
     /// `num_blocks` blocks of `block_size` tokens.
     pub fn new(snap: Arc<Snapshot>, num_blocks: usize, block_size: usize) -> Result<Self> {
         let c = snap.manifest().model.clone();
-        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as usize,
-            c.num_key_value_heads as usize,
-            c.head_dim as usize,
-        );
-        let vocab = c.vocab_size as usize;
+        let Dims {
+            hidden: h,
+            ffn: ff,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            vocab,
+        } = Dims::of(&c);
         let w = |name: &str, shape: &[usize]| Weight::load(&snap, name, shape);
         let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
             if snap.tensor(name).is_some() {
@@ -225,12 +226,14 @@ impl Backend for CpuBackend {
         self.check(b)?;
         let c = &self.config;
         let t = b.tokens.len();
-        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as usize,
-            c.num_key_value_heads as usize,
-            c.head_dim as usize,
-        );
+        let Dims {
+            hidden: h,
+            ffn: ff,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            ..
+        } = Dims::of(c);
         let eps = c.rms_norm_eps as f32;
         let bs = self.layout.block_size;
         let slot_elems = nkv * hd;

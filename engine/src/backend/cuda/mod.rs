@@ -28,7 +28,7 @@ use preheat_snapshot::{DType, ModelConfig, Snapshot};
 use self::gemm::DeviceMatrix;
 use self::upload::Uploader;
 use super::cpu::{ops, weights_fingerprint};
-use super::{Backend, ForwardBatch, KvLayout};
+use super::{Backend, Dims, ForwardBatch, KvLayout};
 use crate::kv::BlockId;
 use crate::{EngineError, Result};
 
@@ -242,13 +242,13 @@ impl CudaBackend {
         // which also serialises with every other blocking stream.
         let stream = ctx.new_stream().map_err(dev)?;
         let (major, minor) = ctx.compute_capability().map_err(dev)?;
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let arch = format!("sm_{major}{minor}");
         let mut driver_v = 0i32;
         // SAFETY: valid out-pointer; the driver library is loaded (probe / context).
         unsafe { sys::cuDriverGetVersion(&mut driver_v) };
         let driver = format!("{}.{}", driver_v / 1000, (driver_v % 1000) / 10);
         let mut startup = GpuStartup {
-            arch: arch.to_owned(),
+            arch: arch.clone(),
             driver: driver.clone(),
             ..GpuStartup::default()
         };
@@ -265,7 +265,7 @@ impl CudaBackend {
             None => None,
         };
         nvrtc::ensure_loaded(&[]);
-        let (image, origin) = nvrtc::image_for(arch, &driver, cache.as_ref())?;
+        let (image, origin) = nvrtc::image_for(&arch, &driver, cache.as_ref())?;
         let module = ctx.load_module(image.to_ptx()).map_err(dev)?;
         let mut f = BTreeMap::new();
         for name in nvrtc::KERNELS {
@@ -276,12 +276,14 @@ impl CudaBackend {
         startup.kernels_s = t.elapsed().as_secs_f64();
 
         let c = snap.manifest().model.clone();
-        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as usize,
-            c.num_key_value_heads as usize,
-            c.head_dim as usize,
-        );
+        let Dims {
+            hidden: h,
+            ffn: ff,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            ..
+        } = Dims::of(&c);
         if hd > 512 || hd % 2 != 0 {
             return Err(EngineError::Model(format!(
                 "head_dim {hd}: the CUDA kernels take even head sizes up to 512"
@@ -462,7 +464,7 @@ impl CudaBackend {
         let mut seq_of = b.seq_of.to_vec();
         // Padding rows (graph replays only) are sequences of their own.
         let bt_rows = if pad_to > t { pad_to } else { b.seqs.len() };
-        let mut bt = vec![self.scratch_block(); bt_rows.max(b.seqs.len()) * bt_stride];
+        let mut bt = vec![self.scratch_block(); bt_rows * bt_stride];
         for (i, s) in b.seqs.iter().enumerate() {
             let n = s.block_table.len().min(bt_stride);
             bt[i * bt_stride..i * bt_stride + n].copy_from_slice(&s.block_table[..n]);
@@ -495,13 +497,14 @@ impl CudaBackend {
     /// host work, no copies, so it can be captured into a graph.
     fn launch_forward(&mut self, t: usize, n_logits: usize, bt_stride: usize) -> Result<()> {
         let c = &self.config;
-        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as usize,
-            c.num_key_value_heads as usize,
-            c.head_dim as usize,
-        );
-        let vocab = c.vocab_size as usize;
+        let Dims {
+            hidden: h,
+            ffn: ff,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            vocab,
+        } = Dims::of(c);
         let eps = c.rms_norm_eps as f32;
         let (h_i, hd_i, nh_i, nkv_i) = (h as i32, hd as i32, nh as i32, nkv as i32);
         let bs_i = self.layout.block_size as i32;
@@ -803,13 +806,14 @@ fn pinned_at_least(
 
 impl Scratch {
     fn new(st: &Arc<CudaStream>, c: &ModelConfig, cap: usize, cap_bt: usize) -> Result<Self> {
-        let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as usize,
-            c.num_key_value_heads as usize,
-            c.head_dim as usize,
-        );
-        let vocab = c.vocab_size as usize;
+        let Dims {
+            hidden: h,
+            ffn: ff,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            vocab,
+        } = Dims::of(c);
         let f = |n: usize| st.alloc_zeros::<f32>(n.max(1)).map_err(dev);
         let u = |n: usize| st.alloc_zeros::<u32>(n.max(1)).map_err(dev);
         let widest = (h.max(ff).max(nh * hd)) * cap;

@@ -151,14 +151,16 @@ pub fn ensure_loaded(dirs: &[PathBuf]) -> bool {
 }
 
 /// Compiles [`SOURCE`] for `arch`: `compute_XY` gives PTX, `sm_XY` gives a cubin.
-pub fn compile(arch: &'static str) -> Result<Image> {
+pub fn compile(arch: &str) -> Result<Image> {
     if !available() {
         return Err(EngineError::Model(
             "NVRTC library (libnvrtc.so.12) not found".into(),
         ));
     }
     let opts = CompileOptions {
-        arch: Some(arch),
+        // The architecture goes in as a flag: cudarc's `arch` field wants a `&'static`
+        // string, and the device's is only known at run time.
+        options: vec![format!("--gpu-architecture={arch}")],
         // Kernels are accuracy-checked against the CPU backend: no flush-to-zero, but
         // fast exp in softmax/SiLU is within bf16 tolerance.
         ftz: Some(false),
@@ -293,11 +295,7 @@ pub enum Origin {
 /// The image for `arch` from `cache` when present and intact, else compiled (and put
 /// in the cache when there is one). A cache that cannot be written is logged, not
 /// fatal: the compiled image still serves.
-pub fn image_for(
-    arch: &'static str,
-    driver: &str,
-    cache: Option<&KernelCache>,
-) -> Result<(Image, Origin)> {
+pub fn image_for(arch: &str, driver: &str, cache: Option<&KernelCache>) -> Result<(Image, Origin)> {
     let id = cache_key(arch, driver).id();
     if let Some(c) = cache {
         match c.get(&id) {
