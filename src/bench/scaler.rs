@@ -1,12 +1,14 @@
 //! `preheat bench scaler`: KEDA-facing latency and control-loop cost at fleet scale.
 //! (1) `GetMetrics` latency with 1,000 ScaledObjects each polling on its own schedule
 //! (open loop, every `--interval-ms`; KEDA's default is every 30 s); (2) one
-//! scrape-and-decide tick over 1,000 pods served by a local fake `/metrics` server.
+//! scrape-and-decide tick over 1,000 pods served by a local fake `/metrics` server with
+//! what vLLM exposes, and the parsing share of it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::Path;
 use axum::routing::get;
 use preheat_scaler::grpc::{DecisionStore, PoolDecision, ScalerService};
@@ -26,53 +28,135 @@ fn pct(sorted: &[Duration], q: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e3
 }
 
-/// A realistic vLLM exposition for pod `i` (gauges, counters, two histograms).
+/// What a vLLM (0.10, V1 engine) pod serves on `/metrics`, for pod `i`: the Python
+/// client's process and GC families, every `vllm:` gauge, counter and histogram with
+/// its HELP/TYPE lines and `_created` samples, and the long `cache_config_info` label
+/// set — about 400 lines, of which the scaler reads 10 families.
 fn pod_metrics(i: usize) -> String {
-    let mut s = String::new();
-    s.push_str("# TYPE vllm:num_requests_running gauge\n");
-    s.push_str(&format!(
-        "vllm:num_requests_running{{model_name=\"m\"}} {}\n",
-        i % 40
-    ));
-    s.push_str("# TYPE vllm:num_requests_waiting gauge\n");
-    s.push_str(&format!(
-        "vllm:num_requests_waiting{{model_name=\"m\"}} {}\n",
-        i % 3
-    ));
-    s.push_str("# TYPE vllm:kv_cache_usage_perc gauge\n");
-    s.push_str(&format!(
-        "vllm:kv_cache_usage_perc{{model_name=\"m\"}} {}\n",
-        (i % 10) as f64 / 10.0
-    ));
-    for c in [
-        "prompt_tokens_total",
-        "generation_tokens_total",
-        "prefix_cache_queries_total",
-        "prefix_cache_hits_total",
+    use std::fmt::Write as _;
+    const LABELS: &str = "engine=\"0\",model_name=\"m\"";
+    let mut s = String::with_capacity(48 * 1024);
+    let family = |s: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    for (name, v) in [
+        ("python_gc_objects_collected_total", 1432.0),
+        ("python_gc_objects_uncollectable_total", 0.0),
+        ("python_gc_collections_total", 287.0),
     ] {
-        s.push_str(&format!(
-            "# TYPE vllm:{c} counter\nvllm:{c}{{model_name=\"m\"}} {}\n",
-            1000 * (i + 1)
-        ));
-    }
-    for h in ["time_to_first_token_seconds", "inter_token_latency_seconds"] {
-        s.push_str(&format!("# TYPE vllm:{h} histogram\n"));
-        let mut cum = 0;
-        for (k, le) in [
-            "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "+Inf",
-        ]
-        .iter()
-        .enumerate()
-        {
-            cum += k + i % 5;
-            s.push_str(&format!(
-                "vllm:{h}_bucket{{model_name=\"m\",le=\"{le}\"}} {cum}\n"
-            ));
+        family(&mut s, name, "counter", "Objects collected during gc");
+        for g in 0..3 {
+            let _ = writeln!(s, "{name}{{generation=\"{g}\"}} {v:.1}");
         }
-        s.push_str(&format!(
-            "vllm:{h}_sum{{model_name=\"m\"}} 12.5\nvllm:{h}_count{{model_name=\"m\"}} {cum}\n"
-        ));
     }
+    family(
+        &mut s,
+        "python_info",
+        "gauge",
+        "Python platform information",
+    );
+    s.push_str("python_info{implementation=\"CPython\",major=\"3\",minor=\"12\",patchlevel=\"11\",version=\"3.12.11\"} 1.0\n");
+    for (name, kind, v) in [
+        ("process_virtual_memory_bytes", "gauge", 1.2e11),
+        ("process_resident_memory_bytes", "gauge", 4.1e9),
+        ("process_start_time_seconds", "gauge", 1.76e9),
+        ("process_cpu_seconds_total", "counter", 5321.7),
+        ("process_open_fds", "gauge", 187.0),
+        ("process_max_fds", "gauge", 1_048_576.0),
+    ] {
+        family(&mut s, name, kind, "Process metric.");
+        let _ = writeln!(s, "{name} {v:e}");
+    }
+    let gauges = [
+        ("vllm:num_requests_running", (i % 40) as f64),
+        ("vllm:num_requests_waiting", (i % 3) as f64),
+        ("vllm:kv_cache_usage_perc", (i % 10) as f64 / 10.0),
+    ];
+    for (name, v) in gauges {
+        family(&mut s, name, "gauge", "Number of requests / KV usage.");
+        let _ = writeln!(s, "{name}{{{LABELS}}} {v:.1}");
+    }
+    let n = 1000.0 * (i + 1) as f64;
+    for (name, v) in [
+        ("vllm:num_preemptions", 3.0),
+        ("vllm:prompt_tokens", n),
+        ("vllm:generation_tokens", n / 4.0),
+        ("vllm:prefix_cache_queries", n),
+        ("vllm:prefix_cache_hits", n / 3.0),
+    ] {
+        family(
+            &mut s,
+            &format!("{name}_total"),
+            "counter",
+            "Cumulative counter.",
+        );
+        let _ = writeln!(s, "{name}_total{{{LABELS}}} {v:.1}");
+        let _ = writeln!(s, "{name}_created{{{LABELS}}} 1.7600001e+09");
+    }
+    family(
+        &mut s,
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+    );
+    for reason in ["stop", "length", "abort"] {
+        let _ = writeln!(
+            s,
+            "vllm:request_success_total{{engine=\"0\",finished_reason=\"{reason}\",model_name=\"m\"}} {:.1}",
+            n / 100.0
+        );
+        let _ = writeln!(
+            s,
+            "vllm:request_success_created{{engine=\"0\",finished_reason=\"{reason}\",model_name=\"m\"}} 1.7600001e+09"
+        );
+    }
+    let seconds = [
+        "0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75",
+        "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0",
+        "+Inf",
+    ];
+    let tokens = [
+        "1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
+        "5000.0", "10000.0", "+Inf",
+    ];
+    for (name, bounds) in [
+        ("vllm:time_to_first_token_seconds", &seconds[..]),
+        ("vllm:inter_token_latency_seconds", &seconds[..]),
+        ("vllm:time_per_output_token_seconds", &seconds[..]),
+        ("vllm:e2e_request_latency_seconds", &seconds[..]),
+        ("vllm:request_queue_time_seconds", &seconds[..]),
+        ("vllm:request_inference_time_seconds", &seconds[..]),
+        ("vllm:request_prefill_time_seconds", &seconds[..]),
+        ("vllm:request_decode_time_seconds", &seconds[..]),
+        ("vllm:iteration_tokens_total", &tokens[..]),
+        ("vllm:request_prompt_tokens", &tokens[..]),
+        ("vllm:request_generation_tokens", &tokens[..]),
+        ("vllm:request_params_max_tokens", &tokens[..]),
+    ] {
+        family(
+            &mut s,
+            name,
+            "histogram",
+            "Histogram of request latency or size.",
+        );
+        let mut cum = 0;
+        for (k, le) in bounds.iter().enumerate() {
+            cum += k + i % 5;
+            let _ = writeln!(s, "{name}_bucket{{{LABELS},le=\"{le}\"}} {cum}.0");
+        }
+        let _ = writeln!(
+            s,
+            "{name}_count{{{LABELS}}} {cum}.0\n{name}_sum{{{LABELS}}} 12.5"
+        );
+        let _ = writeln!(s, "{name}_created{{{LABELS}}} 1.7600001e+09");
+    }
+    family(
+        &mut s,
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+    );
+    s.push_str("vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",cpu_offload_gb=\"0\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"None\",num_gpu_blocks=\"27000\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",sliding_window=\"None\",swap_space=\"4\",swap_space_bytes=\"4294967296\"} 1.0\n");
     s
 }
 
@@ -133,7 +217,24 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
         let wall = t0.elapsed();
         lat.sort();
         // (2) One scrape-and-decide tick over `pods` pods.
-        let app = Router::new().route("/metrics/{i}", get(|Path(i): Path<usize>| async move { pod_metrics(i) }));
+        // Rendered once, so the ticks time the scaler, not the fake pods' formatting.
+        let pages: Arc<Vec<Bytes>> = Arc::new((0..args.pods).map(|i| Bytes::from(pod_metrics(i))).collect());
+        let page_bytes = pages.iter().map(Bytes::len).sum::<usize>() as f64 / pages.len().max(1) as f64;
+        // Parsing alone, every page once: the scaler's share of a tick that is not I/O.
+        let s = Instant::now();
+        for page in pages.iter() {
+            let text = std::str::from_utf8(page)?;
+            std::hint::black_box(preheat_scaler::signals::exposition::parse(text, Some("m"))?);
+        }
+        let parse_us = s.elapsed().as_secs_f64() * 1e6 / pages.len().max(1) as f64;
+        let served = Arc::clone(&pages);
+        let app = Router::new().route(
+            "/metrics/{i}",
+            get(move |Path(i): Path<usize>| {
+                let page = served.get(i).cloned();
+                async move { page.ok_or(axum::http::StatusCode::NOT_FOUND) }
+            }),
+        );
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let maddr = l.local_addr()?;
         tokio::spawn(async move { axum::serve(l, app).await });
@@ -164,6 +265,7 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
             "calls_per_s": lat.len() as f64 / wall.as_secs_f64(),
             "pods": args.pods, "ticks": args.ticks,
             "tick_best_s": best_tick.as_secs_f64(), "tick_worst_s": worst_tick.as_secs_f64(),
+            "page_bytes": page_bytes, "parse_us_per_page": parse_us,
         }))
     })?;
     if args.out.json {
@@ -187,6 +289,11 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
             f("tick_best_s"),
             f("tick_worst_s"),
             args.ticks
+        );
+        outln!(
+            "  parsing one pod's exposition ({:.0} bytes, vLLM's families): {:.1} µs",
+            f("page_bytes"),
+            f("parse_us_per_page")
         );
     }
     Ok(std::process::ExitCode::SUCCESS)
