@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::names;
+use super::{names, text_format};
 use crate::{Result, ScalerError};
 
 /// Cumulative histogram buckets: (upper bound, cumulative count), ascending, `+Inf` last.
@@ -29,57 +29,50 @@ pub struct Reading {
 }
 
 /// Parses exposition text, keeping only samples whose labels match `model` (when
-/// given, on `model_name`, as vLLM labels them).
+/// given, on `model_name`, as vLLM labels them). A malformed line fails the whole
+/// scrape, as it does in Prometheus: the endpoint then counts as failed, never as idle.
 pub fn parse(text: &str, model: Option<&str>) -> Result<Reading> {
-    let lines = text.lines().map(|l| Ok(escape_name(l)));
-    let scrape = prometheus_parse::Scrape::parse(lines)
-        .map_err(|e| ScalerError::Scrape(format!("exposition: {e}")))?;
     let mut scalars: BTreeMap<&str, f64> = BTreeMap::new();
-    let mut hists: BTreeMap<String, BTreeMap<u64, (f64, f64)>> = BTreeMap::new();
+    let mut hists: BTreeMap<&str, BTreeMap<u64, (f64, f64)>> = BTreeMap::new();
     let mut r = Reading::default();
-    let wanted = |s: &prometheus_parse::Sample| match (model, s.labels.get("model_name")) {
-        (Some(m), Some(v)) => v == m,
-        _ => true,
-    };
-    for s in &scrape.samples {
-        if !wanted(s) {
+    for s in text_format::samples(text) {
+        let s = s.map_err(|e| ScalerError::Scrape(format!("exposition: {e}")))?;
+        if model.is_some_and(|m| s.label("model_name").is_some_and(|v| v != m)) {
             continue;
         }
-        let metric = s.metric.replace(COLON, ":");
-        use prometheus_parse::Value as V;
-        match &s.value {
-            V::Counter(v) | V::Gauge(v) | V::Untyped(v) => {
-                if !v.is_finite() {
-                    continue;
-                }
-                if metric == names::STARTUP_PHASE {
-                    let key = (
-                        s.labels.get("phase").unwrap_or("").to_owned(),
-                        s.labels.get("source").unwrap_or("").to_owned(),
-                    );
-                    r.startup.insert(key, *v);
-                    continue;
-                }
-                // Only names the scaler knows are kept: `&'static str` keys.
-                if let Some(name) = known(&metric) {
-                    *scalars.entry(name).or_default() += v;
-                }
-            }
-            V::Histogram(buckets) => {
-                let h = hists.entry(metric).or_default();
-                for b in buckets {
-                    if b.count.is_finite() {
-                        let e = h.entry(b.less_than.to_bits()).or_insert((b.less_than, 0.0));
-                        e.1 += b.count;
-                    }
-                }
-            }
-            V::Summary(_) => {}
+        if !s.value.is_finite() {
+            continue;
+        }
+        if s.name == names::STARTUP_PHASE {
+            let key = (
+                s.label("phase").unwrap_or("").to_owned(),
+                s.label("source").unwrap_or("").to_owned(),
+            );
+            r.startup.insert(key, s.value);
+        } else if let Some(name) = known(&s.name, SCALARS) {
+            *scalars.entry(name).or_default() += s.value;
+        } else if let Some(base) = s.name.strip_suffix("_bucket")
+            && let Some(name) = known(base, HISTOGRAMS)
+        {
+            // Buckets are recognised by name and `le`, with or without a TYPE line.
+            let Some(le) = s.label("le") else { continue };
+            let le: f64 = le.parse().map_err(|_| {
+                ScalerError::Scrape(format!(
+                    "exposition: line {}: bucket bound le={le:?} is not a number",
+                    s.line
+                ))
+            })?;
+            let e = hists
+                .entry(name)
+                .or_default()
+                .entry(le.to_bits())
+                .or_insert((le, 0.0));
+            e.1 += s.value;
         }
     }
     let first = |group: &[&str]| group.iter().find_map(|n| scalars.get(n).copied());
     let hist = |group: &[&str]| {
-        group.iter().find_map(|n| hists.get(*n)).map(|h| {
+        group.iter().find_map(|n| hists.get(n)).map(|h| {
             let mut v: Buckets = h.values().copied().collect();
             v.sort_by(|a, b| a.0.total_cmp(&b.0));
             v
@@ -99,46 +92,28 @@ pub fn parse(text: &str, model: Option<&str>) -> Result<Reading> {
     Ok(r)
 }
 
-/// `prometheus-parse` matches metric names with `\w+`, which excludes the colons of
-/// recording-rule style names (`vllm:…`, `sglang:…`); such lines would be dropped
-/// silently. Colons in the name token (never in label values) are swapped for this
-/// marker before parsing and restored after.
-const COLON: &str = "__colon__";
+/// Gauges and counters the scaler reads; everything else in a scrape is skipped.
+const SCALARS: &[&[&str]] = &[
+    names::WAITING,
+    names::RUNNING,
+    names::KV_USAGE,
+    names::PREFILL_QUEUE_TOKENS,
+    names::GATEWAY_PENDING,
+    names::PROMPT_TOKENS,
+    names::GENERATION_TOKENS,
+    names::PREFIX_QUERIES,
+    names::PREFIX_HITS,
+];
 
-fn escape_name(line: &str) -> String {
-    let t = line.trim_start();
-    if let Some(rest) = t.strip_prefix('#') {
-        // "# HELP name …" / "# TYPE name …": the third token is the name.
-        let mut parts = rest.trim_start().splitn(3, ' ');
-        return match (parts.next(), parts.next(), parts.next()) {
-            (Some(kw @ ("HELP" | "TYPE")), Some(name), rest) => {
-                format!("# {kw} {} {}", name.replace(':', COLON), rest.unwrap_or(""))
-            }
-            _ => line.to_owned(),
-        };
-    }
-    let end = t
-        .find(|c: char| c == '{' || c.is_whitespace())
-        .unwrap_or(t.len());
-    format!("{}{}", t[..end].replace(':', COLON), &t[end..])
-}
+const HISTOGRAMS: &[&[&str]] = &[names::TTFT, names::ITL];
 
-fn known(name: &str) -> Option<&'static str> {
-    [
-        names::WAITING,
-        names::RUNNING,
-        names::KV_USAGE,
-        names::PREFILL_QUEUE_TOKENS,
-        names::GATEWAY_PENDING,
-        names::PROMPT_TOKENS,
-        names::GENERATION_TOKENS,
-        names::PREFIX_QUERIES,
-        names::PREFIX_HITS,
-    ]
-    .iter()
-    .flat_map(|g| g.iter())
-    .find(|n| **n == name)
-    .copied()
+/// `name` as the `&'static str` of `groups` it equals.
+fn known(name: &str, groups: &[&[&'static str]]) -> Option<&'static str> {
+    groups
+        .iter()
+        .flat_map(|g| g.iter())
+        .find(|n| **n == name)
+        .copied()
 }
 
 /// Prometheus' `histogram_quantile`: linear interpolation inside the bucket that holds
@@ -237,14 +212,27 @@ preheat:startup_phase_seconds{phase="first_token",source="hot"} 2.5
     }
 
     #[test]
-    fn garbage_is_an_error_or_empty_never_a_panic() {
-        for t in [
-            "",
-            "x y z",
-            "vllm:num_requests_waiting NaN",
-            "# TYPE a histogram\na_bucket{le=\"x\"} 1",
-        ] {
-            let _ = parse(t, None);
+    fn buckets_without_a_type_line_and_bad_bounds() {
+        // Some exporters omit TYPE lines; buckets are known by name and `le`.
+        let text = "sglang:time_to_first_token_seconds_bucket{le=\"0.5\"} 2\nsglang:time_to_first_token_seconds_bucket{le=\"+Inf\"} 3\n";
+        let r = parse(text, None).unwrap();
+        assert_eq!(r.ttft, Some(vec![(0.5, 2.0), (f64::INFINITY, 3.0)]));
+        let bad = "a 1\nvllm:inter_token_latency_seconds_bucket{le=\"x\"} 1\n";
+        let e = parse(bad, None).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("le=\"x\""), "{e}");
+    }
+
+    #[test]
+    fn a_malformed_line_fails_the_scrape_and_says_where() {
+        let text = "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 3\nvllm:num_requests_running{model_name=\"m\" 4\n";
+        let e = parse(text, None).unwrap_err().to_string();
+        assert!(e.contains("line 3"), "{e}");
+        for t in ["x y z", "vllm:num_requests_waiting", "{} 1"] {
+            assert!(parse(t, None).is_err(), "{t:?}");
         }
+        // Non-finite values are read and skipped, not errors.
+        let r = parse("vllm:num_requests_waiting NaN\n", None).unwrap();
+        assert_eq!(r.waiting, None);
+        assert_eq!(parse("", None).unwrap(), Reading::default());
     }
 }

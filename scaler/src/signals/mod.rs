@@ -2,6 +2,7 @@
 
 pub mod exposition;
 pub mod names;
+pub mod text_format;
 pub mod window;
 
 use std::collections::BTreeMap;
