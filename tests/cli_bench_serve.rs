@@ -6,7 +6,8 @@ mod harness;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{KillOnDrop, free_port, model_fixture, preheat, shared, wait_healthy};
+use harness::{KillOnDrop, free_port, preheat, wait_healthy};
+use preheat_testkit::{model_fixture, shared};
 
 fn serve_tiny() -> (KillOnDrop, String) {
     let port = free_port();

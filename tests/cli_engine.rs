@@ -5,7 +5,8 @@ mod harness;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{free_port, model_fixture};
+use harness::free_port;
+use preheat_testkit::model_fixture;
 
 #[test]
 fn serve_answers_then_drains_and_exits_on_sigterm() {
@@ -123,20 +124,9 @@ fn profile_writes_what_the_scaler_reads() {
 
 #[test]
 fn health_is_503_while_the_model_loads() {
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.exists() {
-        assert!(
-            std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
-            "{} missing",
-            model.display()
-        );
-        eprintln!(
-            "skipping: {} not present (run .ci/fetch-models)",
-            model.display()
-        );
+    let Some(model) = preheat_testkit::smollm2_gguf() else {
         return;
-    }
+    };
     let port = free_port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_preheat"))
         .args(["engine", "serve", "--model"])

@@ -3,7 +3,8 @@
 
 mod harness;
 
-use harness::{ok, preheat, shared};
+use harness::{ok, preheat};
+use preheat_testkit::shared;
 
 #[test]
 fn simulate_all_policies_on_the_azure_trace_writes_json_and_plot() {

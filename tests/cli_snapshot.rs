@@ -2,7 +2,8 @@
 
 mod harness;
 
-use harness::{model_fixture, ok, ok_json, preheat};
+use harness::{ok, ok_json, preheat};
+use preheat_testkit::model_fixture;
 
 #[test]
 fn convert_inspect_verify() {

@@ -9,9 +9,10 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{free_port, preheat, shared};
+use harness::{free_port, preheat};
 use preheat_scaler::proto::ScaledObjectRef;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+use preheat_testkit::shared;
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 

@@ -1,17 +1,13 @@
 //! The OpenAI API through real HTTP on a loopback port, against the reference fixtures.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::serve::{ServeOptions, serve_on};
 use serde_json::{Value, json};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/models")
-        .join(name)
-}
+use preheat_testkit::model_fixture as fixture;
 
 fn reference(name: &str) -> Value {
     serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()
@@ -515,32 +511,11 @@ async fn shutdown_drains_in_flight_requests() {
     );
 }
 
-/// The real SmolLM2-135M-Instruct GGUF (fetched by `.ci/fetch-models`).
-fn smollm2() -> Option<PathBuf> {
-    let p = std::env::var_os("PREHEAT_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if p.exists() {
-        return Some(p);
-    }
-    assert!(
-        std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
-        "PREHEAT_REQUIRE_FETCHED is set but {} is missing",
-        p.display()
-    );
-    eprintln!(
-        "skipping: {} not present (run .ci/fetch-models)",
-        p.display()
-    );
-    None
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_from_gguf_knows_the_capital_of_france() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = preheat_testkit::smollm2_gguf() else {
+        return;
+    };
     let s = Server::start(path, |o| o.kv_cache_bytes = 64 << 20).await;
     let (st, r) = s
         .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 20, "temperature": 0}))

@@ -4,7 +4,6 @@
 //! backends. Needs a GPU: skips with a message where the driver or a device is missing.
 #![cfg(feature = "cuda")]
 
-use std::path::Path;
 use std::sync::Arc;
 
 use preheat_engine::backend::cpu::CpuBackend;
@@ -22,11 +21,7 @@ fn gpu_or_skip() -> bool {
     }
 }
 
-fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/models")
-        .join(name)
-}
+use preheat_testkit::model_fixture as fixture;
 
 /// Logits of `rows` after feeding `tokens` of sequences `seq_of` at `positions`.
 fn forward(

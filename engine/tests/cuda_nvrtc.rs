@@ -5,22 +5,16 @@
 //! `PREHEAT_REQUIRE_FETCHED` is set.
 #![cfg(feature = "cuda")]
 
-use std::path::PathBuf;
-
 use preheat_engine::backend::cuda::nvrtc::{self, Image, KERNELS, Origin};
 use preheat_snapshot::kernel_cache::KernelCache;
 
 fn nvrtc_or_skip() -> bool {
-    let cache = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/nvrtc");
-    if nvrtc::ensure_loaded(&[cache]) {
-        return true;
-    }
-    assert!(
-        std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
-        "NVRTC is required here: run .ci/fetch-tools"
-    );
-    eprintln!("skipped: no NVRTC library (run .ci/fetch-tools, or set PREHEAT_NVRTC_LIB)");
-    false
+    let cache = preheat_testkit::workspace_root().join(".cache/nvrtc");
+    preheat_testkit::present_or_skip(
+        nvrtc::ensure_loaded(&[cache]),
+        "an NVRTC library",
+        ".ci/fetch-tools, or set PREHEAT_NVRTC_LIB",
+    )
 }
 
 #[test]

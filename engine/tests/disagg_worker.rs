@@ -2,7 +2,6 @@
 //! dies mid-transfer: the reserved blocks are released, the failure is reported as a
 //! prefill failure (so the gateway retries), and the worker keeps serving.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -51,8 +50,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         }),
     );
     tokio::spawn(async move { axum::serve(pl, p).await.unwrap() });
-    let model =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/models/llama-tiny");
+    let model = preheat_testkit::model_fixture("llama-tiny");
     let (dl, decode) = listen().await;
     let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
     serve.kv_cache_bytes = 8 << 20;
@@ -158,8 +156,7 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
         )
         .route("/internal/deregister", post(|| async { "ok" }));
     tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
-    let model =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/models/llama-tiny");
+    let model = preheat_testkit::model_fixture("llama-tiny");
     let (pl, prefill) = listen().await;
     let mut serve = ServeOptions::new(model, pl.local_addr().unwrap());
     serve.role = Role::Prefill;

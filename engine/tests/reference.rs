@@ -2,7 +2,6 @@
 //! logits within 1e-4, argmax at every position, and the greedy continuation, for every
 //! reference fixture, however the tokens arrive.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use preheat_engine::backend::cpu::CpuBackend;
@@ -10,11 +9,7 @@ use preheat_engine::backend::{Backend, ForwardBatch, SeqSlice};
 use preheat_engine::model::open_model;
 use serde_json::Value;
 
-fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/models")
-        .join(name)
-}
+use preheat_testkit::model_fixture as fixture;
 
 fn reference(name: &str) -> Value {
     serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()

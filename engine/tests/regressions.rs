@@ -1,6 +1,5 @@
 //! Regressions, each named after the bug it pins.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use preheat_engine::backend::cpu::CpuBackend;
@@ -18,7 +17,7 @@ use serde_json::Value;
 /// replaying the Azure trace through `preheat up`).
 #[tokio::test]
 async fn regression_prompt_longer_than_the_token_budget_killed_the_engine() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/models/llama-tiny");
+    let dir = preheat_testkit::model_fixture("llama-tiny");
     let refj: Value =
         serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
     let (snap, _) = open_model(&dir).unwrap();

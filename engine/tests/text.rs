@@ -1,23 +1,20 @@
 //! Tokenizer behaviour on the reference fixtures: chat templates render as transformers
 //! renders them, and streaming detokenisation never splits a character.
 
-use std::path::Path;
+use preheat_testkit::model_fixture;
 
 use preheat_engine::model::open_model;
 use preheat_engine::tokenizer::{ChatMessage, IncrementalDetokenizer, Tokenizer};
 
 fn tokenizer(name: &str) -> Tokenizer {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/models")
-        .join(name);
+    let p = model_fixture(name);
     let (snap, _) = open_model(&p).unwrap();
     Tokenizer::from_snapshot(&snap).unwrap()
 }
 
 #[test]
 fn chat_template_renders_like_transformers() {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/models/llama-tiny/reference.json");
+    let p = model_fixture("llama-tiny").join("reference.json");
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
     let ex = &r["chat_template_example"];
     let msgs: Vec<ChatMessage> = serde_json::from_value(ex["messages"].clone()).unwrap();
@@ -31,10 +28,7 @@ fn chat_template_renders_like_transformers() {
 #[test]
 fn prompts_encode_to_the_reference_ids() {
     for model in ["llama-tiny", "qwen2-tiny"] {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/fixtures/models")
-            .join(model)
-            .join("reference.json");
+        let p = model_fixture(model).join("reference.json");
         let r: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
         let t = tokenizer(model);
         for c in r["cases"].as_array().unwrap() {

@@ -2,7 +2,6 @@
 //! greedy output is the reference continuation, token for token, and every failure
 //! (no room, another model, corruption) is refused without leaking a block.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,11 +16,7 @@ use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::tokenizer::Tokenizer;
 use serde_json::Value;
 
-fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures/models")
-        .join(name)
-}
+use preheat_testkit::model_fixture as fixture;
 
 fn engine(name: &str, num_blocks: usize, role: Role) -> Engine {
     let (snap, _) = open_model(&fixture(name)).unwrap();

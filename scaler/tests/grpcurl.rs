@@ -9,20 +9,10 @@ use preheat_scaler::policy::Pool;
 use serde_json::Value;
 
 fn grpcurl() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/tools/grpcurl");
-    if p.exists() {
-        return Some(p);
-    }
-    assert!(
-        std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
-        "PREHEAT_REQUIRE_FETCHED is set but {} is missing",
-        p.display()
-    );
-    eprintln!(
-        "skipping: {} not present (run .ci/fetch-tools)",
-        p.display()
-    );
-    None
+    preheat_testkit::fetched(
+        preheat_testkit::workspace_root().join(".cache/tools/grpcurl"),
+        ".ci/fetch-tools",
+    )
 }
 
 fn call(bin: &Path, addr: &str, method: &str, data: &str, extra: &[&str]) -> (bool, String) {

@@ -52,7 +52,7 @@ fn llama_gguf_converts_back_to_the_hf_checkpoint_exactly() {
     )
     .unwrap();
     convert(
-        &common::model_fixture("llama-tiny"),
+        &preheat_testkit::model_fixture("llama-tiny"),
         &from_hf,
         TargetDtype::Keep,
         &NoProgress,
@@ -109,11 +109,12 @@ fn rebuilt_tokenizer_encodes_like_the_original() {
     let rebuilt =
         tokenizers::Tokenizer::from_bytes(snap.tokenizer_json().unwrap().unwrap()).unwrap();
     let original = tokenizers::Tokenizer::from_file(
-        common::model_fixture("llama-tiny").join("tokenizer.json"),
+        preheat_testkit::model_fixture("llama-tiny").join("tokenizer.json"),
     )
     .unwrap();
     let reference: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(common::model_fixture("llama-tiny").join("reference.json")).unwrap(),
+        &std::fs::read(preheat_testkit::model_fixture("llama-tiny").join("reference.json"))
+            .unwrap(),
     )
     .unwrap();
     let mut texts: Vec<String> = reference["cases"]
@@ -145,7 +146,7 @@ fn rebuilt_tokenizer_encodes_like_the_original() {
 
 #[test]
 fn real_smollm2_gguf_converts_with_a_working_tokenizer() {
-    let Some(path) = common::smollm2_gguf() else {
+    let Some(path) = preheat_testkit::smollm2_gguf() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

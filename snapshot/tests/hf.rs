@@ -1,8 +1,6 @@
 //! Hugging Face checkpoints: values survive conversion exactly (or rounded to nearest
 //! even when narrowing), in every config form and shard layout the format allows.
 
-mod common;
-
 use std::path::Path;
 
 use half::bf16;
@@ -31,7 +29,7 @@ fn reference_tensors(dir: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 #[test]
 fn fixtures_round_trip_exactly_and_narrow_with_rounding() {
     for model in ["llama-tiny", "qwen2-tiny"] {
-        let src = common::model_fixture(model);
+        let src = preheat_testkit::model_fixture(model);
         let dir = tempfile::tempdir().unwrap();
         let keep = dir.path().join("keep.preheat");
         let narrow = dir.path().join("bf16.preheat");
@@ -82,7 +80,7 @@ fn qwen2_biases_and_config() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("q.preheat");
     convert(
-        &common::model_fixture("qwen2-tiny"),
+        &preheat_testkit::model_fixture("qwen2-tiny"),
         &out,
         TargetDtype::Keep,
         &NoProgress,
@@ -104,7 +102,7 @@ fn copy_dir(src: &Path, dst: &Path) {
 
 #[test]
 fn sharded_checkpoint_gives_the_same_tensors() {
-    let src = common::model_fixture("llama-tiny");
+    let src = preheat_testkit::model_fixture("llama-tiny");
     let dir = tempfile::tempdir().unwrap();
     let sharded = dir.path().join("sharded");
     copy_dir(&src, &sharded);
@@ -140,7 +138,7 @@ fn sharded_checkpoint_gives_the_same_tensors() {
 
 #[test]
 fn old_config_form_and_llama3_scaling() {
-    let src = common::model_fixture("llama-tiny");
+    let src = preheat_testkit::model_fixture("llama-tiny");
     let dir = tempfile::tempdir().unwrap();
     let old = dir.path().join("old");
     copy_dir(&src, &old);
@@ -164,7 +162,7 @@ fn old_config_form_and_llama3_scaling() {
 
 #[test]
 fn broken_checkpoints_are_clear_errors() {
-    let src = common::model_fixture("llama-tiny");
+    let src = preheat_testkit::model_fixture("llama-tiny");
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("x.preheat");
     // A tensor whose shape disagrees with config.json.

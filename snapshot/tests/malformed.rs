@@ -1,8 +1,6 @@
 //! A corpus of malformed snapshots: every one must be rejected by `Snapshot::open` (or
 //! `verify`) with a typed error, never a panic and never a silently accepted file.
 
-mod common;
-
 use preheat_snapshot::format::{ALIGN, FORMAT_VERSION, HEADER_LEN, Header};
 use preheat_snapshot::{Checksum, Error, NoProgress, Snapshot, TargetDtype, convert, parse};
 use serde_json::Value;
@@ -11,7 +9,7 @@ fn good() -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("t.preheat");
     convert(
-        &common::model_fixture("llama-tiny"),
+        &preheat_testkit::model_fixture("llama-tiny"),
         &p,
         TargetDtype::Keep,
         &NoProgress,

