@@ -11,7 +11,8 @@ use crate::kube::PodSet;
 use crate::policy::{Observation, Pool, PreheatPolicy};
 use crate::profile::Profile;
 use crate::prom::PromSource;
-use crate::scrape::scrape_all;
+use crate::scrape::{FailureLog, scrape_all};
+use crate::signals::exposition::Reading;
 use crate::signals::{PoolSignals, PoolWindows};
 
 /// Endpoint URLs someone else keeps current (the local mode's replica driver).
@@ -36,11 +37,13 @@ struct PoolLoop {
     applied: Option<u32>,
     /// Replicas last known, for ticks where the source cannot say.
     last_current: u32,
+    failures: FailureLog,
 }
 
 struct ModelLoop {
     cfg: ModelConfig,
     pools: Vec<PoolLoop>,
+    gateway_failures: FailureLog,
 }
 
 /// Runs the scrape-and-decide loop over `cfg`'s models until the task is dropped.
@@ -137,8 +140,10 @@ impl Controller {
                         deployment: p.deployment.clone(),
                         applied: None,
                         last_current: 0,
+                        failures: FailureLog::default(),
                     })
                     .collect(),
+                gateway_failures: FailureLog::default(),
             })
             .collect();
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
@@ -225,7 +230,7 @@ impl Tick<'_> {
                     Source::Static(urls) => urls.clone(),
                     _ => Vec::new(),
                 };
-                let (ok, failed) = scrape_all(self.client, &urls, filter, self.timeout).await;
+                let (ok, failed) = self.scrape(p, &urls, filter).await;
                 let startup = startup_of(ok.iter().map(|(_, r)| r));
                 // Static endpoints all exist, answering or not.
                 let current = u32::try_from(ok.len() + failed.len()).unwrap_or(u32::MAX);
@@ -237,7 +242,7 @@ impl Tick<'_> {
                 }
                 let view = set.view();
                 let urls: Vec<String> = view.ready.values().cloned().collect();
-                let (ok, failed) = scrape_all(self.client, &urls, filter, self.timeout).await;
+                let (ok, failed) = self.scrape(p, &urls, filter).await;
                 let startup = startup_of(ok.iter().map(|(_, r)| r));
                 (p.windows.tick(t, ok, &failed), view.current, startup)
             }
@@ -253,9 +258,25 @@ impl Tick<'_> {
         }
     }
 
+    /// Scrapes a pool's endpoints; failures are logged when they change and returned
+    /// as the URLs that did not answer.
+    async fn scrape(
+        &self,
+        p: &mut PoolLoop,
+        urls: &[String],
+        filter: Option<&str>,
+    ) -> (Vec<(String, Reading)>, Vec<String>) {
+        let (ok, failed) = scrape_all(self.client, urls, filter, self.timeout).await;
+        p.failures
+            .note(p.pool.as_str(), ok.iter().map(|(u, _)| u.as_str()), &failed);
+        (ok, failed.into_iter().map(|f| f.url).collect())
+    }
+
     async fn decide_model(&self, m: &mut ModelLoop, t: f64) {
         let filter = m.cfg.metrics_model_name.as_deref();
-        let (gw, _) = scrape_all(self.client, &m.cfg.gateway, filter, self.timeout).await;
+        let (gw, gw_failed) = scrape_all(self.client, &m.cfg.gateway, filter, self.timeout).await;
+        m.gateway_failures
+            .note("gateway", gw.iter().map(|(u, _)| u.as_str()), &gw_failed);
         let held: f64 = gw.iter().filter_map(|(_, r)| r.gateway_pending).sum();
         for p in &mut m.pools {
             let (signals, current, startup) = self.observe(p, t, filter).await;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::scrape::{MAX_BODY_BYTES, read_limited};
 use crate::signals::PoolSignals;
 use crate::signals::names;
 use crate::{Result, ScalerError};
@@ -70,9 +71,8 @@ impl PromSource {
             .await
             .map_err(|e| err(e.to_string()))?;
         let status = resp.status();
-        let body: Response = resp
-            .json()
-            .await
+        let bytes = read_limited(resp, MAX_BODY_BYTES).await.map_err(err)?;
+        let body: Response = serde_json::from_slice(&bytes)
             .map_err(|e| err(format!("HTTP {status}: not a Prometheus response ({e})")))?;
         if body.status != "success" {
             return Err(err(body.error.unwrap_or(body.status)));

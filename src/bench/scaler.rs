@@ -248,11 +248,11 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
             let s = Instant::now();
             for (k, urls) in [pf, dc].into_iter().enumerate() {
                 let (ok, failed) = scrape_all(&http, urls, Some("m"), Duration::from_secs(5)).await;
-                if !failed.is_empty() {
-                    anyhow::bail!("{} of {} fake pods failed to scrape", failed.len(), urls.len());
+                if let Some(f) = failed.first() {
+                    anyhow::bail!("{} of {} fake pods failed to scrape, {}: {}", failed.len(), urls.len(), f.url, f.reason);
                 }
                 let current = ok.len() as u32;
-                let signals = windows[k].tick(tick as f64 * 5.0, ok, &failed);
+                let signals = windows[k].tick(tick as f64 * 5.0, ok, &[]);
                 let _ = policies[k].decide(tick as f64 * 5.0, &Observation { signals, current, ..Observation::default() });
             }
             ticks.push(s.elapsed());
