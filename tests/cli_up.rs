@@ -89,8 +89,13 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         .args([
             "--idle-grace",
             "3s",
+            // Below any ITL this CPU can reach at batch 1, so the profile `up` measures
+            // at start (noisy) always allows one sequence per replica and two running
+            // sequences need two replicas. At 0.5 ms a fast profile run allowed 6+ per
+            // replica, and the short tiny-model generations rarely had that many running
+            // at a scrape ("the burst did not scale decode up", 2 runs in 15 here).
             "--slo-itl",
-            "0.0005",
+            "0.0001",
             "--decode-max",
             "2",
             "--prefill-max",
@@ -180,7 +185,7 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
             );
             most_decode = most_decode.max(workers(&c, &gw).await.1);
             // Keep the load on until the pool grows.
-            if burst.iter().filter(|b| !b.is_finished()).count() < 4 {
+            if burst.iter().filter(|b| !b.is_finished()).count() < 6 {
                 let n = burst.len();
                 burst.extend((n..n + 4).map(|i| long_request(&c, &gw, i)));
             }
