@@ -526,8 +526,23 @@ pub struct BenchScalerArgs {
     pub pods: usize,
     #[arg(long, default_value_t = 5)]
     pub ticks: usize,
+    /// Where the simulated KEDA callers run: in the scaler's process (sharing its
+    /// runtime), in a process of their own (as KEDA does), or both, one after the other.
+    #[arg(long, value_enum, default_value = "both")]
+    pub callers: Callers,
+    /// Internal: only poll the scaler at this address and print latencies (the callers'
+    /// process of `--callers own-process`).
+    #[arg(long, hide = true)]
+    pub call_server: Option<String>,
     #[command(flatten)]
     pub out: OutputArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Callers {
+    SameProcess,
+    OwnProcess,
+    Both,
 }
 
 #[derive(Debug, Args)]

@@ -1,8 +1,9 @@
 //! `preheat bench scaler`: KEDA-facing latency and control-loop cost at fleet scale.
 //! (1) `GetMetrics` latency with 1,000 ScaledObjects each polling on its own schedule
-//! (open loop, every `--interval-ms`; KEDA's default is every 30 s); (2) one
-//! scrape-and-decide tick over 1,000 pods served by a local fake `/metrics` server with
-//! what vLLM exposes, and the parsing share of it.
+//! (open loop, every `--interval-ms`; KEDA's default is every 30 s), the callers in the
+//! scaler's process and then in a process of their own; (2) one scrape-and-decide tick
+//! over 1,000 pods served by a local fake `/metrics` server with what vLLM exposes, and
+//! the parsing share of it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ use preheat_scaler::scrape::scrape_all;
 use preheat_scaler::signals::PoolWindows;
 use serde_json::json;
 
-use crate::cli::BenchScalerArgs;
+use crate::cli::{BenchScalerArgs, Callers};
 use crate::commands::{outln, print_json};
 
 fn pct(sorted: &[Duration], q: f64) -> f64 {
@@ -160,62 +161,122 @@ fn pod_metrics(i: usize) -> String {
     s
 }
 
+/// Model names of `objects` ScaledObjects (a prefill and a decode pool each).
+fn bench_models(objects: usize) -> Vec<String> {
+    (0..objects.div_ceil(2))
+        .map(|i| format!("model-{i}"))
+        .collect()
+}
+
+/// `GetMetrics` latencies of `objects` ScaledObjects polling the scaler at `addr`, each on
+/// its own staggered schedule like independent ScaledObjects; sorted, with the wall time.
+async fn poll_get_metrics(
+    addr: &str,
+    args: &BenchScalerArgs,
+) -> anyhow::Result<(Vec<Duration>, Duration)> {
+    let models = bench_models(args.objects);
+    let client = ExternalScalerClient::connect(format!("http://{addr}")).await?;
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..args.objects)
+        .map(|i| {
+            let mut c = client.clone();
+            let model = models[i / 2].clone();
+            let pool = if i % 2 == 0 { "prefill" } else { "decode" };
+            let polls = args.polls;
+            let every = Duration::from_millis(args.interval_ms);
+            let offset = every.mul_f64(i as f64 / args.objects as f64);
+            tokio::spawn(async move {
+                tokio::time::sleep(offset).await;
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let r = ScaledObjectRef {
+                    name: format!("{model}-{pool}"),
+                    namespace: "bench".into(),
+                    scaler_metadata: [
+                        ("model".to_owned(), model.clone()),
+                        ("pool".to_owned(), pool.to_owned()),
+                    ]
+                    .into_iter()
+                    .collect(),
+                };
+                let mut lat = Vec::with_capacity(polls);
+                for _ in 0..polls {
+                    tick.tick().await;
+                    let s = Instant::now();
+                    c.get_metrics(GetMetricsRequest {
+                        scaled_object_ref: Some(r.clone()),
+                        metric_name: String::new(),
+                    })
+                    .await?;
+                    lat.push(s.elapsed());
+                }
+                Ok::<_, tonic::Status>(lat)
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await??);
+    }
+    let wall = t0.elapsed();
+    lat.sort();
+    Ok((lat, wall))
+}
+
+fn latency_report(lat: &[Duration], wall: Duration) -> serde_json::Value {
+    if lat.is_empty() {
+        return json!({"calls": 0});
+    }
+    json!({
+        "calls": lat.len(), "calls_per_s": lat.len() as f64 / wall.as_secs_f64(),
+        "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "max_ms": pct(lat, 1.0),
+    })
+}
+
 pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    if let Some(addr) = &args.call_server {
+        // The callers of `--callers own-process`, run by the benchmark itself.
+        let (lat, wall) = rt.block_on(poll_get_metrics(addr, args))?;
+        print_json(&latency_report(&lat, wall))?;
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
     let report = rt.block_on(async {
         // (1) GetMetrics with `objects` ScaledObjects polling.
-        let models: Vec<String> = (0..args.objects.div_ceil(2)).map(|i| format!("model-{i}")).collect();
+        let models = bench_models(args.objects);
         let store = DecisionStore::new(models.clone());
         for (i, m) in models.iter().enumerate() {
             store.set(m, Pool::Prefill, PoolDecision { desired: (i % 7) as u32, active: true });
             store.set(m, Pool::Decode, PoolDecision { desired: (i % 11) as u32, active: true });
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
+        let addr = listener.local_addr()?.to_string();
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(ScalerService::new(Arc::clone(&store)).into_server())
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        let client = ExternalScalerClient::connect(format!("http://{addr}")).await?;
-        let t0 = Instant::now();
-        let tasks: Vec<_> = (0..args.objects)
-            .map(|i| {
-                let mut c = client.clone();
-                let model = models[i / 2].clone();
-                let pool = if i % 2 == 0 { "prefill" } else { "decode" };
-                let polls = args.polls;
-                let every = Duration::from_millis(args.interval_ms);
-                // Staggered like independent ScaledObjects, each on its own schedule.
-                let offset = every.mul_f64(i as f64 / args.objects as f64);
-                tokio::spawn(async move {
-                    tokio::time::sleep(offset).await;
-                    let mut tick = tokio::time::interval(every);
-                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                    let r = ScaledObjectRef {
-                        name: format!("{model}-{pool}"),
-                        namespace: "bench".into(),
-                        scaler_metadata: [("model".to_owned(), model.clone()), ("pool".to_owned(), pool.to_owned())].into_iter().collect(),
-                    };
-                    let mut lat = Vec::with_capacity(polls);
-                    for _ in 0..polls {
-                        tick.tick().await;
-                        let s = Instant::now();
-                        c.get_metrics(GetMetricsRequest { scaled_object_ref: Some(r.clone()), metric_name: String::new() }).await?;
-                        lat.push(s.elapsed());
-                    }
-                    Ok::<_, tonic::Status>(lat)
-                })
-            })
-            .collect();
-        let mut lat = Vec::new();
-        for t in tasks {
-            lat.extend(t.await??);
+        let mut get_metrics = serde_json::Map::new();
+        if args.callers != Callers::OwnProcess {
+            // Callers share the scaler's runtime and cores.
+            let (lat, wall) = poll_get_metrics(&addr, args).await?;
+            get_metrics.insert("same_process".into(), latency_report(&lat, wall));
         }
-        let wall = t0.elapsed();
-        lat.sort();
+        if args.callers != Callers::SameProcess {
+            // Callers in a process of their own, as KEDA is (still on the same cores here).
+            let mut cmd = std::process::Command::new(std::env::current_exe()?);
+            cmd.args(["bench", "scaler", "--json", "--call-server", &addr])
+                .args(["--objects", &args.objects.to_string()])
+                .args(["--polls", &args.polls.to_string()])
+                .args(["--interval-ms", &args.interval_ms.to_string()]);
+            let out = tokio::task::spawn_blocking(move || cmd.output()).await??;
+            if !out.status.success() {
+                anyhow::bail!("the caller process failed: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            get_metrics.insert("own_process".into(), serde_json::from_slice(&out.stdout)?);
+        }
         // (2) One scrape-and-decide tick over `pods` pods.
         // Rendered once, so the ticks time the scaler, not the fake pods' formatting.
         let pages: Arc<Vec<Bytes>> = Arc::new((0..args.pods).map(|i| Bytes::from(pod_metrics(i))).collect());
@@ -260,9 +321,8 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
         let worst_tick = ticks.iter().max().copied().unwrap_or_default();
         let best_tick = ticks.iter().min().copied().unwrap_or_default();
         Ok::<_, anyhow::Error>(json!({
-            "scaled_objects": args.objects, "polls_each": args.polls, "interval_ms": args.interval_ms, "calls": lat.len(),
-            "get_metrics_p50_ms": pct(&lat, 0.5), "get_metrics_p99_ms": pct(&lat, 0.99), "get_metrics_max_ms": pct(&lat, 1.0),
-            "calls_per_s": lat.len() as f64 / wall.as_secs_f64(),
+            "scaled_objects": args.objects, "polls_each": args.polls, "interval_ms": args.interval_ms,
+            "get_metrics": get_metrics,
             "pods": args.pods, "ticks": args.ticks,
             "tick_best_s": best_tick.as_secs_f64(), "tick_worst_s": worst_tick.as_secs_f64(),
             "page_bytes": page_bytes, "parse_us_per_page": parse_us,
@@ -273,16 +333,20 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
     } else {
         let f = |k: &str| report[k].as_f64().unwrap_or(f64::NAN);
         outln!("scaler benchmark");
-        outln!(
-            "  GetMetrics, {} ScaledObjects polling every {} ms, {} polls each: p50 {:.3} ms, p99 {:.3} ms (target < 1 ms), max {:.3} ms, {:.0} calls/s",
-            args.objects,
-            args.interval_ms,
-            args.polls,
-            f("get_metrics_p50_ms"),
-            f("get_metrics_p99_ms"),
-            f("get_metrics_max_ms"),
-            f("calls_per_s")
-        );
+        for (callers, r) in report["get_metrics"].as_object().into_iter().flatten() {
+            let g = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+            outln!(
+                "  GetMetrics, {} ScaledObjects polling every {} ms, {} polls each, callers in the {}: p50 {:.3} ms, p99 {:.3} ms (target < 1 ms), max {:.3} ms, {:.0} calls/s",
+                args.objects,
+                args.interval_ms,
+                args.polls,
+                callers.replace('_', " "),
+                g("p50_ms"),
+                g("p99_ms"),
+                g("max_ms"),
+                g("calls_per_s")
+            );
+        }
         outln!(
             "  scrape-and-decide over {} pods: best {:.3} s, worst {:.3} s of {} ticks (target < 1 s)",
             args.pods,
