@@ -211,9 +211,6 @@ fn label_set<'a>(cur: &mut Cursor<'a>) -> Result<(Option<Cow<'a, str>>, Labels<'
 /// Go's float syntax as Prometheus writes it (`NaN`, `+Inf`, `-Inf`, decimals,
 /// exponents). Rust's parser accepts the same spellings.
 fn number(s: &str) -> Option<f64> {
-    if s.is_empty() || s.starts_with('_') {
-        return None;
-    }
     s.parse().ok()
 }
 
