@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, Mode, ModelConfig, PoolConfig};
-use crate::grpc::{DecisionStore, PoolDecision};
+use crate::grpc::{DecisionStore, PoolDecision, PoolStatus};
 use crate::kube::PodSet;
 use crate::policy::{Observation, Pool, PreheatPolicy};
 use crate::profile::Profile;
@@ -281,6 +281,7 @@ impl Tick<'_> {
         for p in &mut m.pools {
             let (signals, current, startup) = self.observe(p, t, filter).await;
             p.last_current = current;
+            let (endpoints_ok, endpoints_failed) = (signals.endpoints_ok, signals.endpoints_failed);
             let obs = Observation {
                 current,
                 held_requests: held,
@@ -296,6 +297,16 @@ impl Tick<'_> {
                 PoolDecision {
                     desired: d.desired,
                     active: d.active,
+                },
+            );
+            self.store.set_status(
+                &m.cfg.name,
+                p.pool,
+                PoolStatus {
+                    current,
+                    endpoints_ok,
+                    endpoints_failed,
+                    reason: d.reason,
                 },
             );
             let replicas = if d.active { d.desired } else { 0 };

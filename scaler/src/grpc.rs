@@ -33,11 +33,29 @@ pub struct PoolDecision {
     pub active: bool,
 }
 
+/// What the control loop saw and why it decided, for the scaler's own metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStatus {
+    pub current: u32,
+    pub endpoints_ok: usize,
+    pub endpoints_failed: usize,
+    pub reason: &'static str,
+}
+
+impl PoolStatus {
+    /// Every endpoint failed: the pool is held, not sized.
+    #[must_use]
+    pub fn blind(&self) -> bool {
+        self.endpoints_ok == 0 && self.endpoints_failed > 0
+    }
+}
+
 /// Decisions shared between the control loop (writer) and the gRPC service (readers).
 #[derive(Debug)]
 pub struct DecisionStore {
     models: Vec<String>,
     state: RwLock<HashMap<(String, Pool), PoolDecision>>,
+    status: RwLock<HashMap<(String, Pool), PoolStatus>>,
     version: watch::Sender<u64>,
     closed: std::sync::atomic::AtomicBool,
 }
@@ -49,6 +67,7 @@ impl DecisionStore {
         Arc::new(DecisionStore {
             models,
             state: RwLock::new(HashMap::new()),
+            status: RwLock::new(HashMap::new()),
             version: watch::channel(0).0,
             closed: false.into(),
         })
@@ -85,6 +104,21 @@ impl DecisionStore {
                 desired: 0,
                 active: false,
             })
+    }
+
+    /// Records what the last tick saw of a pool (KEDA never reads this; `/metrics` does).
+    pub fn set_status(&self, model: &str, pool: Pool, s: PoolStatus) {
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        st.insert((model.to_owned(), pool), s);
+    }
+
+    /// The last tick's status of a pool; default before its first tick.
+    #[must_use]
+    pub fn status(&self, model: &str, pool: Pool) -> PoolStatus {
+        let st = self.status.read().unwrap_or_else(|e| e.into_inner());
+        st.get(&(model.to_owned(), pool))
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Resolves `scalerMetadata` to a (model, pool), or the gRPC error that says why not.

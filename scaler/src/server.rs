@@ -15,32 +15,89 @@ use crate::policy::Pool;
 use crate::profile::Profile;
 use crate::{Result, ScalerError};
 
-/// The scaler's own metrics: the decisions it publishes.
+/// A pool's series of one family: extra labels (`,k="v"`) and the value.
+type Series = Vec<(String, f64)>;
+
+/// The scaler's own metrics: what it decided for each pool, why, and what it saw.
 fn render(store: &DecisionStore, models: &[String]) -> String {
+    use crate::signals::names::own;
     let mut out = String::new();
-    out.push_str("# HELP preheat:scaler_desired_replicas Replicas the policy wants per pool\n# TYPE preheat:scaler_desired_replicas gauge\n");
-    for m in models {
-        for p in [Pool::Prefill, Pool::Decode] {
-            let _ = writeln!(
-                out,
-                "preheat:scaler_desired_replicas{{model=\"{m}\",pool=\"{}\"}} {}",
-                p.as_str(),
-                store.get(m, p).desired
-            );
-        }
-    }
-    out.push_str("# HELP preheat:scaler_active Whether the pool is active (KEDA activation)\n# TYPE preheat:scaler_active gauge\n");
-    for m in models {
-        for p in [Pool::Prefill, Pool::Decode] {
-            let _ = writeln!(
-                out,
-                "preheat:scaler_active{{model=\"{m}\",pool=\"{}\"}} {}",
-                p.as_str(),
-                u8::from(store.get(m, p).active)
-            );
-        }
-    }
+    let pools = || {
+        models
+            .iter()
+            .flat_map(|m| [Pool::Prefill, Pool::Decode].map(|p| (m, p)))
+    };
+    let family =
+        |out: &mut String, name: &str, help: &str, value: &dyn Fn(&str, Pool) -> Series| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (m, p) in pools() {
+                for (extra, v) in value(m, p) {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{model=\"{}\",pool=\"{}\"{extra}}} {v}",
+                        escape(m),
+                        p.as_str()
+                    );
+                }
+            }
+        };
+    let one = |v: f64| vec![(String::new(), v)];
+    family(
+        &mut out,
+        own::DESIRED,
+        "Replicas the policy wants per pool",
+        &|m, p| one(f64::from(store.get(m, p).desired)),
+    );
+    family(
+        &mut out,
+        own::ACTIVE,
+        "Whether the pool is active (KEDA activation)",
+        &|m, p| one(f64::from(u8::from(store.get(m, p).active))),
+    );
+    family(
+        &mut out,
+        own::CURRENT,
+        "Replicas the pool had at the last tick",
+        &|m, p| one(f64::from(store.status(m, p).current)),
+    );
+    family(
+        &mut out,
+        own::ENDPOINTS,
+        "Endpoints scraped in the last tick, by state",
+        &|m, p| {
+            let s = store.status(m, p);
+            vec![
+                (",state=\"ok\"".to_owned(), s.endpoints_ok as f64),
+                (",state=\"failed\"".to_owned(), s.endpoints_failed as f64),
+            ]
+        },
+    );
+    family(
+        &mut out,
+        own::BLIND,
+        "1 while every endpoint of the pool fails (held, not sized)",
+        &|m, p| one(f64::from(u8::from(store.status(m, p).blind()))),
+    );
+    family(
+        &mut out,
+        own::DECISION,
+        "1 for the reason of the pool's last decision",
+        &|m, p| {
+            let s = store.status(m, p);
+            if s.reason.is_empty() {
+                return Vec::new();
+            }
+            vec![(format!(",reason=\"{}\"", escape(s.reason)), 1.0)]
+        },
+    );
     out
+}
+
+/// A label value as the text format wants it.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// The gRPC endpoint's TLS from PEM files.

@@ -163,6 +163,23 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         m.contains("preheat:scaler_active{model=\"llama\",pool=\"prefill\"} 1"),
         "{m}"
     );
+    // What it saw: the decode pool's two endpoints are dead, so it is blind and held,
+    // and says so in a form an alert can use.
+    for line in [
+        "preheat:scaler_endpoints{model=\"llama\",pool=\"decode\",state=\"failed\"} 2",
+        "preheat:scaler_endpoints{model=\"llama\",pool=\"decode\",state=\"ok\"} 0",
+        "preheat:scaler_blind{model=\"llama\",pool=\"decode\"} 1",
+        "preheat:scaler_blind{model=\"llama\",pool=\"prefill\"} 0",
+        "preheat:scaler_current_replicas{model=\"llama\",pool=\"decode\"} 2",
+        "preheat:scaler_decision{model=\"llama\",pool=\"decode\",reason=\"metrics unavailable: holding\"} 1",
+    ] {
+        assert!(m.contains(line), "missing {line:?} in\n{m}");
+    }
+    // And it is well-formed by the same parser it reads engines with.
+    let samples = preheat_scaler::signals::text_format::samples(&m)
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    assert!(samples.len() >= 12, "{m}");
     let _ = stop_tx.send(());
     tokio::time::timeout(Duration::from_secs(5), server)
         .await

@@ -1,6 +1,6 @@
-//! Every metric name the scaler reads, grouped by the signal it feeds. Engines differ
-//! in naming (preheat and vLLM ≥ 0.10, older vLLM, SGLang); the first name present in
-//! a scrape wins.
+//! Every metric name the scaler reads, grouped by the signal it feeds, and (in [`own`])
+//! every name it exposes. Engines differ in naming (preheat and vLLM ≥ 0.10, older vLLM,
+//! SGLang); the first name present in a scrape wins.
 
 pub const WAITING: &[&str] = &["vllm:num_requests_waiting", "sglang:num_queue_reqs"];
 pub const RUNNING: &[&str] = &["vllm:num_requests_running", "sglang:num_running_reqs"];
@@ -33,3 +33,17 @@ pub const GATEWAY_PENDING: &[&str] = &["preheat:gateway_pending_requests"];
 /// preheat workers: seconds from the start of a replica (process start, or promotion
 /// of a standby) to the end of each start-up phase, by `phase` and `source`.
 pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
+
+/// The scaler's own `/metrics`, per `model` and `pool`: what it decided and why, and
+/// what it could see — `BLIND` is the one to alert on.
+pub mod own {
+    pub const DESIRED: &str = "preheat:scaler_desired_replicas";
+    pub const ACTIVE: &str = "preheat:scaler_active";
+    pub const CURRENT: &str = "preheat:scaler_current_replicas";
+    /// Endpoints of the pool by `state` (`ok` | `failed`) in the last tick.
+    pub const ENDPOINTS: &str = "preheat:scaler_endpoints";
+    /// 1 while every endpoint of the pool fails: the pool is held, not sized.
+    pub const BLIND: &str = "preheat:scaler_blind";
+    /// 1 for the `reason` of the last decision.
+    pub const DECISION: &str = "preheat:scaler_decision";
+}
