@@ -34,6 +34,11 @@ pub struct Config {
     pub kubernetes: KubeSettings,
     /// Prometheus server root URL, for pools with a `prometheus_selector`.
     pub prometheus_url: Option<String>,
+    /// How often that Prometheus scrapes the pools (its `scrape_interval`, or the
+    /// ServiceMonitor's): a `rate()` needs two samples in its range, so short-term peak
+    /// rates are taken over max(interval + this, 4 × this), as Grafana's
+    /// `$__rate_interval` does.
+    pub prometheus_scrape_interval_s: f64,
     /// TLS on the gRPC endpoint (KEDA's `tlsCertFile`/`caCert` trigger settings).
     pub tls: Option<TlsSettings>,
     pub models: Vec<ModelConfig>,
@@ -89,6 +94,7 @@ impl Default for Config {
             mode: Mode::Keda,
             kubernetes: KubeSettings::default(),
             prometheus_url: None,
+            prometheus_scrape_interval_s: 15.0,
             tls: None,
             models: Vec::new(),
         }
@@ -252,6 +258,10 @@ impl Config {
             ("interval_s", self.interval_s),
             ("window_s", self.window_s),
             ("scrape_timeout_s", self.scrape_timeout_s),
+            (
+                "prometheus_scrape_interval_s",
+                self.prometheus_scrape_interval_s,
+            ),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 e.push(format!("{n} must be > 0"));
@@ -268,6 +278,14 @@ impl Config {
             && !(u.starts_with("http://") || u.starts_with("https://"))
         {
             e.push(format!("prometheus_url {u:?} is not an http(s) URL"));
+        }
+        if self.prometheus_url.is_some() && self.window_s < self.prometheus_scrape_interval_s * 2.0
+        {
+            e.push(format!(
+                "window_s {} must cover at least two Prometheus scrapes ({})",
+                self.window_s,
+                self.prometheus_scrape_interval_s * 2.0
+            ));
         }
         if let Some(t) = &self.tls {
             for (n, p) in [
@@ -454,6 +472,23 @@ models:
         ] {
             assert!(all.contains(needle), "{needle} missing from:\n{all}");
         }
+    }
+
+    #[test]
+    fn a_prometheus_window_must_hold_two_of_its_scrapes() {
+        let set = |w: &str| {
+            load(
+                YAML,
+                &[
+                    "prometheus_url=http://prometheus:9090",
+                    "prometheus_scrape_interval_s=30",
+                    w,
+                ],
+            )
+        };
+        let e = set("window_s=45").unwrap_err().to_string();
+        assert!(e.contains("two Prometheus scrapes (60)"), "{e}");
+        assert!(set("window_s=60").is_ok());
     }
 
     #[test]

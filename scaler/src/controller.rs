@@ -119,10 +119,10 @@ impl Controller {
 
     pub async fn run(self) {
         let client = reqwest::Client::new();
-        let prom =
-            self.cfg.prometheus_url.as_deref().map(|u| {
-                PromSource::new(client.clone(), u, self.cfg.window_s, self.cfg.interval_s)
-            });
+        let prom = self.cfg.prometheus_url.as_deref().map(|u| {
+            PromSource::new(client.clone(), u, self.cfg.window_s, self.cfg.interval_s)
+                .with_scrape_interval(self.cfg.prometheus_scrape_interval_s)
+        });
         let start = Instant::now();
         let mut models: Vec<ModelLoop> = self
             .cfg

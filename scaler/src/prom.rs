@@ -19,6 +19,7 @@ pub struct PromSource {
     base: String,
     window_s: u64,
     interval_s: u64,
+    scrape_s: u64,
 }
 
 #[derive(Deserialize)]
@@ -56,7 +57,23 @@ impl PromSource {
             base: base.trim_end_matches('/').to_owned(),
             window_s: window_s.round().max(1.0) as u64,
             interval_s: interval_s.round().max(1.0) as u64,
+            scrape_s: 15,
         }
+    }
+
+    /// The server's scrape interval for these pools (default 15 s): peak rates need
+    /// at least two samples in their range.
+    #[must_use]
+    pub fn with_scrape_interval(mut self, scrape_s: f64) -> Self {
+        self.scrape_s = scrape_s.round().max(1.0) as u64;
+        self
+    }
+
+    /// The range short-term peak rates are taken over: Grafana's `$__rate_interval`,
+    /// max(step + scrape, 4 × scrape). Shorter, `rate()` often sees one sample and the
+    /// peak reads as nothing.
+    fn peak_range_s(&self) -> u64 {
+        (self.interval_s + self.scrape_s).max(4 * self.scrape_s)
     }
 
     /// Runs one instant query; `None` when the result is empty or not a number.
@@ -91,7 +108,7 @@ impl PromSource {
     /// The queries for one pool, in the order [`PromSource::pool_signals`] reads them.
     #[must_use]
     pub fn queries(&self, sel: &str) -> Vec<String> {
-        let (w, i) = (self.window_s, self.interval_s);
+        let (w, i, r) = (self.window_s, self.interval_s, self.peak_range_s());
         let sum = |list: &[&str]| any_of(list, |n| format!("sum({n}{{{sel}}})"));
         let rate = |list: &[&str]| any_of(list, |n| format!("sum(rate({n}{{{sel}}}[{w}s]))"));
         let quant = |q: f64, list: &[&str]| {
@@ -107,7 +124,7 @@ impl PromSource {
             sum(names::PREFILL_QUEUE_TOKENS),
             rate(names::PROMPT_TOKENS),
             any_of(names::PROMPT_TOKENS, |n| {
-                format!("max_over_time(sum(rate({n}{{{sel}}}[{i}s]))[{w}s:{i}s])")
+                format!("max_over_time(sum(rate({n}{{{sel}}}[{r}s]))[{w}s:{i}s])")
             }),
             rate(names::GENERATION_TOKENS),
             rate(names::PREFIX_QUERIES),
@@ -150,7 +167,7 @@ impl PromSource {
             queued_prompt_tokens: n(4),
             prompt_rate: n(5),
             prompt_rate_peak: n(6),
-            peak_span_s: self.interval_s as f64,
+            peak_span_s: self.peak_range_s() as f64,
             generation_rate: n(7),
             prefix_hit_rate: if queries > 0.0 {
                 (n(9) / queries).clamp(0.0, 1.0)

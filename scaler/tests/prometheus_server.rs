@@ -1,0 +1,203 @@
+//! The Prometheus source against a real Prometheus server (Debian's `prometheus`, run
+//! here on loopback) scraping fake vLLM pods: every query the scaler sends is valid
+//! PromQL that real Prometheus answers, and the answers are the pool's load — only the
+//! selected pool's, summed over its pods, with rates and quantiles from real counters
+//! and histograms.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use preheat_scaler::prom::PromSource;
+
+/// A fake vLLM pod whose counters advance by `step` every 100 ms.
+struct Pod {
+    ticks: AtomicU64,
+    running: u32,
+    step: u64,
+}
+
+impl Pod {
+    fn text(&self) -> String {
+        let k = self.ticks.load(Ordering::Relaxed);
+        let prompt = k * self.step;
+        let generated = k * self.step / 4;
+        // Every request has a TTFT in (0.1, 0.25]: p50 and p90 fall in that bucket.
+        let requests = k;
+        format!(
+            "# TYPE vllm:num_requests_running gauge\n\
+             vllm:num_requests_running{{model_name=\"m\"}} {running}\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{model_name=\"m\"}} 3\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n\
+             vllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.4\n\
+             # TYPE vllm:prompt_tokens_total counter\n\
+             vllm:prompt_tokens_total{{model_name=\"m\"}} {prompt}\n\
+             # TYPE vllm:generation_tokens_total counter\n\
+             vllm:generation_tokens_total{{model_name=\"m\"}} {generated}\n\
+             # TYPE vllm:prefix_cache_queries_total counter\n\
+             vllm:prefix_cache_queries_total{{model_name=\"m\"}} {prompt}\n\
+             # TYPE vllm:prefix_cache_hits_total counter\n\
+             vllm:prefix_cache_hits_total{{model_name=\"m\"}} {hits}\n\
+             # TYPE vllm:time_to_first_token_seconds histogram\n\
+             vllm:time_to_first_token_seconds_bucket{{model_name=\"m\",le=\"0.1\"}} 0\n\
+             vllm:time_to_first_token_seconds_bucket{{model_name=\"m\",le=\"0.25\"}} {requests}\n\
+             vllm:time_to_first_token_seconds_bucket{{model_name=\"m\",le=\"+Inf\"}} {requests}\n\
+             vllm:time_to_first_token_seconds_sum{{model_name=\"m\"}} 0\n\
+             vllm:time_to_first_token_seconds_count{{model_name=\"m\"}} {requests}\n\
+             # TYPE preheat:startup_phase_seconds gauge\n\
+             preheat:startup_phase_seconds{{phase=\"first_token\",source=\"hot\"}} 2.5\n",
+            running = self.running,
+            hits = prompt / 4,
+        )
+    }
+}
+
+async fn serve_pod(pod: Arc<Pod>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(|State(p): State<Arc<Pod>>| async move { p.text() }),
+        )
+        .with_state(Arc::clone(&pod));
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            t.tick().await;
+            pod.ticks.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    addr.to_string()
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn prometheus_binary() -> Option<std::path::PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("prometheus"))
+            .find(|p| p.is_file())
+    });
+    preheat_testkit::present_or_skip(
+        found.is_some(),
+        "the prometheus server",
+        "apt-get install prometheus",
+    )
+    .then(|| found.unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
+    let Some(bin) = prometheus_binary() else {
+        return;
+    };
+    // Two decode pods (10,000 and 20,000 prompt tokens/s) and a prefill pod the decode
+    // selector must not see.
+    let pod = |running, step| {
+        Arc::new(Pod {
+            ticks: AtomicU64::new(0),
+            running,
+            step,
+        })
+    };
+    let d0 = serve_pod(pod(5, 1000)).await;
+    let d1 = serve_pod(pod(9, 2000)).await;
+    let p0 = serve_pod(pod(100, 50_000)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
+         scrape_configs:\n\
+         - job_name: engines\n\
+         \x20 static_configs:\n\
+         \x20 - targets: ['{d0}', '{d1}']\n\
+         \x20   labels: {{namespace: llm, pool: decode}}\n\
+         \x20 - targets: ['{p0}']\n\
+         \x20   labels: {{namespace: llm, pool: prefill}}\n"
+    );
+    std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let _prom = KillOnDrop(
+        Command::new(bin)
+            .arg(format!(
+                "--config.file={}",
+                dir.path().join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    // A 5 s window, ticks every 2 s, Prometheus scraping every 1 s: peak rates over
+    // max(2 + 1, 4 × 1) = 4 s.
+    let source = PromSource::new(client.clone(), &base, 5.0, 2.0).with_scrape_interval(1.0);
+    let sel = r#"namespace="llm",pool="decode""#;
+    let t0 = Instant::now();
+    let (signals, pods, startup) = loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "Prometheus never had a window of rates"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Not ready yet, or not enough samples: keep waiting; invalid PromQL is an
+        // error every time, and fails below.
+        match source.pool_signals(sel, Duration::from_secs(5)).await {
+            Ok(r)
+                if r.0.prompt_rate > 0.0
+                    && r.0.ttft_p50.is_some()
+                    && t0.elapsed() > Duration::from_secs(14) =>
+            {
+                break r;
+            }
+            _ => {}
+        }
+    };
+    for q in source.queries(sel) {
+        source
+            .query(&q, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|e| panic!("Prometheus refused {q}: {e}"));
+    }
+    assert_eq!(pods, 2, "the prefill pod is not in the decode selector");
+    assert_eq!(signals.running, 14.0);
+    assert_eq!(signals.waiting, 6.0);
+    assert!((signals.kv_usage - 0.4).abs() < 1e-9);
+    // 10 ticks/s × (1,000 + 2,000) tokens; timing jitter of the ticker and the scrapes.
+    let near = |x: f64, want: f64| (x / want - 1.0).abs() < 0.3;
+    assert!(near(signals.prompt_rate, 30_000.0), "{signals:?}");
+    assert!(near(signals.generation_rate, 7_500.0), "{signals:?}");
+    assert!(
+        signals.prompt_rate_peak >= signals.prompt_rate * 0.7,
+        "{signals:?}"
+    );
+    assert_eq!(signals.peak_span_s, 4.0);
+    assert!((signals.prefix_hit_rate - 0.25).abs() < 0.05, "{signals:?}");
+    for q in [signals.ttft_p50, signals.ttft_p90] {
+        let q = q.unwrap();
+        assert!(q > 0.1 && q <= 0.25, "{signals:?}");
+    }
+    assert_eq!(startup, Some(2.5));
+}
