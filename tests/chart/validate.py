@@ -2,12 +2,17 @@
 """Lints the Helm chart (strict), renders it for the default values and every variant
 in charts/preheat/ci/, and validates every rendered object: Kubernetes objects against
 the Kubernetes schemas (kubernetes-validate), ScaledObjects against KEDA's CRD schema in
-../shared/schemas/, plus the chart's own promises (least-privilege RBAC, probes, drain,
+../shared/schemas/, PrometheusRules with Prometheus' own `promtool check rules` (their
+metric names must be ones the scaler exposes), plus the chart's own promises (least-privilege RBAC, probes, drain,
 scale to zero, consistent names). Exit 0 when all hold; prints every problem."""
 
 import glob
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import helm_python
 import jsonschema
@@ -18,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHART = os.path.join(ROOT, "charts", "preheat")
 KEDA_CRD = os.path.join(ROOT, "..", "shared", "schemas", "keda.sh_scaledobjects.yaml")
 KUBE_VERSION = "1.33.0"
+SCALER_NAMES = os.path.join(ROOT, "scaler", "src", "signals", "names.rs")
 
 problems = []
 
@@ -33,6 +39,30 @@ def keda_schema():
         if v["name"] == "v1alpha1":
             return v["schema"]["openAPIV3Schema"]
     raise SystemExit("no v1alpha1 in the KEDA CRD")
+
+
+def check_rules(variant, name, rule):
+    """promtool (Debian's prometheus package) checks the PromQL; every preheat metric an
+    alert reads must be one the code exposes."""
+    exposed = set(re.findall(r'"(preheat:[a-z_]+)"', open(SCALER_NAMES).read()))
+    for group in rule["spec"].get("groups", []):
+        for r in group.get("rules", []):
+            for metric in re.findall(r"preheat:[a-z_]+", r.get("expr", "")):
+                if metric not in exposed:
+                    fail(variant, f"{name}: alert {r.get('alert')} reads {metric}, which nothing exposes")
+    promtool = shutil.which("promtool")
+    if not promtool:
+        if os.environ.get("PREHEAT_REQUIRE_FETCHED"):
+            fail(variant, "promtool missing (apt-get install prometheus)")
+        else:
+            print("skipping promtool: apt-get install prometheus", file=sys.stderr)
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump({"groups": rule["spec"]["groups"]}, f)
+        f.flush()
+        out = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(variant, f"{name}: promtool check rules: {out.stdout}{out.stderr}")
 
 
 def deep_merge(base, over):
@@ -70,11 +100,15 @@ def check_variant(variant, values, defaults, schema, dump):
         elif o["kind"] == "ServiceMonitor":
             if not o["spec"].get("endpoints"):
                 fail(variant, f"{name} has no endpoints")
+        elif o["kind"] == "PrometheusRule":
+            check_rules(variant, name, o)
         else:
             try:
                 kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
             except kubernetes_validate.ValidationError as e:
                 fail(variant, f"{name} fails the Kubernetes {KUBE_VERSION} schema: {e.message} at {list(e.path)}")
+    if merged["prometheusRule"]["enabled"] != bool(by_kind.get("PrometheusRule")):
+        fail(variant, "prometheusRule.enabled does not match the rendered PrometheusRules")
     names = lambda kind: {o["metadata"]["name"] for o in by_kind.get(kind, [])}
     deployments = names("Deployment")
     services = names("Service")
