@@ -126,10 +126,12 @@ def check_variant(variant, values, defaults, schema, dump):
     if not scaler_role:
         fail(variant, "no scaler Role")
     else:
-        resources = {res for rule in scaler_role[0]["rules"] for res in rule["resources"]}
+        resources = {res for rule in scaler_role[0].get("rules") or [] for res in rule["resources"]}
         direct = merged["scaler"]["mode"] == "direct"
         if ("deployments/scale" in resources) != direct:
             fail(variant, f"scaler Role has deployments/scale={('deployments/scale' in resources)} in mode {merged['scaler']['mode']}")
+        if ("pods" in resources) == bool(merged["scaler"]["prometheus"]["url"]):
+            fail(variant, "the scaler may list pods exactly when it finds them itself (no Prometheus)")
     # Workers: probes sized for loading, drain covered by the grace period, warm affinity.
     for d in by_kind.get("Deployment", []):
         pod = d["spec"]["template"]["spec"]
