@@ -13,7 +13,8 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 /// When this process began, for start-up phases: the spawner's clock when it passed
-/// `PREHEAT_SPAWNED_AT_UNIX_MS` (so exec and dynamic loading count), else now.
+/// `preheat_warmpool::standby::SPAWNED_AT_ENV` (so exec and dynamic loading count),
+/// else now.
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
 pub(crate) fn process_started() -> std::time::Instant {
@@ -22,18 +23,7 @@ pub(crate) fn process_started() -> std::time::Instant {
 
 fn main() -> ExitCode {
     let now = std::time::Instant::now();
-    let spawned_ago = std::env::var("PREHEAT_SPAWNED_AT_UNIX_MS")
-        .ok()
-        .and_then(|v| v.parse::<u128>().ok())
-        .and_then(|at| {
-            let unix = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .ok()?
-                .as_millis();
-            let ago = unix.checked_sub(at)?;
-            // A stale or skewed value is ignored rather than trusted.
-            (ago < 600_000).then(|| std::time::Duration::from_millis(ago as u64))
-        });
+    let spawned_ago = preheat_warmpool::standby::spawned_ago();
     let _ = STARTED.set(spawned_ago.and_then(|d| now.checked_sub(d)).unwrap_or(now));
     let cli = cli::Cli::parse();
     // Logs go to stderr so stdout stays clean for human output and --json.

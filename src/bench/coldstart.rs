@@ -24,7 +24,7 @@ use preheat_snapshot::residency;
 use serde_json::{Value, json};
 
 use crate::cli::BenchColdstartArgs;
-use crate::commands::up::{free_port, unix_ms};
+use crate::commands::up::free_port;
 use crate::commands::{human_bytes, outln};
 
 /// Phases in the order a start goes through them (server side).
@@ -74,7 +74,7 @@ fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Rep
             "--kv-cache-mib",
             &kv_mib.to_string(),
         ])
-        .env("PREHEAT_SPAWNED_AT_UNIX_MS", unix_ms().to_string())
+        .envs([preheat_warmpool::standby::spawned_at_now()])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null());

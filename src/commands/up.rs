@@ -197,7 +197,8 @@ impl PoolState {
         let port = free_port()?;
         let mut cmd = Command::new(std::env::current_exe()?);
         preheat_warmpool::standby::die_with_parent(&mut cmd);
-        cmd.env("PREHEAT_SPAWNED_AT_UNIX_MS", unix_ms().to_string())
+        let (k, v) = preheat_warmpool::standby::spawned_at_now();
+        cmd.env(k, v)
             .kill_on_drop(true)
             .args(["engine", self.role, "--model"])
             .arg(snap)
@@ -292,13 +293,6 @@ impl PoolState {
             self.publish();
         }
     }
-}
-
-/// Now as Unix milliseconds: what `PREHEAT_SPAWNED_AT_UNIX_MS` carries.
-pub(crate) fn unix_ms() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
 }
 
 /// The warm-pool agent's view of this machine: one model, staged into `<cache>/node`

@@ -116,13 +116,8 @@ impl StandbyPool {
                 .ok_or_else(|| Error::Invalid("empty standby command".into()))?;
             let mut cmd = Command::new(prog);
             die_with_parent(&mut cmd);
-            cmd.args(rest).kill_on_drop(true).env(
-                "PREHEAT_SPAWNED_AT_UNIX_MS",
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis())
-                    .to_string(),
-            );
+            let (k, v) = spawned_at_now();
+            cmd.args(rest).kill_on_drop(true).env(k, v);
             if let Some(dir) = &self.log_dir {
                 let path = dir.join(format!("{}-standby-{port}.log", self.spec.pool));
                 let f = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
@@ -211,6 +206,31 @@ impl StandbyPool {
             let _ = c.kill().await;
         }
     }
+}
+
+/// Set by whoever spawns a replica, read by the replica: the spawner's clock at the
+/// spawn, so start-up phases count exec and dynamic loading too, not only from `main`.
+pub const SPAWNED_AT_ENV: &str = "PREHEAT_SPAWNED_AT_UNIX_MS";
+
+/// `(SPAWNED_AT_ENV, now)` for a `Command::env` call at the spawn.
+#[must_use]
+pub fn spawned_at_now() -> (&'static str, String) {
+    (SPAWNED_AT_ENV, unix_ms().to_string())
+}
+
+/// In the replica: how long ago its spawner stamped it; `None` when unset, or stale or
+/// skewed (over 10 minutes, or in the future), which is ignored rather than trusted.
+#[must_use]
+pub fn spawned_ago() -> Option<std::time::Duration> {
+    let at: u128 = std::env::var(SPAWNED_AT_ENV).ok()?.parse().ok()?;
+    let ago = unix_ms().checked_sub(at)?;
+    (ago < 600_000).then(|| std::time::Duration::from_millis(u64::try_from(ago).unwrap_or(0)))
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 /// Makes the child receive SIGTERM (and drain) when the process that started it
