@@ -6,8 +6,8 @@ mod harness;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{KillOnDrop, free_port, preheat, wait_healthy};
-use preheat_testkit::{model_fixture, shared};
+use harness::{preheat, wait_healthy};
+use preheat_testkit::{KillOnDrop, free_port, model_fixture, shared};
 
 fn serve_tiny() -> (KillOnDrop, String) {
     let port = free_port();

@@ -5,8 +5,7 @@ mod harness;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::free_port;
-use preheat_testkit::model_fixture;
+use preheat_testkit::{free_port, model_fixture};
 
 #[test]
 fn serve_answers_then_drains_and_exits_on_sigterm() {

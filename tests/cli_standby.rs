@@ -8,8 +8,7 @@ mod harness;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use harness::{KillOnDrop, free_port};
-use preheat_testkit::model_fixture;
+use preheat_testkit::{KillOnDrop, free_port, model_fixture};
 use serde_json::{Value, json};
 
 fn spawn(args: &[&str]) -> KillOnDrop {

@@ -9,10 +9,10 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{free_port, preheat};
+use harness::preheat;
 use preheat_scaler::proto::ScaledObjectRef;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
-use preheat_testkit::shared;
+use preheat_testkit::{free_port, shared};
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 

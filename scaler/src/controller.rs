@@ -281,7 +281,11 @@ impl Tick<'_> {
         for p in &mut m.pools {
             let (signals, current, startup) = self.observe(p, t, filter).await;
             p.last_current = current;
-            let (endpoints_ok, endpoints_failed) = (signals.endpoints_ok, signals.endpoints_failed);
+            let (endpoints_ok, endpoints_failed, blind) = (
+                signals.endpoints_ok,
+                signals.endpoints_failed,
+                signals.is_blind(),
+            );
             let obs = Observation {
                 current,
                 held_requests: held,
@@ -306,6 +310,7 @@ impl Tick<'_> {
                     current,
                     endpoints_ok,
                     endpoints_failed,
+                    blind,
                     reason: d.reason,
                 },
             );

@@ -39,15 +39,9 @@ pub struct PoolStatus {
     pub current: u32,
     pub endpoints_ok: usize,
     pub endpoints_failed: usize,
+    /// [`crate::signals::PoolSignals::is_blind`] of the tick: held, not sized.
+    pub blind: bool,
     pub reason: &'static str,
-}
-
-impl PoolStatus {
-    /// Every endpoint failed: the pool is held, not sized.
-    #[must_use]
-    pub fn blind(&self) -> bool {
-        self.endpoints_ok == 0 && self.endpoints_failed > 0
-    }
 }
 
 /// Decisions shared between the control loop (writer) and the gRPC service (readers).

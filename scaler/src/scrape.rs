@@ -117,8 +117,9 @@ impl FailureLog {
         }
         // Endpoints that are gone (scaled away) are forgotten.
         if self.failing.len() > failed.len() {
-            self.failing
-                .retain(|url, _| failed.iter().any(|f| &f.url == url));
+            let now: std::collections::HashSet<&str> =
+                failed.iter().map(|f| f.url.as_str()).collect();
+            self.failing.retain(|url, _| now.contains(url.as_str()));
         }
     }
 

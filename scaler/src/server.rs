@@ -76,7 +76,7 @@ fn render(store: &DecisionStore, models: &[String]) -> String {
         &mut out,
         own::BLIND,
         "1 while every endpoint of the pool fails (held, not sized)",
-        &|m, p| one(f64::from(u8::from(store.status(m, p).blind()))),
+        &|m, p| one(f64::from(u8::from(store.status(m, p).blind))),
     );
     family(
         &mut out,

@@ -39,14 +39,6 @@ fn engine_text(running: u32) -> String {
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn sref(pool: &str) -> ScaledObjectRef {
     ScaledObjectRef {
         name: format!("llama-{pool}"),
@@ -68,7 +60,7 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         fake(d1.clone()).await,
         fake(gw.clone()).await,
     );
-    let (gport, hport) = (free_port(), free_port());
+    let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
     let sets = vec![
         format!("grpc_listen=127.0.0.1:{gport}"),
         format!("http_listen=127.0.0.1:{hport}"),

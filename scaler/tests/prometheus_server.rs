@@ -4,7 +4,7 @@
 //! selected pool's, summed over its pods, with rates and quantiles from real counters
 //! and histograms.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -13,6 +13,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use preheat_scaler::prom::PromSource;
+use preheat_testkit::{KillOnDrop, free_port};
 
 /// A fake vLLM pod whose counters advance by `step` every 100 ms.
 struct Pod {
@@ -77,15 +78,6 @@ async fn serve_pod(pod: Arc<Pod>) -> String {
     addr.to_string()
 }
 
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn prometheus_binary() -> Option<std::path::PathBuf> {
     let found = std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -129,10 +121,7 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
          \x20   labels: {{namespace: llm, pool: prefill}}\n"
     );
     std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let _prom = KillOnDrop(
         Command::new(bin)
             .arg(format!(

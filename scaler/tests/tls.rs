@@ -124,10 +124,7 @@ async fn call(endpoint: &str, tls: Option<ClientTlsConfig>) -> Result<bool, Stri
 async fn mutual_tls_admits_only_clients_with_a_certificate_from_the_ca() {
     let dir = tempfile::tempdir().unwrap();
     make_certs(dir.path());
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = preheat_testkit::free_port();
     let d = dir.path().display();
     let cfg = Config::load(
         None,

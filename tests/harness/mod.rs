@@ -3,14 +3,7 @@
 
 use std::process::{Command, Output};
 
-/// A port free now (bound and released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use preheat_testkit::KillOnDrop;
 
 /// Runs `preheat ARGS…` to completion.
 pub fn preheat<I, S>(args: I) -> Output
@@ -52,9 +45,6 @@ where
     serde_json::from_str(&s).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
 
-/// A spawned process killed (and reaped) when the test lets go of it.
-pub struct KillOnDrop(pub std::process::Child);
-
 /// Starts `preheat ARGS…` in the background (stdout discarded, quiet logs on
 /// `stderr`); killed when dropped.
 pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
@@ -67,13 +57,6 @@ pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
             .spawn()
             .expect("spawn preheat"),
     )
-}
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// Waits until `GET /health` on `port` answers 200 (a server answers 503 while its
