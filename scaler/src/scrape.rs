@@ -110,7 +110,7 @@ impl FailureLog {
                     scraping = what,
                     endpoint = %f.url,
                     reason = %f.reason,
-                    "endpoint failed; its pool is not read as idle while it fails"
+                    "endpoint failed (never read as idle while it fails)"
                 );
                 self.failing.insert(f.url.clone(), f.reason.clone());
             }
