@@ -370,18 +370,13 @@ models:
 "#;
 
     fn load(yaml: &str, sets: &[&str]) -> Result<Config> {
-        let dir = std::env::temp_dir().join(format!(
-            "preheat-cfg-{}-{}",
-            std::process::id(),
-            yaml.len() + sets.len()
-        ));
-        std::fs::write(&dir, yaml).unwrap();
-        let r = Config::load(
-            Some(&dir),
+        // A file of its own per call: tests run in parallel.
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), yaml).unwrap();
+        Config::load(
+            Some(file.path()),
             &sets.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>(),
-        );
-        let _ = std::fs::remove_file(&dir);
-        r
+        )
     }
 
     #[test]
