@@ -269,13 +269,45 @@ pub enum EngineCmd {
 
 #[derive(Debug, Args)]
 pub struct GatewayArgs {
+    /// The served model, read for its manifest and tokenizer only (no weights): a
+    /// snapshot or packed snapshot as a path or http(s) URL (Range reads), or a
+    /// Hugging Face directory or .gguf file (converted, as workers do). With it the
+    /// gateway is ready at once and holds requests while both pools are at zero;
+    /// without it, the first worker to register sets the model.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Name clients use in the `model` field (default: the file name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Tokens per KV block, as the workers are started with.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Seconds a request waits for a decode worker when none is registered.
+    /// Seconds a request waits for a decode worker when none is registered; then
+    /// 503 with Retry-After.
     #[arg(long, default_value_t = 300)]
     pub hold_timeout_secs: u64,
+    /// Seconds SIGTERM waits for in-flight (and held) requests before exiting.
+    #[arg(long, default_value_t = 30)]
+    pub drain_grace_secs: u64,
+    /// Kubernetes: find the workers as the Ready endpoints of these Services' pods
+    /// (EndpointSlices in --discover-namespace) instead of taking registrations; every
+    /// gateway replica sees the same workers. Needs --model.
+    #[arg(long, requires_all = ["prefill_service", "decode_service", "model"])]
+    pub discover_namespace: Option<String>,
+    /// The prefill pool's Service (with --discover-namespace).
+    #[arg(long, requires = "discover_namespace")]
+    pub prefill_service: Option<String>,
+    /// The decode pool's Service (with --discover-namespace).
+    #[arg(long, requires = "discover_namespace")]
+    pub decode_service: Option<String>,
+    /// Kubernetes API base URL (default: the in-cluster service account, else the local
+    /// kubeconfig).
+    #[arg(long, requires = "discover_namespace")]
+    pub kube_api_url: Option<String>,
     /// Prompts shorter than this are prefilled on the decode worker itself.
     #[arg(long, default_value_t = 32)]
     pub disagg_min_tokens: usize,
@@ -288,9 +320,10 @@ pub struct GatewayArgs {
 pub struct WorkerArgs {
     #[command(flatten)]
     pub serve: ServeArgs,
-    /// Gateway base URL to register with.
+    /// Gateway base URL to register with. Omit where the gateway discovers its workers
+    /// (Kubernetes: the pools' EndpointSlices); the worker then only serves.
     #[arg(long)]
-    pub gateway: String,
+    pub gateway: Option<String>,
     /// URL the gateway and other workers use to reach this one (default:
     /// http://HOST:PORT).
     #[arg(long)]

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod commands;
+mod endpoint_slices;
 mod plot;
 mod progress_bar;
 

@@ -244,3 +244,125 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         assert!(plot.contains(">decode</text>") && plot.contains("TTFT p90"));
     });
 }
+
+/// `preheat up ARGS` on loopback ports with `cache` as its cache; its stderr goes to
+/// `stderr`.
+fn up(cache: &std::path::Path, args: &[&str], stderr: Stdio) -> (Up, String) {
+    let (gport, sport) = (free_port(), free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_preheat"))
+        .args([
+            "up",
+            "--port",
+            &gport.to_string(),
+            "--scaler-listen",
+            &format!("127.0.0.1:{sport}"),
+            "--idle-grace",
+            "60s",
+        ])
+        .args(args)
+        .arg("--cache-dir")
+        .arg(cache)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    (Up(child), format!("http://127.0.0.1:{gport}"))
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// One completion through `gw` (waiting for the gateway to listen), its status and body.
+async fn one_completion(gw: &str) -> (u16, Value) {
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    loop {
+        let r = c
+            .post(format!("{gw}/v1/completions"))
+            .json(&json!({"prompt": "hello", "max_tokens": 4}))
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await;
+        match r {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                return (status, r.json().await.unwrap_or(Value::Null));
+            }
+            Err(e) if e.is_connect() && t0.elapsed() < Duration::from_secs(120) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn regression_up_served_a_stale_staged_model_after_switching_models() {
+    // The bug: both runs staged their model as `node/default.preheat`, so the second
+    // run's workers served the first run's model, the gateway refused them (another
+    // KV compatibility hash) and every request failed.
+    let cache = tempfile::tempdir().unwrap();
+    {
+        let (_up, gw) = up(cache.path(), &[], Stdio::null());
+        let (status, body) = rt().block_on(one_completion(&gw));
+        assert_eq!(status, 200, "embedded model: {body}");
+    }
+    let fixture = preheat_testkit::model_fixture("llama-tiny");
+    let (_up, gw) = up(
+        cache.path(),
+        &["--model", fixture.to_str().unwrap()],
+        Stdio::null(),
+    );
+    let (status, body) = rt().block_on(one_completion(&gw));
+    assert_eq!(status, 200, "after switching --model: {body}");
+}
+
+#[test]
+fn up_stops_with_the_workers_own_error_when_they_cannot_start() {
+    // Workers that die at start are restarted with growing pauses, and after a few
+    // quick deaths `up` stops, saying why in the workers' own words; the request it
+    // held fails at once with that reason instead of after the hold time.
+    let cache = tempfile::tempdir().unwrap();
+    let log = cache.path().join("up.stderr");
+    let (mut up, gw) = up(
+        cache.path(),
+        &["--kv-cache-mib", "0"],
+        Stdio::from(std::fs::File::create(&log).unwrap()),
+    );
+    let t0 = Instant::now();
+    let (status, body) = rt().block_on(one_completion(&gw));
+    assert_eq!(status, 503, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("--kv-cache-mib must be > 0"), "{body}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(100),
+        "failed only after {:?}",
+        t0.elapsed()
+    );
+    let status = loop {
+        if let Some(s) = up.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "up kept running");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success());
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        err.contains("cannot start") && err.contains("--kv-cache-mib must be > 0"),
+        "{err}"
+    );
+    let logs = std::fs::read_dir(cache.path().join("logs"))
+        .unwrap()
+        .count();
+    assert!(
+        logs <= 12,
+        "{logs} worker logs: workers were respawned without pause"
+    );
+}

@@ -20,6 +20,13 @@ pub enum EngineError {
     /// The engine is not ready (loading) or is shutting down.
     #[error("{0}")]
     Unavailable(String),
+    /// No worker took the request: a pool at zero did not wake within the hold time,
+    /// or its workers cannot start. Retry after the given seconds.
+    #[error("{message}")]
+    NoWorkers {
+        message: String,
+        retry_after_secs: u64,
+    },
     /// Model files are missing or inconsistent.
     #[error("model: {0}")]
     Model(String),

@@ -2,7 +2,7 @@
 //! splits a UTF-8 character across stream chunks, and stop strings.
 
 use minijinja::{Environment, Value as JValue};
-use preheat_snapshot::Snapshot;
+use preheat_snapshot::{Manifest, ModelCard, Snapshot};
 use serde::Serialize;
 
 use crate::{EngineError, Result};
@@ -40,10 +40,17 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Loads the tokenizer embedded in a snapshot.
     pub fn from_snapshot(snap: &Snapshot) -> Result<Self> {
-        let m = snap.manifest();
-        let json = snap
-            .tokenizer_json()?
-            .ok_or_else(|| EngineError::Tokenizer("the snapshot has no tokenizer".into()))?;
+        Self::from_manifest(snap.manifest(), snap.tokenizer_json()?)
+    }
+
+    /// The tokenizer a model card describes (a gateway's, with no weights loaded).
+    pub fn from_card(card: &ModelCard) -> Result<Self> {
+        Self::from_manifest(&card.manifest, card.tokenizer_json.as_deref())
+    }
+
+    fn from_manifest(m: &Manifest, json: Option<&[u8]>) -> Result<Self> {
+        let json =
+            json.ok_or_else(|| EngineError::Tokenizer("the snapshot has no tokenizer".into()))?;
         let inner = tokenizers::Tokenizer::from_bytes(json)
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let sec = m.tokenizer.as_ref();

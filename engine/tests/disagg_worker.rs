@@ -58,7 +58,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
     let opts = WorkerOptions {
         serve,
         role: WorkerRole::Decode,
-        gateway: gw,
+        gateway: Some(gw),
         advertise: decode.clone(),
         heartbeat: Duration::from_millis(200),
         transfer_timeout: Duration::from_secs(5),
@@ -163,7 +163,7 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
     let opts = WorkerOptions {
         serve,
         role: WorkerRole::Prefill,
-        gateway: gw,
+        gateway: Some(gw),
         advertise: prefill.clone(),
         heartbeat: Duration::from_millis(100),
         transfer_timeout: Duration::from_secs(5),

@@ -112,6 +112,13 @@ pub struct ModelConfig {
     /// Gateway `/metrics` URLs (held requests come from here).
     #[serde(default)]
     pub gateway: Vec<String>,
+    /// Label selector of the gateway pods, each scraped (with several replicas behind
+    /// one Service, a request held at any of them must be seen).
+    #[serde(default)]
+    pub gateway_selector: Option<String>,
+    /// Port of a discovered gateway pod's `/metrics`.
+    #[serde(default = "default_metrics_port")]
+    pub gateway_port: u16,
     pub prefill: PoolConfig,
     pub decode: PoolConfig,
 }
@@ -134,7 +141,10 @@ pub struct PoolConfig {
     /// read from `prometheus_url` instead of scraping.
     #[serde(default)]
     pub prometheus_selector: Option<String>,
-    /// Direct mode: the Deployment whose replicas this pool sets.
+    /// The pool's Deployment. Its replicas are read whenever the metrics cannot say
+    /// how many the pool has (a restart, a watch not yet listed, a Prometheus
+    /// outage), so a pool is held at its real size; in direct mode the scaler also
+    /// sets them.
     #[serde(default)]
     pub deployment: Option<String>,
     #[serde(flatten)]

@@ -35,14 +35,19 @@ struct PoolLoop {
     deployment: Option<String>,
     /// Replicas last set in direct mode.
     applied: Option<u32>,
-    /// Replicas last known, for ticks where the source cannot say.
-    last_current: u32,
+    /// Replicas last known, for ticks where the source cannot say; `None` until
+    /// known (a starting scaler decides nothing before it knows what a pool has).
+    last_current: Option<u32>,
+    /// Whether the "replicas unknown" warning was logged since the count was last known.
+    unknown_logged: bool,
     failures: FailureLog,
 }
 
 struct ModelLoop {
     cfg: ModelConfig,
     pools: Vec<PoolLoop>,
+    /// Gateway pods found by `gateway_selector`, scraped besides `gateway` URLs.
+    gateway_pods: Option<PodSet>,
     gateway_failures: FailureLog,
 }
 
@@ -90,14 +95,17 @@ impl Controller {
         self
     }
 
-    /// Whether `cfg` needs a Kubernetes client.
+    /// Whether `cfg` needs a Kubernetes client: pods to watch, or Deployments whose
+    /// replicas are read (both modes) or set (direct mode).
     #[must_use]
     pub fn needs_kube(cfg: &Config) -> bool {
         cfg.mode == Mode::Direct
-            || cfg
-                .models
-                .iter()
-                .any(|m| m.prefill.selector.is_some() || m.decode.selector.is_some())
+            || cfg.models.iter().any(|m| {
+                m.gateway_selector.is_some()
+                    || [&m.prefill, &m.decode]
+                        .iter()
+                        .any(|p| p.selector.is_some() || p.deployment.is_some())
+            })
     }
 
     fn source(&self, model: &str, pool: Pool, p: &PoolConfig) -> Source {
@@ -139,10 +147,21 @@ impl Controller {
                         source: self.source(&m.name, pool, p),
                         deployment: p.deployment.clone(),
                         applied: None,
-                        last_current: 0,
+                        last_current: None,
+                        unknown_logged: false,
                         failures: FailureLog::default(),
                     })
                     .collect(),
+                gateway_pods: match (&m.gateway_selector, &self.kube) {
+                    (Some(sel), Some(client)) => Some(PodSet::watch(
+                        client.clone(),
+                        &self.cfg.kubernetes.namespace,
+                        sel,
+                        m.gateway_port,
+                        "/metrics",
+                    )),
+                    _ => None,
+                },
                 gateway_failures: FailureLog::default(),
             })
             .collect();
@@ -153,7 +172,8 @@ impl Controller {
             prom: prom.as_ref(),
             timeout: Duration::from_secs_f64(self.cfg.scrape_timeout_s),
             store: &self.store,
-            kube: self.kube.as_ref().filter(|_| self.cfg.mode == Mode::Direct),
+            kube: self.kube.as_ref(),
+            direct: self.cfg.mode == Mode::Direct,
             namespace: &self.cfg.kubernetes.namespace,
         };
         loop {
@@ -172,8 +192,9 @@ struct Tick<'a> {
     prom: Option<&'a PromSource>,
     timeout: Duration,
     store: &'a DecisionStore,
-    /// Set in direct mode only.
     kube: Option<&'a kube::Client>,
+    /// Direct mode: the scaler sets the Deployments' replicas itself.
+    direct: bool,
     namespace: &'a str,
 }
 
@@ -207,7 +228,7 @@ impl Tick<'_> {
         p: &mut PoolLoop,
         t: f64,
         filter: Option<&str>,
-    ) -> (PoolSignals, u32, Option<f64>) {
+    ) -> (PoolSignals, Option<u32>, Option<f64>) {
         let blind = |why: &str| {
             let s = PoolSignals {
                 endpoints_failed: 1,
@@ -234,28 +255,47 @@ impl Tick<'_> {
                 let startup = startup_of(ok.iter().map(|(_, r)| r));
                 // Static endpoints all exist, answering or not.
                 let current = u32::try_from(ok.len() + failed.len()).unwrap_or(u32::MAX);
-                (p.windows.tick(t, ok, &failed), current, startup)
+                (p.windows.tick(t, ok, &failed), Some(current), startup)
             }
             Source::Pods(set) => {
                 if !set.synced() {
-                    return (blind("pod watch has not listed yet"), p.last_current, None);
+                    let current = self.real_replicas(p).await;
+                    return (blind("pod watch has not listed yet"), current, None);
                 }
                 let view = set.view();
                 let urls: Vec<String> = view.ready.values().cloned().collect();
                 let (ok, failed) = self.scrape(p, &urls, filter).await;
                 let startup = startup_of(ok.iter().map(|(_, r)| r));
-                (p.windows.tick(t, ok, &failed), view.current, startup)
+                (p.windows.tick(t, ok, &failed), Some(view.current), startup)
             }
             Source::Prometheus(sel) => {
                 let Some(prom) = self.prom else {
-                    return (blind("no prometheus_url"), p.last_current, None);
+                    let current = self.real_replicas(p).await;
+                    return (blind("no prometheus_url"), current, None);
                 };
                 match prom.pool_signals(sel, self.timeout).await {
-                    Ok((s, pods, startup)) => (s, pods, startup),
-                    Err(e) => (blind(&e.to_string()), p.last_current, None),
+                    Ok((s, pods, startup)) => (s, Some(pods), startup),
+                    Err(e) => {
+                        let current = self.real_replicas(p).await;
+                        (blind(&e.to_string()), current, None)
+                    }
                 }
             }
         }
+    }
+
+    /// What a pool has when its source cannot say: the Deployment's replicas (read
+    /// through the scale subresource), else the last count seen, else unknown.
+    async fn real_replicas(&self, p: &PoolLoop) -> Option<u32> {
+        if let (Some(client), Some(deploy)) = (self.kube, &p.deployment) {
+            match crate::kube::deployment_replicas(client.clone(), self.namespace, deploy).await {
+                Ok(n) => return Some(n),
+                Err(e) => {
+                    tracing::warn!(pool = p.pool.as_str(), error = %e, "reading the pool's replicas")
+                }
+            }
+        }
+        p.last_current
     }
 
     /// Scrapes a pool's endpoints; failures are logged when they change and returned
@@ -274,13 +314,37 @@ impl Tick<'_> {
 
     async fn decide_model(&self, m: &mut ModelLoop, t: f64) {
         let filter = m.cfg.metrics_model_name.as_deref();
-        let (gw, gw_failed) = scrape_all(self.client, &m.cfg.gateway, filter, self.timeout).await;
+        let mut gateways = m.cfg.gateway.clone();
+        if let Some(set) = &m.gateway_pods {
+            gateways.extend(set.view().ready.into_values());
+        }
+        let (gw, gw_failed) = scrape_all(self.client, &gateways, filter, self.timeout).await;
         m.gateway_failures
             .note("gateway", gw.iter().map(|(u, _)| u.as_str()), &gw_failed);
         let held: f64 = gw.iter().filter_map(|(_, r)| r.gateway_pending).sum();
         for p in &mut m.pools {
             let (signals, current, startup) = self.observe(p, t, filter).await;
-            p.last_current = current;
+            let Some(current) = current else {
+                // Acting on a guess could shrink a serving pool: decide nothing, and
+                // KEDA is told the pool is not decided yet (HPA then keeps its size).
+                if !p.unknown_logged {
+                    tracing::warn!(model = %m.cfg.name, pool = p.pool.as_str(), "the pool's replica count is unknown (no signals, no readable Deployment): not deciding");
+                    p.unknown_logged = true;
+                }
+                self.store.set_status(
+                    &m.cfg.name,
+                    p.pool,
+                    PoolStatus {
+                        endpoints_failed: signals.endpoints_failed,
+                        blind: true,
+                        reason: "replicas unknown: not deciding",
+                        ..PoolStatus::default()
+                    },
+                );
+                continue;
+            };
+            p.last_current = Some(current);
+            p.unknown_logged = false;
             let (endpoints_ok, endpoints_failed, blind) = (
                 signals.endpoints_ok,
                 signals.endpoints_failed,
@@ -315,7 +379,7 @@ impl Tick<'_> {
                 },
             );
             let replicas = if d.active { d.desired } else { 0 };
-            if let (Some(client), Some(deploy)) = (self.kube, &p.deployment)
+            if let (true, Some(client), Some(deploy)) = (self.direct, self.kube, &p.deployment)
                 && p.applied != Some(replicas)
             {
                 match crate::kube::scale_deployment(

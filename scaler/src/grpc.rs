@@ -55,7 +55,8 @@ pub struct DecisionStore {
 }
 
 impl DecisionStore {
-    /// A store for `models`; every pool starts inactive at zero until decided.
+    /// A store for `models`; a pool has no decision until the control loop knows its
+    /// real replica count (KEDA is then told "unavailable", never a made-up 0).
     #[must_use]
     pub fn new(models: Vec<String>) -> Arc<Self> {
         Arc::new(DecisionStore {
@@ -89,15 +90,23 @@ impl DecisionStore {
         }
     }
 
+    /// The latest decision; `None` before the first (a starting scaler).
     #[must_use]
-    pub fn get(&self, model: &str, pool: Pool) -> PoolDecision {
+    pub fn get(&self, model: &str, pool: Pool) -> Option<PoolDecision> {
         let st = self.state.read().unwrap_or_else(|e| e.into_inner());
-        st.get(&(model.to_owned(), pool))
-            .copied()
-            .unwrap_or(PoolDecision {
-                desired: 0,
-                active: false,
-            })
+        st.get(&(model.to_owned(), pool)).copied()
+    }
+
+    /// The latest decision, or the gRPC error KEDA gets while there is none: HPA
+    /// keeps a Deployment's replicas while its metric cannot be read, and KEDA keeps
+    /// activation as it was while `IsActive` fails, so a restart changes nothing.
+    fn decided(&self, model: &str, pool: Pool) -> Result<PoolDecision, Status> {
+        self.get(model, pool).ok_or_else(|| {
+            Status::unavailable(format!(
+                "no decision yet for {model}/{}: the scaler is starting and has not read the pool's replicas",
+                pool.as_str()
+            ))
+        })
     }
 
     /// Records what the last tick saw of a pool (KEDA never reads this; `/metrics` does).
@@ -186,7 +195,7 @@ impl ExternalScaler for ScalerService {
     ) -> Result<Response<IsActiveResponse>, Status> {
         let (model, pool) = self.store.resolve(&req.get_ref().scaler_metadata)?;
         Ok(Response::new(IsActiveResponse {
-            result: self.store.get(&model, pool).active,
+            result: self.store.decided(&model, pool)?.active,
         }))
     }
 
@@ -201,8 +210,19 @@ impl ExternalScaler for ScalerService {
         let mut rx = store.version.subscribe();
         let (tx, out) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
-            // The current state at once, then every change of this pool's activity.
-            let mut last = store.get(&model, pool).active;
+            // The current state at once (once there is one: a starting scaler says
+            // nothing rather than a made-up "inactive"), then every change.
+            let mut last = loop {
+                if store.is_closed() {
+                    return;
+                }
+                if let Some(d) = store.get(&model, pool) {
+                    break d.active;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            };
             if tx
                 .send(Ok(IsActiveResponse { result: last }))
                 .await
@@ -214,7 +234,9 @@ impl ExternalScaler for ScalerService {
                 if store.is_closed() {
                     return;
                 }
-                let now = store.get(&model, pool).active;
+                let Some(now) = store.get(&model, pool).map(|d| d.active) else {
+                    continue;
+                };
                 if now != last {
                     last = now;
                     if tx.send(Ok(IsActiveResponse { result: now })).await.is_err() {
@@ -253,7 +275,7 @@ impl ExternalScaler for ScalerService {
             .map(|s| s.scaler_metadata.clone())
             .unwrap_or_default();
         let (model, pool) = self.store.resolve(&meta)?;
-        let d = self.store.get(&model, pool);
+        let d = self.store.decided(&model, pool)?;
         Ok(Response::new(GetMetricsResponse {
             metric_values: vec![MetricValue {
                 metric_name: metric_name(&model, pool),

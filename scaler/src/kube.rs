@@ -11,7 +11,9 @@
 //!     verbs: [list, watch]          # discovery
 //!   - apiGroups: [apps]
 //!     resources: [deployments/scale]
-//!     verbs: [get, patch]           # direct mode only
+//!     resourceNames: [the pools' Deployments]
+//!     verbs: [get]                  # a pool's real size when its metrics cannot say
+//!     # + patch in direct mode
 //! ```
 
 use std::collections::BTreeMap;
@@ -133,6 +135,21 @@ impl PodSet {
         }
         v
     }
+}
+
+/// `deployment`'s desired replicas, read through the scale subresource: what a pool
+/// has when its metrics cannot say (a starting scaler, a watch not yet listed, a
+/// Prometheus outage).
+pub async fn deployment_replicas(client: Client, namespace: &str, deployment: &str) -> Result<u32> {
+    let api: Api<Deployment> = Api::namespaced(client, namespace);
+    let scale = api
+        .get_scale(deployment)
+        .await
+        .map_err(|e| ScalerError::Kube(format!("read scale {namespace}/{deployment}: {e}")))?;
+    Ok(scale
+        .spec
+        .and_then(|s| s.replicas)
+        .map_or(0, |r| u32::try_from(r).unwrap_or(0)))
 }
 
 /// Sets `deployment`'s replicas through the scale subresource (direct mode); returns

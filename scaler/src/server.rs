@@ -46,13 +46,21 @@ fn render(store: &DecisionStore, models: &[String]) -> String {
         &mut out,
         own::DESIRED,
         "Replicas the policy wants per pool",
-        &|m, p| one(f64::from(store.get(m, p).desired)),
+        &|m, p| {
+            store
+                .get(m, p)
+                .map_or_else(Vec::new, |d| one(f64::from(d.desired)))
+        },
     );
     family(
         &mut out,
         own::ACTIVE,
         "Whether the pool is active (KEDA activation)",
-        &|m, p| one(f64::from(u8::from(store.get(m, p).active))),
+        &|m, p| {
+            store
+                .get(m, p)
+                .map_or_else(Vec::new, |d| one(f64::from(u8::from(d.active))))
+        },
     );
     family(
         &mut out,

@@ -88,15 +88,18 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
     let desired = |c: &mut ExternalScalerClient<tonic::transport::Channel>, pool: &'static str| {
         let mut c = c.clone();
         async move {
-            c.get_metrics(GetMetricsRequest {
-                scaled_object_ref: Some(sref(pool)),
-                metric_name: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .metric_values[0]
-                .metric_value
+            match c
+                .get_metrics(GetMetricsRequest {
+                    scaled_object_ref: Some(sref(pool)),
+                    metric_name: String::new(),
+                })
+                .await
+            {
+                Ok(r) => r.into_inner().metric_values[0].metric_value,
+                // Before its first tick the scaler has no decision and says so.
+                Err(s) if s.code() == tonic::Code::Unavailable => -1,
+                Err(s) => panic!("{s}"),
+            }
         }
     };
     // 1200 running sequences, ~230 per replica at a 45 ms ITL budget → about 6.

@@ -98,12 +98,28 @@ async fn stream_is_active_answers_at_once_then_on_every_change() {
     let (store, mut c) = start(&["llama"]).await;
     let meta = [("pool", "prefill"), ("model", "llama")];
     let mut s = c.stream_is_active(sref(&meta)).await.unwrap().into_inner();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), s.next())
+            .await
+            .is_err(),
+        "a pool with no decision yet gets no answer (not a made-up \"inactive\")"
+    );
+    let e = c.is_active(sref(&meta)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    store.set(
+        "llama",
+        Pool::Prefill,
+        PoolDecision {
+            desired: 0,
+            active: false,
+        },
+    );
     let first = tokio::time::timeout(Duration::from_secs(1), s.next())
         .await
         .unwrap()
         .unwrap()
         .unwrap();
-    assert!(!first.result, "a pool with no decision yet is inactive");
+    assert!(!first.result, "the first decision is sent at once");
     // Another pool changing does not wake this stream with a duplicate.
     store.set(
         "llama",

@@ -27,6 +27,11 @@ struct Fake {
     scaled: BTreeMap<String, i64>,
     list_selectors: Vec<String>,
     patches: usize,
+    /// Every replica count patched, in order (a restart must never patch one lower
+    /// than the Deployment had).
+    history: Vec<(String, i64)>,
+    /// Pod lists never answer (a watch that has not listed yet).
+    list_hangs: bool,
 }
 
 type Shared = Arc<Mutex<Fake>>;
@@ -57,6 +62,9 @@ async fn pods(State(s): State<Shared>, Query(q): Query<BTreeMap<String, String>>
             .body(Body::from_stream(stream))
             .unwrap();
     }
+    if s.lock().unwrap().list_hangs {
+        std::future::pending::<()>().await;
+    }
     let mut f = s.lock().unwrap();
     f.list_selectors
         .push(q.get("labelSelector").cloned().unwrap_or_default());
@@ -83,6 +91,23 @@ async fn scale(
     }
     let replicas = v["spec"]["replicas"].as_i64().unwrap_or(-1);
     f.scaled.insert(name.clone(), replicas);
+    f.history.push((name.clone(), replicas));
+    axum::Json(json!({
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"replicas": replicas}, "status": {"replicas": replicas}
+    }))
+    .into_response()
+}
+
+/// `GET .../scale`: what the Deployment has now (404 for a Deployment never set).
+async fn scale_get(State(s): State<Shared>, Path((ns, name)): Path<(String, String)>) -> Response {
+    let f = s.lock().unwrap();
+    let Some(&replicas) = f.scaled.get(&name) else {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": format!("deployments.apps \"{name}\" not found"), "reason": "NotFound", "code": 404});
+        return (StatusCode::NOT_FOUND, axum::Json(status)).into_response();
+    };
     axum::Json(json!({
         "apiVersion": "autoscaling/v1", "kind": "Scale",
         "metadata": {"name": name, "namespace": ns},
@@ -98,7 +123,7 @@ async fn fake_api(state: Shared) -> String {
         .route("/api/v1/namespaces/llm/pods", get(pods))
         .route(
             "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",
-            patch(scale),
+            patch(scale).get(scale_get),
         )
         .with_state(state);
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
@@ -237,4 +262,116 @@ async fn controller_discovers_pods_and_scales_the_deployment() {
 
 fn tempfile_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("preheat-kube-{}.yaml", std::process::id()))
+}
+
+/// Starts the scaler on `yaml` (a config naming the fake API at `url`); returns the
+/// gRPC address and the stop switch.
+async fn start_scaler(yaml: String) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let grpc = preheat_testkit::free_port();
+    let yaml = format!("grpc_listen: 127.0.0.1:{grpc}\nhttp_listen: 127.0.0.1:0\n{yaml}");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), yaml).unwrap();
+    let cfg = Config::load(Some(file.path()), &[]).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(preheat_scaler::server::run(
+        cfg,
+        Profile::default(),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    (format!("http://127.0.0.1:{grpc}"), stop_tx)
+}
+
+/// Both pools discovered by a pod watch that has not listed yet, as right after a
+/// scaler restart; the Deployments have 3 prefill and 2 decode replicas.
+fn restarted_state() -> Shared {
+    let state = Shared::default();
+    {
+        let mut f = state.lock().unwrap();
+        f.list_hangs = true;
+        f.scaled.insert("m-prefill".into(), 3);
+        f.scaled.insert("m-decode".into(), 2);
+    }
+    state
+}
+
+fn pools_yaml(url: &str, mode: &str) -> String {
+    format!(
+        "interval_s: 0.1\nwindow_s: 2\nmode: {mode}\nkubernetes: {{namespace: llm, api_url: \"{url}\"}}\nmodels:\n  - name: m\n    prefill: {{selector: 'app=p', deployment: m-prefill, min_replicas: 0}}\n    decode: {{selector: 'app=d', deployment: m-decode, min_replicas: 0}}\n"
+    )
+}
+
+#[tokio::test]
+async fn regression_direct_mode_restart_scaled_blind_pools_to_zero() {
+    // The bug: before the pod watch listed, a pool was blind, its current count fell
+    // back to 0 and the blind hold held "current" — every restart patched both
+    // Deployments to zero.
+    let state = restarted_state();
+    let url = fake_api(state.clone()).await;
+    let (_grpc, stop) = start_scaler(pools_yaml(&url, "direct")).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let f = state.lock().unwrap();
+    for (deploy, replicas) in &f.history {
+        let had = if deploy == "m-prefill" { 3 } else { 2 };
+        assert!(
+            *replicas >= had,
+            "a restarted scaler shrank {deploy} from {had} to {replicas} (patches: {:?})",
+            f.history
+        );
+    }
+    assert_eq!((f.scaled["m-prefill"], f.scaled["m-decode"]), (3, 2));
+    drop(f);
+    let _ = stop.send(());
+}
+
+#[tokio::test]
+async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() {
+    // In KEDA mode GetMetrics answered 0 until the first decision, and a blind pool
+    // was held at 0 after that: HPA would shrink every pool on a scaler restart.
+    use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+    use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+    let state = restarted_state();
+    let url = fake_api(state.clone()).await;
+    let (grpc, stop) = start_scaler(pools_yaml(&url, "keda")).await;
+    let t0 = Instant::now();
+    let mut client = loop {
+        match ExternalScalerClient::connect(grpc.clone()).await {
+            Ok(c) => break c,
+            Err(_) if t0.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(e) => panic!("scaler never listened: {e}"),
+        }
+    };
+    // Ask at once and for a while after: never fewer than the Deployment has.
+    while t0.elapsed() < Duration::from_millis(1500) {
+        for (pool, had) in [("prefill", 3.0), ("decode", 2.0)] {
+            let sref = ScaledObjectRef {
+                name: format!("m-{pool}"),
+                namespace: "llm".into(),
+                scaler_metadata: [("pool".to_owned(), pool.to_owned())].into(),
+            };
+            let r = client
+                .get_metrics(GetMetricsRequest {
+                    scaled_object_ref: Some(sref),
+                    metric_name: format!("preheat-m-{pool}"),
+                })
+                .await;
+            match r {
+                Ok(r) => {
+                    let v = r.into_inner().metric_values[0].metric_value_float;
+                    assert!(v >= had, "GetMetrics answered {v} for {pool} (has {had})");
+                }
+                // Not known yet: HPA keeps the replicas it has.
+                Err(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        state.lock().unwrap().history.is_empty(),
+        "KEDA mode never patches"
+    );
+    let _ = stop.send(());
 }

@@ -15,6 +15,7 @@
 //!
 //! The on-disk layout is documented in [`format`].
 
+pub mod card;
 pub mod checksum;
 pub mod config;
 pub mod dtype;
@@ -30,6 +31,7 @@ pub mod source;
 pub mod synth;
 mod writer;
 
+pub use card::ModelCard;
 pub use checksum::Checksum;
 pub use config::{Architecture, GenerationDefaults, ModelConfig, RopeScaling};
 pub use dtype::DType;

@@ -68,18 +68,47 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     if !(a.worker_timeout_secs.is_finite() && a.worker_timeout_secs > 0.0) {
         errs.push("--worker-timeout-secs must be > 0".to_owned());
     }
+    if a.block_size == 0 {
+        errs.push("--block-size must be > 0".to_owned());
+    }
     let addr = socket_addr(&a.host, a.port, &mut errs);
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
     }
-    let opts = gateway::GatewayOptions {
+    let rt = runtime()?;
+    let model = match &a.model {
+        Some(m) => Some(rt.block_on(gateway_model(
+            m,
+            a.served_model_name.as_deref(),
+            a.block_size,
+        ))?),
+        None => None,
+    };
+    let mut opts = gateway::GatewayOptions {
         worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
         hold_timeout: Duration::from_secs(a.hold_timeout_secs),
         disagg_min_tokens: a.disagg_min_tokens,
+        drain_grace: Duration::from_secs(a.drain_grace_secs),
+        model,
         ..gateway::GatewayOptions::default()
     };
     let addr = addr.context("checked above")?;
-    runtime()?.block_on(async move {
+    rt.block_on(async move {
+        if let (Some(ns), Some(prefill), Some(decode)) =
+            (&a.discover_namespace, &a.prefill_service, &a.decode_service)
+        {
+            let client = preheat_scaler::kube::client(a.kube_api_url.as_deref()).await?;
+            let source: std::sync::Arc<dyn gateway::WorkerSource> =
+                crate::endpoint_slices::EndpointSlices::watch(
+                    client,
+                    ns,
+                    &[
+                        (WorkerRole::Prefill, prefill.clone()),
+                        (WorkerRole::Decode, decode.clone()),
+                    ],
+                );
+            opts.discovery = Some(source);
+        }
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
@@ -89,10 +118,50 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The model a gateway fronts, from `--model`: a snapshot (plain or packed, path or
+/// URL) is read for its card alone; an HF directory or GGUF file is converted.
+async fn gateway_model(
+    model: &str,
+    name: Option<&str>,
+    block_size: usize,
+) -> anyhow::Result<preheat_engine::disagg::protocol::ModelInfo> {
+    let source = preheat_warmpool::Source::parse(model);
+    let is_snapshot = match &source {
+        preheat_warmpool::Source::Http(_) => true,
+        preheat_warmpool::Source::Path(p) => {
+            p.is_file() && p.extension().is_none_or(|e| e != "gguf")
+        }
+    };
+    if !is_snapshot {
+        let path = std::path::PathBuf::from(model);
+        let name = name.map(str::to_owned);
+        return tokio::task::spawn_blocking(move || {
+            gateway::model_info(&path, block_size, name.as_deref())
+        })
+        .await?
+        .with_context(|| format!("--model {model}"));
+    }
+    let name = match name {
+        Some(n) => n.to_owned(),
+        None => preheat_warmpool::stage::default_name(&source).with_context(|| {
+            format!("--model {model}: no model name in it; give --served-model-name")
+        })?,
+    };
+    let fetcher = preheat_warmpool::Fetcher::new(source, Duration::from_secs(30))?;
+    let card = preheat_warmpool::card::fetch_card(&fetcher)
+        .await
+        .with_context(|| format!("--model {model}: reading its manifest"))?;
+    let info = gateway::model_info_from_card(&card, block_size, &name)?;
+    tracing::info!(model = %info.model, source = %model, "gateway model read from its manifest (no weights)");
+    Ok(info)
+}
+
 fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
     let mut serve = serve_options(&a.serve)?;
-    if !(a.gateway.starts_with("http://") || a.gateway.starts_with("https://")) {
-        anyhow::bail!("--gateway {:?} is not an http(s) URL", a.gateway);
+    if let Some(g) = &a.gateway
+        && !(g.starts_with("http://") || g.starts_with("https://"))
+    {
+        anyhow::bail!("--gateway {g:?} is not an http(s) URL");
     }
     serve.role = match role {
         WorkerRole::Prefill => Role::Prefill,
@@ -132,7 +201,10 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
         kv_listener,
         serve: serve.clone(),
         role,
-        gateway: a.gateway.trim_end_matches('/').to_owned(),
+        gateway: a
+            .gateway
+            .as_ref()
+            .map(|g| g.trim_end_matches('/').to_owned()),
         advertise: advertise.trim_end_matches('/').to_owned(),
         heartbeat: Duration::from_secs(1),
         transfer_timeout: Duration::from_secs(a.transfer_timeout_secs),

@@ -24,6 +24,7 @@ use preheat_scaler::profile::Profile;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
 use preheat_warmpool::config::{AgentConfig, ModelSpec, StandbySpec};
+use preheat_warmpool::restart_backoff::{RestartBackoff, log_tail};
 use preheat_warmpool::standby::StandbyPool;
 use tokio::process::{Child, Command};
 
@@ -123,7 +124,11 @@ fn stage(o: &Options) -> anyhow::Result<PathBuf> {
             let stem = m
                 .file_stem()
                 .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-            let dest = o.cache.join(format!("{stem}.preheat"));
+            // Named by the source's identity: another file of the same name (or this
+            // one changed) is converted anew, never served from a stale conversion.
+            let dest = o
+                .cache
+                .join(format!("{stem}-{:016x}.preheat", source_identity(m)?));
             if !dest.exists() {
                 tracing::info!(source = %m.display(), dest = %dest.display(), "staging the model as a snapshot");
                 preheat_snapshot::source::convert(
@@ -146,6 +151,44 @@ fn stage(o: &Options) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// A digest of what a source is: its canonical path and, for each file in it, the
+/// name, size and modification time (a directory's files one level deep).
+fn source_identity(path: &Path) -> anyhow::Result<u64> {
+    let path = path
+        .canonicalize()
+        .with_context(|| format!("reading {}", path.display()))?;
+    let mut ident = path.to_string_lossy().into_owned();
+    let mut files = vec![path.clone()];
+    if path.is_dir() {
+        files = std::fs::read_dir(&path)?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<std::io::Result<_>>()?;
+        files.sort();
+    }
+    for f in files {
+        let meta = std::fs::metadata(&f)?;
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        ident.push_str(&format!("|{}:{}:{mtime}", f.display(), meta.len()));
+    }
+    Ok(preheat_snapshot::Checksum::of(ident.as_bytes()).0)
+}
+
+/// The name the warm pool stages a snapshot under: the served name and the digest of
+/// its manifest (which holds every tensor's digest), so a run with another model can
+/// never pick up this one's staged file.
+fn staged_name(snap: &Path) -> anyhow::Result<String> {
+    let digest = preheat_snapshot::Snapshot::open(snap)
+        .with_context(|| format!("opening {}", snap.display()))?
+        .header()
+        .manifest_checksum
+        .0;
+    Ok(format!("{MODEL}-{digest:016x}"))
+}
+
 /// A measured CPU profile of this model, cached beside the snapshot.
 fn measured_profile(snap: &Path) -> anyhow::Result<Profile> {
     let path = snap.with_extension("profile.json");
@@ -160,7 +203,13 @@ struct Replica {
     child: Child,
     port: u16,
     started: Instant,
+    /// Its stderr, for its own account of why it died.
+    log: Option<PathBuf>,
 }
+
+/// A replica that dies sooner than this after its start "died at start": the next
+/// start waits (exponential back-off), and a few in a row stop `up` with the reason.
+const QUICK_DEATH: Duration = Duration::from_secs(30);
 
 struct PoolState {
     pool: Pool,
@@ -171,6 +220,7 @@ struct PoolState {
     stopping: Vec<Child>,
     endpoints: SharedEndpoints,
     standby: StandbyPool,
+    backoff: RestartBackoff,
 }
 
 /// A loopback port free now (bound and released).
@@ -219,7 +269,8 @@ impl PoolState {
         if self.pool == Pool::Prefill {
             cmd.args(["--kv-port", &free_port()?.to_string()]);
         }
-        let log = std::fs::File::create(logs.join(format!("{}-{port}.log", self.role)))?;
+        let log_path = logs.join(format!("{}-{port}.log", self.role));
+        let log = std::fs::File::create(&log_path)?;
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -230,6 +281,7 @@ impl PoolState {
             child,
             port,
             started: Instant::now(),
+            log: Some(log_path),
         });
         self.publish();
         Ok(())
@@ -251,6 +303,7 @@ impl PoolState {
                     child,
                     port,
                     started: Instant::now(),
+                    log: None,
                 });
                 self.publish();
                 return Ok("standby");
@@ -280,14 +333,33 @@ impl PoolState {
     fn reap(&mut self) {
         self.stopping
             .retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
-        // A worker that died on its own leaves the pool (the scaler sees it missing).
+        // A worker that died on its own leaves the pool (the scaler sees it missing);
+        // one that died at start delays the next start.
         let before = self.replicas.len();
+        let now = Instant::now();
+        let backoff = &mut self.backoff;
         self.replicas.retain_mut(|r| match r.child.try_wait() {
             Ok(Some(status)) => {
-                tracing::warn!(port = r.port, %status, up_s = r.started.elapsed().as_secs(), "worker exited");
+                let up = r.started.elapsed();
+                tracing::warn!(port = r.port, %status, up_s = up.as_secs(), "worker exited");
+                if up < QUICK_DEATH {
+                    let words = r.log.as_deref().map(|l| log_tail(l, 3)).unwrap_or_default();
+                    backoff.died_at_start(
+                        now,
+                        format!(
+                            "exited with {status} after {:.1} s: {words}",
+                            up.as_secs_f64()
+                        ),
+                    );
+                }
                 false
             }
-            _ => true,
+            _ => {
+                if r.started.elapsed() >= QUICK_DEATH {
+                    backoff.started_ok();
+                }
+                true
+            }
         });
         if self.replicas.len() != before {
             self.publish();
@@ -297,7 +369,7 @@ impl PoolState {
 
 /// The warm-pool agent's view of this machine: one model, staged into `<cache>/node`
 /// and kept hot, with the kernel cache beside it.
-fn agent_config(o: &Options, source: &Path) -> anyhow::Result<AgentConfig> {
+fn agent_config(o: &Options, source: &Path, name: &str) -> anyhow::Result<AgentConfig> {
     let bytes = std::fs::metadata(source)?.len();
     let mut cfg = AgentConfig::from_yaml("{}", None)?;
     cfg.dir = o.cache.join("node");
@@ -307,7 +379,7 @@ fn agent_config(o: &Options, source: &Path) -> anyhow::Result<AgentConfig> {
     cfg.refresh = Duration::from_secs(5);
     cfg.kernel_cache_dir = Some(o.cache.join("kernels"));
     cfg.models = vec![ModelSpec {
-        name: MODEL.to_owned(),
+        name: name.to_owned(),
         source: preheat_warmpool::Source::Path(source.to_path_buf()),
         hot: true,
     }];
@@ -359,12 +431,13 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let info = gateway::model_info(&source, 16, Some(MODEL))?;
     let logs = o.cache.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let agent_cfg = agent_config(&o, &source)?;
-    let snap = preheat_warmpool::stage::snapshot_path(&agent_cfg.dir, MODEL);
+    let staged = staged_name(&source)?;
+    let agent_cfg = agent_config(&o, &source, &staged)?;
+    let snap = preheat_warmpool::stage::snapshot_path(&agent_cfg.dir, &staged);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let fatal = rt.block_on(async {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|v| *v).await;
@@ -385,9 +458,11 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             .await
             .with_context(|| format!("binding {}", o.gateway))?;
         let gw_url = format!("http://{}", gl.local_addr()?);
+        let outage = Arc::new(gateway::Outage::default());
         let gopts = GatewayOptions {
             model: Some(info),
             hold_timeout: Duration::from_secs(600),
+            outage: Arc::clone(&outage),
             ..GatewayOptions::default()
         };
         let gw_task = tokio::spawn(gateway::run(gl, gopts, stopped(stop_rx.clone())));
@@ -395,7 +470,8 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         let standby_spec = |role: &str| -> anyhow::Result<StandbySpec> {
             Ok(StandbySpec {
                 pool: role.to_owned(),
-                model: MODEL.to_owned(),
+                model: staged.clone(),
+                drain_grace: Duration::from_secs(30),
                 count: o.standbys,
                 base_port: free_port()?,
                 command: [
@@ -421,6 +497,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                     stopping: Vec::new(),
                     endpoints: Arc::new(RwLock::new(Vec::new())),
                     standby: StandbyPool::new(standby_spec(role)?, &snap).with_log_dir(&logs),
+                    backoff: RestartBackoff::default(),
                 })
             })
             .collect::<anyhow::Result<_>>()?;
@@ -483,26 +560,40 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         };
         let mut ctrl_c = std::pin::pin!(shutdown_signal());
         let mut tick = tokio::time::interval(Duration::from_millis(250));
-        loop {
+        let mut fatal: Option<String> = None;
+        'driver: loop {
             tokio::select! {
                 () = &mut ctrl_c => break,
                 _ = tick.tick() => {}
             }
             for p in &mut pools {
                 p.reap();
+                let why = p.backoff.gave_up().or_else(|| p.standby.failing());
+                if let Some(why) = why {
+                    // Spinning would only hide the cause: say it, fail what is held
+                    // at once, and stop.
+                    let msg = format!("the {} workers cannot start: {why}", p.role);
+                    outage.set(msg.clone());
+                    fatal = Some(msg);
+                    break 'driver;
+                }
                 let Some(want) = target(&mut client, p.pool).await else { continue };
                 let want = want.clamp(p.min, p.max);
                 let have = p.replicas.len() as u32;
                 let mut how = Vec::new();
                 for _ in have..want {
+                    if !p.backoff.may_start(Instant::now()) {
+                        break;
+                    }
                     how.push(p.add(&snap, &gw_url, &logs, o.kv_cache_mib).await?);
                 }
                 for _ in want..have {
                     p.stop_newest();
                 }
-                if want != have {
+                let now_have = p.replicas.len() as u32;
+                if now_have != have {
                     let how = if how.is_empty() { String::new() } else { format!(" ({})", how.join(", ")) };
-                    println!("[{:>7.1}s] {}: {have} → {want} replicas{how}", started.elapsed().as_secs_f64(), p.role);
+                    println!("[{:>7.1}s] {}: {have} → {now_have} replicas{how}", started.elapsed().as_secs_f64(), p.role);
                 }
                 if let Err(e) = p.standby.reconcile().await {
                     tracing::warn!(pool = p.role, error = %e, "standbys not kept");
@@ -532,9 +623,18 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         let _ = gw_task.await;
         let _ = scaler_task.await;
         let _ = agent_task.await;
-        anyhow::Ok(())
+        anyhow::Ok(fatal)
     })?;
-    Ok(ExitCode::SUCCESS)
+    match fatal {
+        Some(why) => {
+            eprintln!(
+                "preheat up: stopped: {why} (worker logs in {})",
+                logs.display()
+            );
+            Ok(ExitCode::FAILURE)
+        }
+        None => Ok(ExitCode::SUCCESS),
+    }
 }
 
 #[cfg(test)]

@@ -80,6 +80,87 @@ pub fn smollm2_gguf() -> Option<PathBuf> {
     fetched(path, ".ci/fetch-models")
 }
 
+/// Serves the files of `dir` over HTTP/1.1 on loopback with single-range `Range`
+/// requests (what a model store such as S3 behind a presigned URL answers), one
+/// thread per connection, until the test process ends. Returns the base URL.
+#[must_use]
+pub fn serve_files(dir: &Path) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("local address"));
+    let dir = dir.to_path_buf();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(match conn.try_clone() {
+                    Ok(c) => c,
+                    Err(_) => return,
+                });
+                let mut out = conn;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let path = line.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                    let mut range = None;
+                    loop {
+                        let mut h = String::new();
+                        if reader.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                            break;
+                        }
+                        if let Some((k, v)) = h.split_once(':')
+                            && k.eq_ignore_ascii_case("range")
+                        {
+                            range = Some(v.trim().to_owned());
+                        }
+                    }
+                    let name = path.trim_start_matches('/');
+                    let body = (!name.contains("..")).then(|| std::fs::read(dir.join(name)));
+                    let Some(Ok(bytes)) = body else {
+                        let _ =
+                            out.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n");
+                        continue;
+                    };
+                    let len = bytes.len() as u64;
+                    let span = range.as_deref().and_then(|r| {
+                        let (a, b) = r.strip_prefix("bytes=")?.split_once('-')?;
+                        let a: u64 = a.parse().ok()?;
+                        let b: u64 = if b.is_empty() {
+                            len - 1
+                        } else {
+                            b.parse().ok()?
+                        };
+                        (a <= b && b < len).then_some((a, b))
+                    });
+                    let head = match span {
+                        Some((a, b)) => format!(
+                            "HTTP/1.1 206 Partial Content\r\ncontent-range: bytes {a}-{b}/{len}\r\ncontent-length: {}\r\n\r\n",
+                            b - a + 1
+                        ),
+                        None => format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n"),
+                    };
+                    let (a, b) = span.unwrap_or((0, len.saturating_sub(1)));
+                    let slice = if len == 0 {
+                        &[][..]
+                    } else {
+                        &bytes[a as usize..=b as usize]
+                    };
+                    if out
+                        .write_all(head.as_bytes())
+                        .and_then(|()| out.write_all(slice))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    base
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

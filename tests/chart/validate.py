@@ -126,12 +126,20 @@ def check_variant(variant, values, defaults, schema, dump):
     if not scaler_role:
         fail(variant, "no scaler Role")
     else:
-        resources = {res for rule in scaler_role[0].get("rules") or [] for res in rule["resources"]}
+        rules = scaler_role[0].get("rules") or []
+        resources = {res for rule in rules for res in rule["resources"]}
         direct = merged["scaler"]["mode"] == "direct"
-        if ("deployments/scale" in resources) != direct:
-            fail(variant, f"scaler Role has deployments/scale={('deployments/scale' in resources)} in mode {merged['scaler']['mode']}")
-        if ("pods" in resources) == bool(merged["scaler"]["prometheus"]["url"]):
-            fail(variant, "the scaler may list pods exactly when it finds them itself (no Prometheus)")
+        # Read in both modes (a restart holds pools at their real size), patched only
+        # in direct mode, and only the two pool Deployments.
+        scale_verbs = {v for rule in rules if "deployments/scale" in rule["resources"] for v in rule["verbs"]}
+        want_verbs = {"get", "patch"} if direct else {"get"}
+        if scale_verbs != want_verbs:
+            fail(variant, f"scaler Role may {sorted(scale_verbs)} deployments/scale in mode {merged['scaler']['mode']}, want {sorted(want_verbs)}")
+        for rule in rules:
+            if "deployments/scale" in rule["resources"] and sorted(rule.get("resourceNames") or []) != ["rel-preheat-decode", "rel-preheat-prefill"]:
+                fail(variant, "deployments/scale is not limited to the two pool Deployments")
+        if "pods" not in resources:
+            fail(variant, "the scaler cannot find the gateway pods (held requests)")
     # Workers: probes sized for loading, drain covered by the grace period, warm affinity.
     for d in by_kind.get("Deployment", []):
         pod = d["spec"]["template"]["spec"]
@@ -139,6 +147,20 @@ def check_variant(variant, values, defaults, schema, dump):
             if not c.get("resources", {}).get("limits"):
                 fail(variant, f'{d["metadata"]["name"]}: container {c["name"]} has no limits')
         role = d["metadata"]["labels"].get("app.kubernetes.io/component")
+        if role == "gateway":
+            # The gateway knows its model from the start (Ready with both pools at
+            # zero) and drains held requests and streams on a rollout.
+            c = pod["containers"][0]
+            args = c.get("args", [])
+            if f'--model={merged["model"]["source"]}' not in args:
+                fail(variant, "gateway: not started with --model=<model.source>")
+            drain = merged["gateway"]["drainGraceSeconds"]
+            if f"--drain-grace-secs={drain}" not in args:
+                fail(variant, "gateway: --drain-grace-secs does not follow gateway.drainGraceSeconds")
+            if pod.get("terminationGracePeriodSeconds", 30) <= drain:
+                fail(variant, "gateway: grace period does not cover the drain")
+            if "preStop" not in c.get("lifecycle", {}):
+                fail(variant, "gateway: no preStop")
         if role in ("prefill", "decode"):
             c = pod["containers"][0]
             p = merged[role]
@@ -176,6 +198,14 @@ def check_variant(variant, values, defaults, schema, dump):
                 fail(variant, f"scalerAddress names no Service ({svc})")
             if trig["metadata"]["pool"] not in ("prefill", "decode"):
                 fail(variant, "trigger has no pool")
+            # A scaler outage never shrinks a serving pool: KEDA feeds HPA
+            # max(current, floor) instead of a fixed count.
+            fb = spec.get("fallback")
+            if merged["keda"]["fallback"]["enabled"]:
+                if not fb or fb.get("behavior") != "currentReplicasIfHigher" or fb.get("replicas", 0) < 1:
+                    fail(variant, f"{so['metadata']['name']}: fallback {fb} does not hold pools at their size")
+            elif fb:
+                fail(variant, "fallback rendered while keda.fallback.enabled is false")
             beh = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
             if "tolerance" not in beh["scaleUp"] or "tolerance" not in beh["scaleDown"]:
                 fail(variant, "HPA tolerance not set")

@@ -79,6 +79,14 @@ struct RawStandby {
     count: u32,
     base_port: u16,
     command: Vec<String>,
+    /// Seconds a promoted (serving) standby gets to finish its requests when the
+    /// agent stops.
+    #[serde(default = "default_drain_grace_s")]
+    drain_grace_s: f64,
+}
+
+fn default_drain_grace_s() -> f64 {
+    60.0
 }
 
 /// A model the agent keeps staged (and hot when asked).
@@ -100,6 +108,9 @@ pub struct StandbySpec {
     pub base_port: u16,
     /// Program and arguments; `{model_path}` and `{port}` are substituted.
     pub command: Vec<String>,
+    /// How long a promoted standby may drain (SIGTERM → exit) when the agent stops
+    /// before it is killed.
+    pub drain_grace: Duration,
 }
 
 /// Where the node labels go.
@@ -235,6 +246,9 @@ impl AgentConfig {
             if u32::from(s.base_port) + 2 * s.count > u32::from(u16::MAX) {
                 errs.push(format!("standbys[{i}]: ports past 65535"));
             }
+            if !(s.drain_grace_s.is_finite() && s.drain_grace_s >= 0.0) {
+                errs.push(format!("standbys[{i}].drain_grace_s must be >= 0"));
+            }
             if standbys.iter().any(|o: &StandbySpec| o.pool == s.pool) {
                 errs.push(format!("standbys[{i}]: pool {:?} appears twice", s.pool));
             }
@@ -244,6 +258,7 @@ impl AgentConfig {
                 count: s.count,
                 base_port: s.base_port,
                 command: s.command,
+                drain_grace: Duration::from_secs_f64(s.drain_grace_s.clamp(0.0, 86_400.0)),
             });
         }
         if !errs.is_empty() {

@@ -15,6 +15,7 @@
 //! - [`agent`] ties them together behind `/metrics` and a small HTTP API.
 
 pub mod agent;
+pub mod card;
 pub mod config;
 mod error;
 pub mod fetch;
@@ -24,6 +25,7 @@ pub mod hot;
 pub use preheat_snapshot::kernel_cache;
 pub mod labels;
 pub mod metrics;
+pub mod restart_backoff;
 pub mod stage;
 pub mod standby;
 pub mod store;

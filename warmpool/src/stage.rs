@@ -36,7 +36,7 @@ const SYNC_EVERY_BYTES: u64 = 64 << 20;
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 /// Largest header + manifest (or chunk table), and largest packed chunk, a source may
 /// declare: a corrupt or hostile header must not make the agent allocate gigabytes.
-const MAX_PREFIX: u64 = 256 << 20;
+pub(crate) const MAX_PREFIX: u64 = 256 << 20;
 const MAX_CHUNK: u64 = 1 << 30;
 
 /// Options of one staging.
@@ -190,24 +190,7 @@ pub async fn plan(fetcher: &Fetcher, piece_bytes: u64) -> Result<Plan> {
             pieces,
         })
     } else if head[..8] == preheat_snapshot::packed::MAGIC {
-        let count = u64::from_le_bytes(head[32..40].try_into().expect("8 bytes"));
-        let prefix_len = count
-            .checked_mul(PACKED_ENTRY)
-            .and_then(|t| t.checked_add(PACKED_HEADER))
-            .filter(|&n| n <= total && n <= MAX_PREFIX)
-            .ok_or_else(|| bad(format!("chunk table of {count} entries is past the end")))?;
-        let prefix = fetcher.read(0, prefix_len).await?;
-        let index = PackedIndex::parse(&prefix, total)?;
-        if let Some(c) = index
-            .chunks
-            .iter()
-            .find(|c| c.orig_len > MAX_CHUNK || c.packed_len > MAX_CHUNK)
-        {
-            return Err(bad(format!(
-                "chunk at {} is larger than 1 GiB",
-                c.orig_offset
-            )));
-        }
+        let (index, prefix) = read_packed_index(fetcher, &head, total).await?;
         let pieces = index
             .chunks
             .iter()
@@ -230,6 +213,37 @@ pub async fn plan(fetcher: &Fetcher, piece_bytes: u64) -> Result<Plan> {
             "neither a snapshot nor a packed snapshot (bad magic)".into()
         ))
     }
+}
+
+/// Reads and checks a packed source's header and chunk table, given its first 64
+/// bytes (`head`) and length: the table within bounds and no chunk over 1 GiB, so a
+/// corrupt or hostile header cannot make the reader allocate gigabytes. Returns the
+/// index and the bytes it was read from (the source's identity).
+pub(crate) async fn read_packed_index(
+    fetcher: &Fetcher,
+    head: &[u8],
+    total: u64,
+) -> Result<(PackedIndex, Vec<u8>)> {
+    let bad = |m: String| Error::Corrupt(fetcher.source().to_string(), m);
+    let count = u64::from_le_bytes(head[32..40].try_into().expect("8 bytes"));
+    let prefix_len = count
+        .checked_mul(PACKED_ENTRY)
+        .and_then(|t| t.checked_add(PACKED_HEADER))
+        .filter(|&n| n <= total && n <= MAX_PREFIX)
+        .ok_or_else(|| bad(format!("chunk table of {count} entries is past the end")))?;
+    let prefix = fetcher.read(0, prefix_len).await?;
+    let index = PackedIndex::parse(&prefix, total)?;
+    if let Some(c) = index
+        .chunks
+        .iter()
+        .find(|c| c.orig_len > MAX_CHUNK || c.packed_len > MAX_CHUNK)
+    {
+        return Err(bad(format!(
+            "chunk at {} is larger than 1 GiB",
+            c.orig_offset
+        )));
+    }
+    Ok((index, prefix))
 }
 
 /// The journal of an interrupted staging: which pieces (by destination offset) are

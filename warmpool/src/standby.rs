@@ -10,6 +10,7 @@ use serde::Serialize;
 use tokio::process::{Child, Command};
 
 use crate::config::StandbySpec;
+use crate::restart_backoff::{RestartBackoff, log_tail};
 use crate::{Error, Result};
 
 #[derive(Debug)]
@@ -18,6 +19,8 @@ struct Parked {
     port: u16,
     url: String,
     ready: bool,
+    /// Where its stderr goes, for its last words when it dies.
+    log: Option<PathBuf>,
 }
 
 /// A promoted standby.
@@ -41,6 +44,8 @@ pub struct StandbyPool {
     /// Where each standby's stderr goes (`<pool>-standby-<port>.log`); inherited when
     /// unset.
     log_dir: Option<PathBuf>,
+    /// Standbys that die before parking are replaced with growing pauses.
+    backoff: RestartBackoff,
 }
 
 impl StandbyPool {
@@ -53,7 +58,14 @@ impl StandbyPool {
             promoted: Vec::new(),
             client: reqwest::Client::new(),
             log_dir: None,
+            backoff: RestartBackoff::default(),
         }
+    }
+
+    /// After several standbys in a row died before parking: why the last one did.
+    #[must_use]
+    pub fn failing(&self) -> Option<&str> {
+        self.backoff.gave_up()
     }
 
     /// Sends each standby's stderr to a file in `dir`.
@@ -86,11 +98,21 @@ impl StandbyPool {
         let mut kept = Vec::new();
         for mut p in std::mem::take(&mut self.parked) {
             if let Ok(Some(status)) = p.child.try_wait() {
-                tracing::warn!(pool = %self.spec.pool, port = p.port, %status, "standby exited; replacing it");
+                let words = p.log.as_deref().map(|l| log_tail(l, 3)).unwrap_or_default();
+                let reason = if words.is_empty() {
+                    format!("standby exited with {status}")
+                } else {
+                    format!("standby exited with {status}: {words}")
+                };
+                self.backoff.died_at_start(Instant::now(), reason.clone());
+                tracing::warn!(pool = %self.spec.pool, port = p.port, quick_deaths = self.backoff.quick_deaths(), %reason, "standby died; replacing it after a pause");
                 continue;
             }
             if !p.ready {
                 p.ready = state_of(&self.client, &p.url).await.as_deref() == Some("standby");
+                if p.ready {
+                    self.backoff.started_ok();
+                }
             }
             kept.push(p);
         }
@@ -100,7 +122,8 @@ impl StandbyPool {
                 let _ = p.child.kill().await;
             }
         }
-        while self.parked.len() < self.spec.count as usize {
+        while self.parked.len() < self.spec.count as usize && self.backoff.may_start(Instant::now())
+        {
             let port = self.free_port()?;
             let args: Vec<String> = self
                 .spec
@@ -118,10 +141,12 @@ impl StandbyPool {
             die_with_parent(&mut cmd);
             let (k, v) = spawned_at_now();
             cmd.args(rest).kill_on_drop(true).env(k, v);
+            let mut log = None;
             if let Some(dir) = &self.log_dir {
                 let path = dir.join(format!("{}-standby-{port}.log", self.spec.pool));
                 let f = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
                 cmd.stdout(std::process::Stdio::null()).stderr(f);
+                log = Some(path);
             }
             let child = cmd
                 .spawn()
@@ -132,6 +157,7 @@ impl StandbyPool {
                 port,
                 url: format!("http://127.0.0.1:{port}"),
                 ready: false,
+                log,
             });
         }
         Ok(())
@@ -197,12 +223,38 @@ impl StandbyPool {
         }
     }
 
-    /// Stops every process the pool started.
+    /// Stops every process the pool started: parked ones at once (they serve
+    /// nobody); promoted ones drain — SIGTERM, on which a worker deregisters and
+    /// finishes what it holds — and are killed only if they outlive the spec's
+    /// `drain_grace`.
     pub async fn shutdown(&mut self) {
         for mut p in self.parked.drain(..) {
             let _ = p.child.kill().await;
         }
-        for (_, mut c) in self.promoted.drain(..) {
+        let mut promoted: Vec<Child> = self.promoted.drain(..).map(|(_, c)| c).collect();
+        drain_children(&mut promoted, self.spec.drain_grace, &self.spec.pool).await;
+    }
+}
+
+/// Asks each child to drain (SIGTERM) and waits up to `grace` for all of them to
+/// exit; those still running then are killed. Serving replicas finish their requests
+/// instead of dropping them.
+pub async fn drain_children(children: &mut [Child], grace: Duration, what: &str) {
+    for c in children.iter() {
+        if let Some(pid) = c.id().and_then(|p| i32::try_from(p).ok()) {
+            // SAFETY: kill(2) on a pid this process spawned and has not reaped (an
+            // unreaped child's pid cannot be reused); no memory is involved.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+    }
+    let deadline = Instant::now() + grace;
+    for c in children.iter_mut() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if tokio::time::timeout(left, c.wait()).await.is_err() {
+            tracing::warn!(pool = %what, pid = c.id(), grace_s = grace.as_secs_f64(), "replica did not drain in time; killed");
             let _ = c.kill().await;
         }
     }

@@ -10,6 +10,21 @@ use crate::kv::BlockId;
 use crate::{EngineError, Result};
 use preheat_snapshot::ModelConfig;
 
+/// The weights' identity for KV compatibility: every tensor's name and digest, from the
+/// manifest (no tensor bytes are read), so a gateway holding only a model card computes
+/// what a loaded worker reports.
+#[must_use]
+pub fn weights_fingerprint(manifest: &preheat_snapshot::Manifest) -> u64 {
+    let mut ident = String::new();
+    for t in &manifest.tensors {
+        ident.push_str(&t.name);
+        ident.push('=');
+        ident.push_str(&serde_json::to_string(&t.checksum).unwrap_or_default());
+        ident.push(';');
+    }
+    xxhash_rust::xxh3::xxh3_64(ident.as_bytes())
+}
+
 /// A model's sizes as backends index with them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dims {

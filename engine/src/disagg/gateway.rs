@@ -16,6 +16,7 @@ use prometheus::IntGauge;
 
 use super::protocol::{
     GenerateBody, Heartbeat, Load, ModelInfo, Registration, WireError, WireEvent, WorkerRole,
+    WorkerStatus,
 };
 use super::router::{PrefixIndex, pick_decode, pick_prefill};
 use crate::engine::{Engine, Event, GenerateRequest, RemoteSubmit};
@@ -24,6 +25,7 @@ use crate::metrics::{EngineMetrics, Role};
 use crate::server::{ApiState, DEFAULT_MAX_BODY, drain, router};
 use crate::tokenizer::Tokenizer;
 use crate::{EngineError, Result};
+use preheat_snapshot::ModelCard;
 
 /// Gateway settings.
 #[derive(Clone, Debug)]
@@ -42,6 +44,52 @@ pub struct GatewayOptions {
     /// The model, known from the start (requests are then held even before the first
     /// worker registers); otherwise the first worker's.
     pub model: Option<ModelInfo>,
+    /// Set by whoever runs the workers when they cannot start.
+    pub outage: Arc<Outage>,
+    /// Where workers come from when they do not register themselves; with it the
+    /// gateway serves no registration endpoints. Needs `model` (workers are checked
+    /// against it before use).
+    pub discovery: Option<Arc<dyn WorkerSource>>,
+}
+
+/// The workers that may serve now, as a platform lists them (Kubernetes: the pools'
+/// EndpointSlices, Ready endpoints only). The gateway checks each one's model before
+/// sending it anything and polls its load; a worker that leaves the list leaves the
+/// rotation.
+pub trait WorkerSource: Send + Sync + std::fmt::Debug {
+    /// Base URLs of the listed workers, by the pool that lists them.
+    fn workers(&self) -> Vec<(WorkerRole, String)>;
+}
+
+/// Why no worker can be had, set by whoever runs the workers (local mode's driver,
+/// when a pool's workers keep dying at start): held and new requests then fail at
+/// once with that reason instead of waiting out the hold time. Cleared when workers
+/// run again.
+#[derive(Debug, Default)]
+pub struct Outage(Mutex<Option<String>>);
+
+impl Outage {
+    pub fn set(&self, why: impl Into<String>) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why.into());
+    }
+
+    pub fn clear(&self) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    #[must_use]
+    pub fn reason(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
 }
 
 impl Default for GatewayOptions {
@@ -53,6 +101,8 @@ impl Default for GatewayOptions {
             stream_idle_timeout: Duration::from_secs(60),
             drain_grace: Duration::from_secs(30),
             model: None,
+            outage: Arc::default(),
+            discovery: None,
         }
     }
 }
@@ -161,20 +211,37 @@ impl Gateway {
         })
     }
 
-    /// Waits for a decode worker (held at the gateway while the pool is at zero).
-    async fn wait_decode(&self, exclude: &[String]) -> Option<Picked> {
+    /// Waits for a decode worker (held at the gateway while the pool is at zero), up
+    /// to the hold time, or until the workers are known not to start.
+    async fn wait_decode(&self, exclude: &[String]) -> Result<Picked> {
+        let outage = |why: String| EngineError::NoWorkers {
+            message: format!("no decode worker can be had: {why}"),
+            retry_after_secs: 30,
+        };
         if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude) {
-            return Some(p);
+            return Ok(p);
+        }
+        if let Some(why) = self.opts.outage.reason() {
+            return Err(outage(why));
         }
         self.pending.inc();
         let deadline = Instant::now() + self.opts.hold_timeout;
         let got = loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
             if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude) {
-                break Some(p);
+                break Ok(p);
+            }
+            if let Some(why) = self.opts.outage.reason() {
+                break Err(outage(why));
             }
             if Instant::now() >= deadline {
-                break None;
+                break Err(EngineError::NoWorkers {
+                    message: format!(
+                        "no decode worker became available within the hold time ({} s); the pool may still be starting",
+                        self.opts.hold_timeout.as_secs()
+                    ),
+                    retry_after_secs: self.opts.hold_timeout.as_secs().clamp(1, 30),
+                });
             }
         };
         self.pending.dec();
@@ -197,11 +264,9 @@ impl Gateway {
         let mut refused: Vec<String> = Vec::new();
         // Two tries on prefill workers, then prefill on the decode worker itself.
         for attempt in 0..3 {
-            let Some(decode) = self.wait_decode(&refused).await else {
-                return fail(EngineError::Unavailable(format!(
-                    "no decode worker became available within {} s",
-                    self.opts.hold_timeout.as_secs()
-                )));
+            let decode = match self.wait_decode(&refused).await {
+                Ok(d) => d,
+                Err(e) => return fail(e),
             };
             let prefill = if attempt < 2 && req.prompt.len() >= self.opts.disagg_min_tokens {
                 self.pick(WorkerRole::Prefill, &hashes, &excluded)
@@ -423,13 +488,21 @@ async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
 
 /// What workers serving the snapshot at `path` with `block_size` will report, read
 /// without loading weights (so a gateway can front the model before any worker runs).
+/// HF and GGUF sources are converted first, as a worker would.
 pub fn model_info(
     path: &std::path::Path,
     block_size: usize,
     served_name: Option<&str>,
 ) -> Result<ModelInfo> {
     let (snap, _) = crate::model::open_model(path)?;
-    let c = &snap.manifest().model;
+    let name = served_name.map_or_else(|| crate::serve::default_name(path), str::to_owned);
+    model_info_from_card(&ModelCard::of(&snap)?, block_size, &name)
+}
+
+/// What workers serving the model of `card` under `name` with `block_size` report:
+/// the gateway's view of its model from the manifest and tokenizer alone.
+pub fn model_info_from_card(card: &ModelCard, block_size: usize, name: &str) -> Result<ModelInfo> {
+    let c = &card.manifest.model;
     let layout = crate::backend::KvLayout {
         num_layers: c.num_hidden_layers as usize,
         num_blocks: 0,
@@ -438,16 +511,138 @@ pub fn model_info(
         head_dim: c.head_dim as usize,
     };
     Ok(ModelInfo {
-        model: served_name.map_or_else(|| crate::serve::default_name(path), str::to_owned),
+        model: name.to_owned(),
         compat: crate::kv::transfer::compat_hash(
-            crate::backend::cpu::weights_fingerprint(&snap),
+            crate::backend::weights_fingerprint(&card.manifest),
             &layout,
         ),
         block_size,
         max_model_len: c.max_position_embeddings as usize,
         vocab_size: c.vocab_size as usize,
-        tokenizer: Tokenizer::from_snapshot(&snap)?.to_parts()?,
+        tokenizer: Tokenizer::from_card(card)?.to_parts()?,
     })
+}
+
+/// How often a discovering gateway reads its source and its workers' load.
+const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+/// A listed worker that serves another model is asked again after this.
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
+
+impl Gateway {
+    /// One discovery pass: new listed workers are checked (model, role) and admitted,
+    /// unlisted ones dropped, and every admitted one's load read (its heartbeat).
+    async fn discover(&self, source: &dyn WorkerSource, refused: &mut HashMap<String, Instant>) {
+        let listed = source.workers();
+        let known: Vec<String> = self.lock().workers.keys().cloned().collect();
+        for id in &known {
+            if !listed.iter().any(|(_, u)| u == id) {
+                self.drop_worker(id, "no longer a ready endpoint");
+            }
+        }
+        refused.retain(|u, at| listed.iter().any(|(_, l)| l == u) && at.elapsed() < REFUSED_RETRY);
+        let probes = listed.iter().map(|(role, url)| async move {
+            let status = self.read_status(url).await;
+            (*role, url, status)
+        });
+        for (role, url, status) in futures_util::future::join_all(probes).await {
+            let Ok(status) = status else {
+                continue; // unanswered: the reaper drops it once it stays silent
+            };
+            let admitted = self.lock().workers.contains_key(url.as_str());
+            if admitted {
+                let mut g = self.lock();
+                if let Some(e) = g.workers.get_mut(url.as_str()) {
+                    e.load = status.load.clone();
+                    e.last_seen = Instant::now();
+                }
+                if role == WorkerRole::Prefill {
+                    g.prefix
+                        .0
+                        .entry(url.clone())
+                        .or_default()
+                        .replace(&status.blocks);
+                }
+                continue;
+            }
+            if refused.contains_key(url.as_str()) {
+                continue;
+            }
+            match self.admit(role, url, status).await {
+                Ok(()) => tracing::info!(worker = %url, role = role.as_str(), "worker discovered"),
+                Err(why) => {
+                    tracing::warn!(worker = %url, reason = %why, "listed worker not used");
+                    refused.insert(url.clone(), Instant::now());
+                }
+            }
+        }
+    }
+
+    async fn read_status(&self, url: &str) -> std::result::Result<WorkerStatus, String> {
+        let r = self
+            .client
+            .get(format!("{url}/internal/load"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| e.to_string())?;
+        r.json().await.map_err(|e| e.to_string())
+    }
+
+    /// Checks a listed worker against this gateway's model and its pool, then puts it in
+    /// the rotation.
+    async fn admit(
+        &self,
+        role: WorkerRole,
+        url: &str,
+        status: WorkerStatus,
+    ) -> std::result::Result<(), String> {
+        if status.role != role {
+            return Err(format!(
+                "listed as {} but is a {} worker",
+                role.as_str(),
+                status.role.as_str()
+            ));
+        }
+        let info: ModelInfo = self
+            .client
+            .get(format!("{url}/internal/model"))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| format!("reading its model: {e}"))?
+            .json()
+            .await
+            .map_err(|e| format!("reading its model: {e}"))?;
+        let mut g = self.lock();
+        match &g.compat {
+            Some(c) if *c == info.compat => {}
+            Some(c) => {
+                return Err(format!(
+                    "it serves {} with KV compatibility hash {}, this gateway serves {c}: another model or KV layout",
+                    info.model, info.compat
+                ));
+            }
+            None => return Err("this gateway has no model to check it against".into()),
+        }
+        g.workers.insert(
+            url.to_owned(),
+            Entry {
+                reg: Registration {
+                    id: url.to_owned(),
+                    role,
+                    url: url.to_owned(),
+                    model: info.model,
+                    compat: info.compat,
+                    kv: status.kv,
+                },
+                load: status.load,
+                last_seen: Instant::now(),
+            },
+        );
+        Ok(())
+    }
 }
 
 /// Runs the gateway on `listener` until `stop` resolves.
@@ -473,13 +668,34 @@ pub async fn run(
     if let Some(info) = opts.model.clone() {
         gw.install_front(info)?;
     }
-    let internal = axum::Router::new()
-        .route("/internal/register", post(register))
-        .route("/internal/heartbeat", post(heartbeat))
-        .route("/internal/deregister", post(deregister))
-        .route("/internal/workers", axum::routing::get(workers))
-        .with_state(Arc::clone(&gw));
-    let app = router(api.clone()).merge(internal);
+    let app = match &opts.discovery {
+        Some(source) => {
+            if opts.model.is_none() {
+                return Err(EngineError::Model(
+                    "a gateway that discovers its workers needs its model (--model) to check them against".into(),
+                ));
+            }
+            let gw = Arc::clone(&gw);
+            let source = Arc::clone(source);
+            tokio::spawn(async move {
+                let mut refused = HashMap::new();
+                loop {
+                    gw.discover(source.as_ref(), &mut refused).await;
+                    tokio::time::sleep(DISCOVERY_PERIOD).await;
+                }
+            });
+            router(api.clone())
+        }
+        None => {
+            let internal = axum::Router::new()
+                .route("/internal/register", post(register))
+                .route("/internal/heartbeat", post(heartbeat))
+                .route("/internal/deregister", post(deregister))
+                .route("/internal/workers", axum::routing::get(workers))
+                .with_state(Arc::clone(&gw));
+            router(api.clone()).merge(internal)
+        }
+    };
     // Drop workers whose heartbeats stopped.
     let reaper = {
         let gw = Arc::clone(&gw);
@@ -500,7 +716,7 @@ pub async fn run(
             }
         })
     };
-    tracing::info!(addr = %listener.local_addr().map_err(|e| EngineError::Unavailable(e.to_string()))?, "gateway listening (health is 503 until a worker registers)");
+    tracing::info!(addr = %listener.local_addr().map_err(|e| EngineError::Unavailable(e.to_string()))?, model_known = opts.model.is_some(), discovery = opts.discovery.is_some(), "gateway listening");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let grace = opts.drain_grace;
     tokio::spawn(async move {

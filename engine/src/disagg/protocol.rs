@@ -53,6 +53,20 @@ pub struct Heartbeat {
     pub blocks: Vec<u64>,
 }
 
+/// A worker's role, KV address and load (`GET /internal/load`): what heartbeats carry,
+/// read by a gateway that discovers its workers instead of being told by them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub role: WorkerRole,
+    /// Prefill workers: `tcp://host:port` of their KV transport, if they serve one.
+    #[serde(default)]
+    pub kv: Option<String>,
+    pub load: Load,
+    /// Prefill workers: block hashes in their prefix cache (bounded).
+    #[serde(default)]
+    pub blocks: Vec<u64>,
+}
+
 /// What the gateway needs to front a worker's model (`GET /internal/model`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelInfo {
@@ -100,7 +114,7 @@ impl WireError {
         let class = match e {
             EngineError::InvalidRequest { .. } | EngineError::UnknownModel(_) => "invalid",
             EngineError::Overloaded { .. } => "overloaded",
-            EngineError::Unavailable(_) => "unavailable",
+            EngineError::Unavailable(_) | EngineError::NoWorkers { .. } => "unavailable",
             _ => "internal",
         };
         WireError {

@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 
 use super::protocol::{
     GenerateBody, Heartbeat, Load, ModelInfo, PrefillBody, Registration, WireError, WireEvent,
-    WorkerRole,
+    WorkerRole, WorkerStatus,
 };
 use super::transport::{KvTransport, TcpTransport, serve_tcp};
 use crate::engine::{Engine, Event, GenerateRequest};
@@ -29,8 +29,10 @@ use crate::{EngineError, Result};
 pub struct WorkerOptions {
     pub serve: ServeOptions,
     pub role: WorkerRole,
-    /// Gateway base URL.
-    pub gateway: String,
+    /// Gateway base URL to register with and heartbeat to; `None` where the gateway
+    /// discovers workers itself (Kubernetes EndpointSlices) and reads
+    /// `/internal/load` instead.
+    pub gateway: Option<String>,
     /// Base URL others reach this worker at.
     pub advertise: String,
     pub heartbeat: Duration,
@@ -54,6 +56,8 @@ struct WorkerState {
     role: WorkerRole,
     client: reqwest::Client,
     transfer_timeout: Duration,
+    /// Prefill workers: where others pull K/V from.
+    kv: Option<String>,
 }
 
 impl WorkerState {
@@ -92,6 +96,30 @@ async fn health(State(st): State<WorkerState>) -> Response {
 
 async fn metrics(State(st): State<WorkerState>) -> Response {
     crate::server::metrics_of(st.engine.get())
+}
+
+/// Role, KV address and load, for a gateway that discovers its workers.
+async fn load(State(st): State<WorkerState>) -> Response {
+    let e = match st.engine() {
+        Ok(e) => e,
+        Err(r) => return *r,
+    };
+    Json(status_of_worker(e, st.role, st.kv.clone())).into_response()
+}
+
+fn status_of_worker(e: &Engine, role: WorkerRole, kv: Option<String>) -> WorkerStatus {
+    let mut blocks = if role == WorkerRole::Prefill {
+        e.cached_blocks()
+    } else {
+        Vec::new()
+    };
+    blocks.truncate(MAX_REPORTED_BLOCKS);
+    WorkerStatus {
+        role,
+        kv,
+        load: load_of(e),
+        blocks,
+    }
 }
 
 async fn state(State(st): State<WorkerState>) -> Response {
@@ -314,22 +342,35 @@ async fn membership(
         compat: e.compat().to_owned(),
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
     };
+    let Some(gateway) = opts.gateway.clone() else {
+        // Discovered, not registered: serving is being listed as a Ready endpoint.
+        let secs = e.metrics.mark_startup("registered");
+        if let Some(tx) = on_registered.take() {
+            let _ = tx.send(secs);
+        }
+        loop {
+            tokio::time::sleep(opts.heartbeat).await;
+            if !e.is_alive() {
+                return Err(EngineError::Internal("the engine thread died".into()));
+            }
+        }
+    };
     let register = || async {
         loop {
             match client
-                .post(format!("{}/internal/register", opts.gateway))
+                .post(format!("{gateway}/internal/register"))
                 .json(&reg)
                 .timeout(Duration::from_secs(5))
                 .send()
                 .await
             {
                 Ok(r) if r.status().is_success() => {
-                    tracing::info!(gateway = %opts.gateway, id = %reg.id, role = reg.role.as_str(), "registered");
+                    tracing::info!(gateway = %gateway, id = %reg.id, role = reg.role.as_str(), "registered");
                     return Ok(());
                 }
                 Ok(r) if r.status() == StatusCode::CONFLICT => {
                     let why = r.text().await.unwrap_or_default();
-                    tracing::error!(gateway = %opts.gateway, reason = %why, "the gateway refused this worker");
+                    tracing::error!(gateway = %gateway, reason = %why, "the gateway refused this worker");
                     return Err(EngineError::Unavailable(format!(
                         "refused by the gateway: {why}"
                     )));
@@ -352,19 +393,14 @@ async fn membership(
             // replaces this worker.
             return Err(EngineError::Internal("the engine thread died".into()));
         }
-        let mut blocks = if opts.role == WorkerRole::Prefill {
-            e.cached_blocks()
-        } else {
-            Vec::new()
-        };
-        blocks.truncate(MAX_REPORTED_BLOCKS);
+        let status = status_of_worker(&e, opts.role, None);
         let hb = Heartbeat {
             id: id.clone(),
-            load: load_of(&e),
-            blocks,
+            load: status.load,
+            blocks: status.blocks,
         };
         match client
-            .post(format!("{}/internal/heartbeat", opts.gateway))
+            .post(format!("{gateway}/internal/heartbeat"))
             .json(&hb)
             .timeout(Duration::from_secs(2))
             .send()
@@ -391,12 +427,14 @@ pub async fn run(
         role: opts.role,
         client: client.clone(),
         transfer_timeout: opts.transfer_timeout,
+        kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
     };
     let app = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/internal/model", get(model))
         .route("/internal/state", get(state))
+        .route("/internal/load", get(load))
         .route("/internal/promote", post(promote))
         .route("/internal/prefill", post(prefill))
         .route("/internal/generate", post(generate))
@@ -474,13 +512,16 @@ pub async fn run(
         },
     };
     member_abort.abort();
-    // Leave the rotation first, then finish what is held.
-    let _ = client
-        .post(format!("{}/internal/deregister", opts.gateway))
-        .json(&serde_json::json!({"id": id}))
-        .timeout(Duration::from_secs(2))
-        .send()
-        .await;
+    // Leave the rotation first (discovered workers leave it as their endpoint turns
+    // not-ready), then finish what is held.
+    if let Some(gateway) = &opts.gateway {
+        let _ = client
+            .post(format!("{gateway}/internal/deregister"))
+            .json(&serde_json::json!({"id": id}))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await;
+    }
     engine.drain();
     let deadline = tokio::time::Instant::now() + opts.serve.drain_grace;
     while engine.in_flight() > 0 && tokio::time::Instant::now() < deadline {

@@ -35,6 +35,11 @@ impl ApiError {
             EngineError::Unavailable(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None)
             }
+            EngineError::NoWorkers { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("no_workers"),
+            ),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error", None),
         }
     }
@@ -59,7 +64,10 @@ impl IntoResponse for ApiError {
             tracing::error!(error = %self.0, "request failed");
         }
         let mut resp = (status, axum::Json(self.body())).into_response();
-        if let EngineError::Overloaded { retry_after_secs } = self.0
+        if let EngineError::Overloaded { retry_after_secs }
+        | EngineError::NoWorkers {
+            retry_after_secs, ..
+        } = self.0
             && let Ok(v) = HeaderValue::from_str(&retry_after_secs.to_string())
         {
             resp.headers_mut().insert(header::RETRY_AFTER, v);

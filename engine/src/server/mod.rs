@@ -322,10 +322,28 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-async fn respond(e: Engine, handle: RequestHandle, style: Style, stream: bool) -> Result<Response> {
+async fn respond(
+    e: Engine,
+    mut handle: RequestHandle,
+    style: Style,
+    stream: bool,
+) -> Result<Response> {
     let id = request_id(if style.chat { "chatcmpl" } else { "cmpl" }, handle.id);
     if stream {
-        Ok(Sse::new(sse_stream(e, handle, style, id)).into_response())
+        // Headers wait for the first event, so a request that fails before its first
+        // token (held at a gateway until the hold time ran out, refused by a worker)
+        // gets an HTTP error with its status and Retry-After, not a 200 stream
+        // holding an error.
+        let first = match handle.events.recv().await {
+            Some(Event::Error(err)) => return Err(err),
+            None => {
+                return Err(EngineError::Internal(
+                    "the engine dropped the request".into(),
+                ));
+            }
+            Some(ev) => ev,
+        };
+        Ok(Sse::new(sse_stream(e, handle, first, style, id)).into_response())
     } else {
         collect(e, handle, style, id).await
     }
@@ -407,12 +425,15 @@ fn chunk(
 fn sse_stream(
     e: Engine,
     handle: RequestHandle,
+    first_event: Event,
     style: Style,
     id: String,
 ) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
     struct St {
         e: Engine,
         handle: RequestHandle,
+        /// The event already taken to decide the status.
+        pending: Option<Event>,
         style: Style,
         id: String,
         first: bool,
@@ -422,6 +443,7 @@ fn sse_stream(
     let st = St {
         e,
         handle,
+        pending: Some(first_event),
         style,
         id,
         first: true,
@@ -433,7 +455,11 @@ fn sse_stream(
             return None;
         }
         let mut out: Vec<Value> = Vec::new();
-        match st.handle.events.recv().await {
+        let next = match st.pending.take() {
+            Some(ev) => Some(ev),
+            None => st.handle.events.recv().await,
+        };
+        match next {
             Some(Event::Delta { tokens, text }) => {
                 let lp = if st.style.logprobs { logprobs_json(&st.e, &tokens, st.style, &mut st.off) } else { Value::Null };
                 out.push(chunk(&st.e, &st.id, st.style, Some(&text), st.first, lp, None));

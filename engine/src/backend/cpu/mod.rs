@@ -48,20 +48,6 @@ pub struct CpuBackend {
     v_cache: Vec<Vec<f32>>,
 }
 
-/// The weights' identity for KV compatibility: every tensor's name and digest, from the
-/// manifest (no tensor bytes are read).
-#[must_use]
-pub fn weights_fingerprint(snap: &Snapshot) -> u64 {
-    let mut ident = String::new();
-    for t in &snap.manifest().tensors {
-        ident.push_str(&t.name);
-        ident.push('=');
-        ident.push_str(&serde_json::to_string(&t.checksum).unwrap_or_default());
-        ident.push(';');
-    }
-    xxhash_rust::xxh3::xxh3_64(ident.as_bytes())
-}
-
 impl CpuBackend {
     /// Builds the model over `snap` (weights stay in the mapping) with a KV cache of
     /// `num_blocks` blocks of `block_size` tokens.
@@ -119,7 +105,7 @@ impl CpuBackend {
             head_dim: hd,
         };
         let cache_len = num_blocks * layout.block_elems();
-        let fingerprint = weights_fingerprint(&snap);
+        let fingerprint = super::weights_fingerprint(snap.manifest());
         Ok(CpuBackend {
             fingerprint,
             inv_freq: ops::inv_freq(&c),

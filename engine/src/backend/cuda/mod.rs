@@ -27,7 +27,8 @@ use preheat_snapshot::{DType, ModelConfig, Snapshot};
 
 use self::gemm::DeviceMatrix;
 use self::upload::Uploader;
-use super::cpu::{ops, weights_fingerprint};
+use super::cpu::ops;
+use super::weights_fingerprint;
 use super::{Backend, Dims, ForwardBatch, KvLayout};
 use crate::kv::BlockId;
 use crate::{EngineError, Result};
@@ -392,7 +393,7 @@ impl CudaBackend {
             .max(*GRAPH_BUCKETS.last().unwrap_or(&1));
         let s = Scratch::new(&stream, &c, cap_tokens, cap_tokens * graph_bt_stride)?;
         let mut be = CudaBackend {
-            fingerprint: weights_fingerprint(&snap),
+            fingerprint: weights_fingerprint(snap.manifest()),
             config: c,
             layout,
             ctx,

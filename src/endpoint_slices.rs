@@ -1,0 +1,137 @@
+//! The gateway's workers the Kubernetes way: the Ready endpoints of each pool's
+//! Service, read from its EndpointSlices through a watch (kube-rs reflector), so any
+//! number of gateway replicas see the same workers and nothing has to register.
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use preheat_engine::disagg::gateway::WorkerSource;
+use preheat_engine::disagg::protocol::WorkerRole;
+
+/// One pool's Service, watched.
+struct Pool {
+    role: WorkerRole,
+    service: String,
+    store: Store<EndpointSlice>,
+}
+
+/// The prefill and decode pools' Ready endpoints.
+pub struct EndpointSlices {
+    pools: Vec<Pool>,
+}
+
+impl std::fmt::Debug for EndpointSlices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.pools.iter().map(|p| &p.service))
+            .finish()
+    }
+}
+
+impl EndpointSlices {
+    /// Watches the EndpointSlices of `services` (role, Service name) in `namespace`;
+    /// each watch reconnects with backoff while the runtime runs.
+    pub fn watch(
+        client: kube::Client,
+        namespace: &str,
+        services: &[(WorkerRole, String)],
+    ) -> Arc<Self> {
+        let pools = services
+            .iter()
+            .map(|(role, service)| {
+                let api: Api<EndpointSlice> = Api::namespaced(client.clone(), namespace);
+                let (reader, writer) = reflector::store();
+                let cfg = watcher::Config::default()
+                    .labels(&format!("kubernetes.io/service-name={service}"));
+                let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
+                let svc = service.clone();
+                tokio::spawn(async move {
+                    let mut stream = std::pin::pin!(stream);
+                    while let Some(ev) = stream.next().await {
+                        if let Err(e) = ev {
+                            tracing::warn!(service = %svc, error = %e, "EndpointSlice watch");
+                        }
+                    }
+                });
+                Pool {
+                    role: *role,
+                    service: service.clone(),
+                    store: reader,
+                }
+            })
+            .collect();
+        Arc::new(EndpointSlices { pools })
+    }
+}
+
+impl WorkerSource for EndpointSlices {
+    fn workers(&self) -> Vec<(WorkerRole, String)> {
+        let mut out = Vec::new();
+        for pool in &self.pools {
+            for slice in pool.store.state() {
+                out.extend(ready_urls(&slice).into_iter().map(|u| (pool.role, u)));
+            }
+        }
+        out.sort_by(|a, b| (a.0.as_str(), &a.1).cmp(&(b.0.as_str(), &b.1)));
+        out.dedup();
+        out
+    }
+}
+
+/// `http://address:port` of each Ready endpoint of a slice, the port being the one
+/// named `http` (or the slice's only port).
+fn ready_urls(slice: &EndpointSlice) -> Vec<String> {
+    let ports = slice.ports.as_deref().unwrap_or_default();
+    let port = ports
+        .iter()
+        .find(|p| p.name.as_deref() == Some("http"))
+        .or_else(|| (ports.len() == 1).then(|| &ports[0]))
+        .and_then(|p| p.port);
+    let Some(port) = port else {
+        return Vec::new();
+    };
+    slice
+        .endpoints
+        .iter()
+        .flatten()
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+        .filter_map(|e| e.addresses.first())
+        .map(|a| {
+            if a.contains(':') {
+                format!("http://[{a}]:{port}")
+            } else {
+                format!("http://{a}:{port}")
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ready_endpoints_on_the_http_port() {
+        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "d-abc"},
+            "addressType": "IPv4",
+            "ports": [{"name": "kv", "port": 8101}, {"name": "http", "port": 8100}],
+            "endpoints": [
+                {"addresses": ["10.0.0.1"], "conditions": {"ready": true}},
+                {"addresses": ["10.0.0.2"], "conditions": {"ready": false, "terminating": true}},
+                {"addresses": ["10.0.0.3"]},
+                {"addresses": ["fd00::7"], "conditions": {"ready": true}}
+            ]
+        }))
+        .unwrap();
+        assert_eq!(
+            ready_urls(&slice),
+            ["http://10.0.0.1:8100", "http://[fd00::7]:8100"]
+        );
+    }
+}

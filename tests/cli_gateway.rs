@@ -1,0 +1,448 @@
+//! The gateway as the chart runs it: started with `--model` (read for its manifest
+//! only, here from a packed snapshot served with Range requests), Ready while both
+//! pools are at zero, holding requests and answering a clear 503 with Retry-After when
+//! the hold time runs out; a worker that starts later serves what was held.
+
+mod harness;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use preheat_testkit::{KillOnDrop, free_port, serve_files};
+use serde_json::{Value, json};
+
+fn tiny_snapshot(dir: &std::path::Path) -> std::path::PathBuf {
+    let snap = dir.join("tiny.preheat");
+    harness::ok([
+        "snapshot",
+        "synth",
+        "--preset",
+        "tiny",
+        "-o",
+        snap.to_str().unwrap(),
+    ]);
+    snap
+}
+
+fn gateway(model: &str, hold_secs: u64) -> (KillOnDrop, String) {
+    let port = free_port();
+    let p = harness::spawn(
+        &[
+            "engine",
+            "gateway",
+            "--model",
+            model,
+            "--served-model-name",
+            "tiny",
+            "--port",
+            &port.to_string(),
+            "--hold-timeout-secs",
+            &hold_secs.to_string(),
+        ],
+        Stdio::inherit(),
+    );
+    (p, format!("http://127.0.0.1:{port}"))
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A short completion request to the gateway at `base`.
+fn completion(c: &reqwest::Client, base: &str) -> reqwest::RequestBuilder {
+    c.post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
+}
+
+async fn pending(c: &reqwest::Client, base: &str) -> f64 {
+    let text = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with("preheat:gateway_pending_requests"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(-1.0)
+}
+
+#[test]
+fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
+    // The bug: a gateway with no workers answered /health 503 (its readiness probe
+    // never passed, liveness restarted it) and a completion 503 at once, so nothing
+    // was ever held and the pools stayed at zero.
+    let dir = tempfile::tempdir().unwrap();
+    let snap = tiny_snapshot(dir.path());
+    let (_gw, base) = gateway(snap.to_str().unwrap(), 2);
+    let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
+    harness::wait_healthy(port, 60);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let models: Value = c
+            .get(format!("{base}/v1/models"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+        for stream in [false, true] {
+            let t0 = Instant::now();
+            let req = c
+                .post(format!("{base}/v1/completions"))
+                .json(&json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": stream}))
+                .send();
+            let req = tokio::spawn(req);
+            // Held, and counted where the scaler reads it.
+            let mut seen = 0.0;
+            while seen < 1.0 && t0.elapsed() < Duration::from_millis(1500) {
+                seen = pending(&c, &base).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(seen, 1.0, "the request is held while the pools are at zero");
+            let r = req.await.unwrap().unwrap();
+            let waited = t0.elapsed();
+            assert_eq!(r.status(), 503, "stream={stream}");
+            assert!(
+                waited >= Duration::from_secs(2),
+                "answered after {waited:?}, before the hold time"
+            );
+            let retry: u64 = r
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .expect("Retry-After");
+            assert!(retry >= 1);
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(body["error"]["code"], "no_workers", "{body}");
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("hold time"),
+                "{body}"
+            );
+        }
+        assert_eq!(pending(&c, &base).await, 0.0);
+    });
+    // Still Ready after all that: readiness means "can accept and hold".
+    harness::wait_healthy(port, 1);
+}
+
+#[test]
+fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = tiny_snapshot(dir.path());
+    let packed = dir.path().join("tiny.phpack");
+    harness::ok([
+        "snapshot",
+        "pack",
+        snap.to_str().unwrap(),
+        "-o",
+        packed.to_str().unwrap(),
+        "--chunk-mib",
+        "1",
+    ]);
+    let url = format!("{}/tiny.phpack", serve_files(dir.path()));
+    let (_gw, base) = gateway(&url, 120);
+    let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
+    harness::wait_healthy(port, 60);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let req = tokio::spawn(
+            c.post(format!("{base}/v1/completions"))
+                .json(
+                    &json!({"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}),
+                )
+                .send(),
+        );
+        let t0 = Instant::now();
+        while pending(&c, &base).await < 1.0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never held");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // A decode worker of the same snapshot registers: the gateway's model, read
+        // from the card alone, must be the worker's (same KV compatibility hash).
+        let wport = free_port();
+        let _worker = harness::spawn(
+            &[
+                "engine",
+                "decode",
+                "--model",
+                snap.to_str().unwrap(),
+                "--served-model-name",
+                "tiny",
+                "--port",
+                &wport.to_string(),
+                "--kv-cache-mib",
+                "16",
+                "--gateway",
+                &base,
+            ],
+            Stdio::inherit(),
+        );
+        let r = req.await.unwrap().unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+    });
+}
+
+#[test]
+fn gateway_refuses_a_model_source_that_is_not_a_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let bogus = dir.path().join("bogus.preheat");
+    std::fs::write(&bogus, vec![7u8; 4096]).unwrap();
+    let out = harness::preheat(["engine", "gateway", "--model", bogus.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bogus.preheat") && err.contains("magic"),
+        "{err}"
+    );
+}
+
+/// A Kubernetes API serving EndpointSlices (list, then a watch fed by `events`), as the
+/// gateway's kube-rs reflector reads them.
+mod fake_kube {
+    use std::sync::{Arc, Mutex};
+
+    use axum::body::{Body, Bytes};
+    use axum::extract::{Query, State};
+    use axum::response::{IntoResponse, Response};
+    use serde_json::{Value, json};
+    use tokio::sync::mpsc;
+
+    #[derive(Default)]
+    pub struct Api {
+        pub slices: Vec<Value>,
+        pub watches: Vec<mpsc::UnboundedSender<Value>>,
+    }
+
+    pub type Shared = Arc<Mutex<Api>>;
+
+    pub fn slice(service: &str, port: u16, endpoints: &[(&str, bool)], rv: u32) -> Value {
+        json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": format!("{service}-x"), "namespace": "llm",
+                         "resourceVersion": rv.to_string(),
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": endpoints.iter().map(|(ip, ready)| json!({
+                "addresses": [ip], "conditions": {"ready": ready}
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    async fn slices(
+        State(s): State<Shared>,
+        Query(q): Query<std::collections::BTreeMap<String, String>>,
+    ) -> Response {
+        let want = q
+            .get("labelSelector")
+            .and_then(|l| l.strip_prefix("kubernetes.io/service-name="))
+            .unwrap_or("")
+            .to_owned();
+        if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+            let (tx, rx) = mpsc::unbounded_channel::<Value>();
+            s.lock().unwrap().watches.push(tx);
+            let stream = futures_util::stream::unfold(rx, move |mut rx| {
+                let want = want.clone();
+                async move {
+                    loop {
+                        let v = rx.recv().await?;
+                        if v["object"]["metadata"]["labels"]["kubernetes.io/service-name"] == want {
+                            let mut line = serde_json::to_vec(&v).unwrap();
+                            line.push(b'\n');
+                            return Some((Ok::<_, std::io::Error>(Bytes::from(line)), rx));
+                        }
+                    }
+                }
+            });
+            return Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from_stream(stream))
+                .unwrap();
+        }
+        let items: Vec<Value> = s
+            .lock()
+            .unwrap()
+            .slices
+            .iter()
+            .filter(|v| v["metadata"]["labels"]["kubernetes.io/service-name"] == want.as_str())
+            .cloned()
+            .collect();
+        axum::Json(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+            "metadata": {"resourceVersion": "1"}, "items": items,
+        }))
+        .into_response()
+    }
+
+    /// Serves on a thread of its own; returns the base URL.
+    pub fn serve(state: Shared) -> String {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let app = axum::Router::new()
+                    .route(
+                        "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices",
+                        axum::routing::get(slices),
+                    )
+                    .with_state(state);
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send(l.local_addr().unwrap()).unwrap();
+                axum::serve(l, app).await.unwrap();
+            });
+        });
+        format!("http://{}", rx.recv().unwrap())
+    }
+
+    pub fn push(state: &Shared, kind: &str, obj: Value) {
+        for w in &state.lock().unwrap().watches {
+            let _ = w.send(json!({"type": kind, "object": obj}));
+        }
+    }
+}
+
+fn unregistered_decode_worker(snap: &std::path::Path, port: u16) -> KillOnDrop {
+    harness::spawn(
+        &[
+            "engine",
+            "decode",
+            "--model",
+            snap.to_str().unwrap(),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            &port.to_string(),
+            "--kv-cache-mib",
+            "16",
+        ],
+        Stdio::inherit(),
+    )
+}
+
+#[test]
+fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = tiny_snapshot(dir.path());
+    let other = dir.path().join("other.preheat");
+    harness::ok([
+        "snapshot",
+        "synth",
+        "--preset",
+        "tiny",
+        "--seed",
+        "7",
+        "-o",
+        other.to_str().unwrap(),
+    ]);
+    // Pods have addresses of their own; here every worker is on 127.0.0.1 and each
+    // slice names the port of the one it lists.
+    let port = free_port();
+    let _good = unregistered_decode_worker(&snap, port);
+    let bad_port = free_port();
+    let _bad = unregistered_decode_worker(&other, bad_port);
+    harness::wait_healthy(port, 60);
+    harness::wait_healthy(bad_port, 60);
+    let api = fake_kube::Shared::default();
+    {
+        let mut a = api.lock().unwrap();
+        a.slices = vec![fake_kube::slice(
+            "d",
+            port,
+            &[("127.0.0.1", true), ("127.0.0.9", false)],
+            1,
+        )];
+    }
+    let url = fake_kube::serve(api.clone());
+    let gateway = |hold: u64| {
+        let p = free_port();
+        let proc = harness::spawn(
+            &[
+                "engine",
+                "gateway",
+                "--model",
+                snap.to_str().unwrap(),
+                "--served-model-name",
+                "tiny",
+                "--port",
+                &p.to_string(),
+                "--hold-timeout-secs",
+                &hold.to_string(),
+                "--discover-namespace",
+                "llm",
+                "--prefill-service",
+                "p",
+                "--decode-service",
+                "d",
+                "--kube-api-url",
+                &url,
+            ],
+            Stdio::inherit(),
+        );
+        harness::wait_healthy(p, 60);
+        (proc, format!("http://127.0.0.1:{p}"))
+    };
+    // Two replicas behind one Service: both see the same workers.
+    let (_g1, base1) = gateway(3);
+    let (_g2, base2) = gateway(3);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        for base in [&base1, &base2] {
+            let r = completion(&c, base).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{base}: {:?}", r.text().await);
+            // No registration endpoint where workers are discovered.
+            let r = c
+                .post(format!("{base}/internal/register"))
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 404);
+        }
+        // The only Ready endpoint now serves another model: it must not be used.
+        fake_kube::push(
+            &api,
+            "MODIFIED",
+            fake_kube::slice("d", bad_port, &[("127.0.0.1", true)], 2),
+        );
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let r = completion(&c, &base1).send().await.unwrap();
+        assert_eq!(r.status(), 503, "a worker of another model was used");
+        // Back to the right worker, not ready: still nothing; ready: served.
+        fake_kube::push(
+            &api,
+            "MODIFIED",
+            fake_kube::slice("d", port, &[("127.0.0.1", false)], 3),
+        );
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let held = tokio::spawn(completion(&c, &base2).send());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        fake_kube::push(
+            &api,
+            "MODIFIED",
+            fake_kube::slice("d", port, &[("127.0.0.1", true)], 4),
+        );
+        let r = held.await.unwrap().unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "the held request is served once the endpoint is Ready"
+        );
+    });
+}
