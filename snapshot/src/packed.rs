@@ -260,6 +260,7 @@ pub fn pack(
     out.write_all_at(&header, 0).map_err(io)?;
     out.write_all_at(&tbytes, HEADER_LEN as u64).map_err(io)?;
     out.sync_all().map_err(io)?;
+    crate::writer::shareable(out).map_err(io)?;
     tmp.persist(dest).map_err(|e| Error::io(dest, e.error))?;
     sync_dir(&dir);
     progress.finish();

@@ -162,6 +162,7 @@ impl SnapshotBuilder {
         w.flush().map_err(io)?;
         drop(w);
         file.sync_all().map_err(io)?;
+        shareable(file).map_err(io)?;
         tmp.persist(dest).map_err(|e| Error::io(dest, e.error))?;
         if let Ok(d) = File::open(dir) {
             // Makes the rename itself durable; failure here is not worth failing for on
@@ -260,4 +261,12 @@ fn seek_to<W: Write + Seek>(w: &mut W, pos: &mut u64, target: u64) -> std::io::R
         *pos = target;
     }
     Ok(())
+}
+
+/// Readable by every user (`0644`) instead of the temporary file's `0600`: a snapshot
+/// is written by one process (a converter, the warm-pool agent) and mapped by others
+/// that may run as another user (workers as a non-root user in the chart).
+pub(crate) fn shareable(file: &File) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    file.set_permissions(std::fs::Permissions::from_mode(0o644))
 }

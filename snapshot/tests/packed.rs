@@ -170,3 +170,19 @@ fn writer_failure_leaves_nothing_behind() {
         "no file, no temp file"
     );
 }
+
+#[test]
+fn regression_written_snapshots_were_unreadable_by_other_users() {
+    // The bug: snapshots and packed files kept their temporary file's 0600, so a
+    // worker running as a non-root user could not map what a converter or the
+    // warm-pool agent (another user) had written.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let src = synth(dir.path());
+    let pk = dir.path().join("t.phpack");
+    packed::pack(&src, &pk, small_chunks(), &NoProgress).unwrap();
+    for f in [&src, &pk] {
+        let mode = std::fs::metadata(f).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644, "{}: {mode:o}", f.display());
+    }
+}

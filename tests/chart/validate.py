@@ -164,6 +164,15 @@ def check_variant(variant, values, defaults, schema, dump):
         if role in ("prefill", "decode"):
             c = pod["containers"][0]
             p = merged[role]
+            # The image runs as 65532; workers only read the node's snapshots and stay
+            # non-root, the staging step writes the root-owned node directory as root.
+            psc = pod.get("securityContext", {})
+            if not psc.get("runAsNonRoot") or psc.get("runAsUser", 0) == 0:
+                fail(variant, f"{role}: workers do not run as a non-root user")
+            for ic in pod.get("initContainers", []):
+                sc = ic.get("securityContext", {})
+                if sc.get("runAsUser") != 0 or sc.get("runAsNonRoot") is not False:
+                    fail(variant, f"{role}: init {ic['name']} cannot write the node directory (root needed, non-root policy not lifted)")
             if "startupProbe" not in c:
                 fail(variant, f"{role}: no startupProbe")
             else:
@@ -211,6 +220,10 @@ def check_variant(variant, values, defaults, schema, dump):
                 fail(variant, "HPA tolerance not set")
     elif by_kind.get("ScaledObject"):
         fail(variant, "ScaledObjects rendered in direct mode")
+    for ds in by_kind.get("DaemonSet", []):
+        for c in ds["spec"]["template"]["spec"]["containers"]:
+            if c.get("securityContext", {}).get("runAsUser") != 0:
+                fail(variant, f"{ds['metadata']['name']}: the agent cannot write the root-owned node directory")
     if merged["warmpool"]["enabled"] != bool(by_kind.get("DaemonSet")):
         fail(variant, "warm-pool DaemonSet does not follow warmpool.enabled")
     # The scaler's config parses as YAML and names both pools; with --dump, every
