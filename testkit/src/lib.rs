@@ -85,8 +85,14 @@ pub fn smollm2_gguf() -> Option<PathBuf> {
 /// thread per connection, until the test process ends. Returns the base URL.
 #[must_use]
 pub fn serve_files(dir: &Path) -> String {
+    serve_files_on(dir, "127.0.0.1")
+}
+
+/// [`serve_files`] on `host` (an address of this machine, e.g. on a test network).
+#[must_use]
+pub fn serve_files_on(dir: &Path, host: &str) -> String {
     use std::io::{BufRead, BufReader, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    let listener = std::net::TcpListener::bind((host, 0)).expect("bind a port");
     let base = format!("http://{}", listener.local_addr().expect("local address"));
     let dir = dir.to_path_buf();
     std::thread::spawn(move || {

@@ -326,7 +326,9 @@ impl PreheatPolicy {
                 .clamp(self.cfg.min_replicas, self.cfg.max_replicas);
             return Decision {
                 desired,
-                active: true,
+                // Holding means holding: a pool at zero stays inactive (KEDA would
+                // otherwise start a replica nobody asked for).
+                active: desired > 0,
                 reason: "metrics unavailable: holding",
             };
         }
@@ -603,6 +605,25 @@ mod tests {
         assert_eq!(p.decide(0.0, &obs(2, |s| s.prompt_rate = 1e9)).desired, 3);
         let mut q = PreheatPolicy::new(Pool::Prefill, limits, Profile::default());
         assert_eq!(q.decide(0.0, &obs(2, |_| {})).desired, 2);
+    }
+
+    #[test]
+    fn regression_a_blind_pool_at_zero_was_activated() {
+        // Found by the cluster run: right after a scaler start, before its pod watch
+        // listed, a pool at zero was blind, held at 0 — and reported active, so KEDA
+        // started a replica of each pool on every fresh install.
+        let mut p = policy(Pool::Decode);
+        let mut o = obs(0, |_| {});
+        o.signals.endpoints_failed = 1;
+        let d = p.decide(0.0, &o);
+        assert_eq!((d.desired, d.active), (0, false));
+        o.held_requests = 1.0;
+        let d = p.decide(1.0, &o);
+        assert_eq!(
+            (d.desired, d.active),
+            (1, true),
+            "a held request still wakes it"
+        );
     }
 
     #[test]

@@ -1,0 +1,370 @@
+//! The chart in a cluster run: rendered by Helm's SDK with its defaults (plus what a
+//! local run needs: the image `.ci/image` builds from this binary, a tiny model served
+//! over HTTP, small KV caches, quick loops), every Deployment and DaemonSet run as
+//! Docker containers on a private network by a small Kubernetes emulator
+//! (`tests/cluster/emulator.rs`: args, env, users, read-only roots, capabilities,
+//! volumes, init containers, probes, preStop and grace, Services to Ready pods, an API
+//! server for pods, EndpointSlices and the scale subresource) on two nodes, and the
+//! ScaledObjects driven by a KEDA + HPA emulation over the scaler's real gRPC
+//! (`tests/cluster/keda.rs`). Each scenario is its own test; they run one at a time.
+//!
+//! Needs Docker and the Helm SDK (`.ci/fetch-tools`); without them each test says so and
+//! passes (CI sets PREHEAT_REQUIRE_FETCHED, which turns that into a failure).
+
+mod harness;
+
+#[path = "cluster/api.rs"]
+mod api;
+#[path = "cluster/emulator.rs"]
+mod emulator;
+#[path = "cluster/keda.rs"]
+mod keda;
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use emulator::Cluster;
+use serde_json::{Value, json};
+
+const GATEWAY: &str = "rel-preheat-gateway";
+const SCALER: &str = "rel-preheat-scaler";
+const PREFILL: &str = "rel-preheat-prefill";
+const DECODE: &str = "rel-preheat-decode";
+
+/// One cluster at a time: each is a dozen containers on two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The image, built once per run from the binary under test.
+fn image() -> Option<&'static str> {
+    static BUILT: OnceLock<bool> = OnceLock::new();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let docker = std::process::Command::new("docker")
+        .arg("info")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !preheat_testkit::present_or_skip(docker, "a Docker daemon", "the rust-docker machine")
+        || !preheat_testkit::present_or_skip(
+            root.join(".cache/python/helm_python").exists(),
+            "helm-python-sdk in .cache/python",
+            ".ci/fetch-tools",
+        )
+    {
+        return None;
+    }
+    let ok = *BUILT.get_or_init(|| {
+        let out = std::process::Command::new(root.join(".ci/image"))
+            .arg(env!("CARGO_BIN_EXE_preheat"))
+            .env("PREHEAT_IMAGE", "preheat:cluster")
+            .current_dir(root)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            ".ci/image failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        true
+    });
+    ok.then_some("cluster")
+}
+
+/// Tears the cluster down when the scenario ends, passed or not (its loops hold
+/// references of their own, so dropping the last handle is not enough).
+struct Teardown(Arc<Cluster>);
+
+impl Drop for Teardown {
+    fn drop(&mut self) {
+        self.0.teardown();
+    }
+}
+
+struct Run {
+    c: Arc<Cluster>,
+    _teardown: Teardown,
+    /// The gateway Service on loopback (routes to Ready gateway pods).
+    gateway: String,
+    _model: tempfile::TempDir,
+    _lock: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Installs the chart with `extra` values on a fresh two-node cluster and waits for
+/// every gateway replica to be Ready.
+fn install(extra: Value, subnet: u8) -> Option<Run> {
+    let tag = image()?;
+    let lock = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // The model store: a packed tiny snapshot served with Range requests on the
+    // cluster network's host address.
+    let model = tempfile::tempdir().unwrap();
+    let snap = model.path().join("tiny.preheat");
+    harness::ok([
+        "snapshot",
+        "synth",
+        "--preset",
+        "tiny",
+        "-o",
+        snap.to_str().unwrap(),
+    ]);
+    let packed = model.path().join("tiny.phpack");
+    harness::ok([
+        "snapshot",
+        "pack",
+        snap.to_str().unwrap(),
+        "-o",
+        packed.to_str().unwrap(),
+    ]);
+    // The network must exist before its host address can be bound: install first with
+    // a placeholder source, then render again with the store's URL.
+    let host = format!("10.{subnet}.0.1");
+    let c = Cluster::install(Vec::new(), tag, 2, subnet);
+    let store = preheat_testkit::serve_files_on(model.path(), &host);
+    let values = emulator::values(tag, &format!("{store}/tiny.phpack"), extra);
+    let objects = emulator::render(&values);
+    {
+        let mut s = c.state.lock().unwrap();
+        for o in &objects {
+            if o["kind"] == "Deployment" {
+                let name = o["metadata"]["name"].as_str().unwrap().to_owned();
+                let r = o["spec"]["replicas"].as_i64().unwrap_or(1);
+                s.scale.insert(name.clone(), r);
+                s.scale_history.push((name, r, "install"));
+            }
+        }
+        s.objects = objects.clone();
+    }
+    let c = Arc::new(c);
+    let teardown = Teardown(Arc::clone(&c));
+    c.start();
+    let scaler = emulator::expose(&c, SCALER, 9090);
+    for so in objects.iter().filter(|o| o["kind"] == "ScaledObject") {
+        keda::drive(&c, so, &scaler);
+    }
+    let gateway = format!("http://{}", emulator::expose(&c, GATEWAY, 8000));
+    let want = values["gateway"]["replicas"].as_u64().unwrap_or(1) as usize;
+    let t0 = Instant::now();
+    while c.ready(GATEWAY).len() < want {
+        if t0.elapsed() > Duration::from_secs(90) {
+            let logs: Vec<String> = c.pods_of(GATEWAY).iter().map(|p| c.logs(&p.name)).collect();
+            panic!(
+                "gateway never Ready (ready {:?}):\n{}",
+                c.ready(GATEWAY),
+                logs.join("\n---\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Some(Run {
+        c,
+        _teardown: teardown,
+        gateway,
+        _model: model,
+        _lock: lock,
+    })
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(180))
+        .build()
+        .unwrap()
+}
+
+/// One completion; its status and body.
+fn complete(base: &str, max_tokens: u32) -> (u16, Value) {
+    let r = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": true}))
+        .send();
+    match r {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            (s, r.json().unwrap_or(Value::Null))
+        }
+        Err(e) => (0, json!({"transport": e.to_string()})),
+    }
+}
+
+/// Keeps `n` clients sending requests until `stop`; returns every status seen.
+fn load(
+    base: &str,
+    n: usize,
+    max_tokens: u32,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<std::thread::JoinHandle<Vec<(u16, Value)>>> {
+    (0..n)
+        .map(|_| {
+            let (base, stop) = (base.to_owned(), Arc::clone(stop));
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    seen.push(complete(&base, max_tokens));
+                }
+                seen
+            })
+        })
+        .collect()
+}
+
+fn all_ok(handles: Vec<std::thread::JoinHandle<Vec<(u16, Value)>>>) -> usize {
+    let mut n = 0;
+    for h in handles {
+        for (status, body) in h.join().unwrap() {
+            assert_eq!(status, 200, "a request failed: {body}");
+            n += 1;
+        }
+    }
+    n
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Replica counts of a Deployment set after `from` (index into the history).
+fn history(c: &Cluster, deployment: &str, from: usize) -> Vec<(i64, &'static str)> {
+    let s = c.state.lock().unwrap();
+    s.scale_history[from..]
+        .iter()
+        .filter(|(d, _, _)| d == deployment)
+        .map(|(_, r, by)| (*r, *by))
+        .collect()
+}
+
+#[test]
+fn a_fresh_install_holds_the_first_request_at_zero_and_answers_it() {
+    let Some(run) = install(json!({}), 213) else {
+        return;
+    };
+    let c = &run.c;
+    assert_eq!(
+        (c.scale(PREFILL), c.scale(DECODE)),
+        (0, 0),
+        "pools start at zero"
+    );
+    assert!(c.pods_of(DECODE).is_empty());
+    let t0 = Instant::now();
+    let (status, body) = complete(&run.gateway, 4);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        history(c, DECODE, 0)
+            .iter()
+            .any(|(r, by)| *r >= 1 && by.starts_with("keda")),
+        "KEDA activated decode: {:?}",
+        history(c, DECODE, 0)
+    );
+    eprintln!(
+        "first request at zero answered in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn b_a_burst_scales_decode_while_prefill_stays() {
+    let Some(run) = install(json!({}), 214) else {
+        return;
+    };
+    let c = &run.c;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = load(&run.gateway, 6, 200, &stop);
+    wait_for("decode to scale past one replica", 120, || {
+        c.scale(DECODE) >= 2
+    });
+    let prefill = c.scale(PREFILL);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = all_ok(h);
+    assert!(
+        prefill <= 1,
+        "short prompts need no prefill capacity, got {prefill}"
+    );
+    eprintln!("{n} requests, decode {} prefill {prefill}", c.scale(DECODE));
+}
+
+#[test]
+fn c_idle_pools_return_to_zero() {
+    let Some(run) = install(json!({}), 215) else {
+        return;
+    };
+    let c = &run.c;
+    assert_eq!(complete(&run.gateway, 4).0, 200);
+    wait_for("both pools back at zero", 120, || {
+        c.scale(PREFILL) == 0 && c.scale(DECODE) == 0
+    });
+    wait_for("their pods gone", 60, || {
+        c.pods_of(DECODE).is_empty() && c.pods_of(PREFILL).is_empty()
+    });
+}
+
+#[test]
+fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
+    let Some(run) = install(json!({}), 216) else {
+        return;
+    };
+    let c = &run.c;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = load(&run.gateway, 3, 60, &stop);
+    wait_for("decode serving", 120, || !c.ready(DECODE).is_empty());
+    std::thread::sleep(Duration::from_secs(3));
+    let mark = c.state.lock().unwrap().scale_history.len();
+    let before = (c.scale(PREFILL), c.scale(DECODE));
+    let victim = c.pods_of(SCALER)[0].name.clone();
+    c.kill(&victim);
+    wait_for("a new scaler Ready", 60, || {
+        c.pods_of(SCALER)
+            .iter()
+            .any(|p| p.name != victim && p.ready)
+    });
+    std::thread::sleep(Duration::from_secs(5));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = all_ok(h);
+    for (pool, had) in [(PREFILL, before.0), (DECODE, before.1)] {
+        let after = history(c, pool, mark);
+        assert!(
+            after.iter().all(|(r, _)| *r >= had),
+            "{pool} shrank from {had} during the restart: {after:?}"
+        );
+    }
+    eprintln!("{n} requests across the restart, pools {before:?}");
+}
+
+#[test]
+fn f_a_worker_rollout_under_load_loses_no_request() {
+    let Some(run) = install(json!({}), 218) else {
+        return;
+    };
+    let c = &run.c;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = load(&run.gateway, 3, 100, &stop);
+    wait_for("decode serving", 120, || !c.ready(DECODE).is_empty());
+    let old: Vec<String> = c.pods_of(DECODE).into_iter().map(|p| p.name).collect();
+    c.rollout(DECODE, Duration::from_secs(120));
+    wait_for("old decode pods gone", 60, || {
+        c.pods_of(DECODE).iter().all(|p| !old.contains(&p.name))
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = all_ok(h);
+    eprintln!("{n} requests across the rollout of {} pods", old.len());
+}
+
+#[test]
+fn g_two_gateway_replicas_both_serve() {
+    let Some(run) = install(json!({"gateway": {"replicas": 2}}), 219) else {
+        return;
+    };
+    let c = &run.c;
+    let ips = c.ready(GATEWAY);
+    assert_eq!(ips.len(), 2);
+    for ip in ips {
+        let (status, body) = complete(&format!("http://{ip}:8000"), 4);
+        assert_eq!(status, 200, "gateway {ip}: {body}");
+    }
+}

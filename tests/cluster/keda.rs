@@ -1,0 +1,302 @@
+//! KEDA 2.x and the HPA it creates, driving one rendered ScaledObject through the
+//! scaler's real gRPC API the way KEDA does: `StreamIsActive` held open (a push of
+//! `true` activates 0 → 1 at once; reconnects with a pause), `IsActive` and `GetMetrics`
+//! every `pollingInterval`; deactivation 1 → 0 after `cooldownPeriod` without
+//! activity; between 1 and max, HPA's AverageValue formula `desired = ceil(value /
+//! target)` with the rendered per-direction tolerances, stabilisation windows and rate
+//! policies; and the rendered `fallback` when the scaler cannot be read (newer KEDA:
+//! errors alone never deactivate).
+//!
+//! HPA syncs every `pollingInterval` here instead of its default 15 s, so scenarios run
+//! in seconds; the formula and limits are HPA's.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+use serde_json::Value;
+use tokio_stream::StreamExt;
+
+use super::emulator::{Cluster, set_scale};
+
+struct Spec {
+    target: String,
+    min: i64,
+    max: i64,
+    polling: Duration,
+    cooldown: Duration,
+    sref: ScaledObjectRef,
+    metric_target: f64,
+    up_tolerance: f64,
+    down_tolerance: f64,
+    up_window: Duration,
+    down_window: Duration,
+    /// (type, value, period) of each direction's policies.
+    up_policies: Vec<(String, f64, Duration)>,
+    down_policies: Vec<(String, f64, Duration)>,
+    fallback: Option<(u32, i64, String)>,
+}
+
+fn secs(v: &Value, default: f64) -> Duration {
+    Duration::from_secs_f64(v.as_f64().unwrap_or(default))
+}
+
+fn policies(v: &Value) -> Vec<(String, f64, Duration)> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            (
+                p["type"].as_str().unwrap_or("Pods").to_owned(),
+                p["value"].as_f64().unwrap_or(1.0),
+                secs(&p["periodSeconds"], 15.0),
+            )
+        })
+        .collect()
+}
+
+fn tolerance(v: &Value) -> f64 {
+    v.as_f64()
+        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+        .unwrap_or(0.1)
+}
+
+impl Spec {
+    fn of(so: &Value) -> Spec {
+        let s = &so["spec"];
+        let beh = &s["advanced"]["horizontalPodAutoscalerConfig"]["behavior"];
+        let meta: HashMap<String, String> = s["triggers"][0]["metadata"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| *k != "scalerAddress")
+            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+            .collect();
+        Spec {
+            target: s["scaleTargetRef"]["name"].as_str().unwrap().to_owned(),
+            min: s["minReplicaCount"].as_i64().unwrap_or(0),
+            max: s["maxReplicaCount"].as_i64().unwrap_or(100),
+            polling: secs(&s["pollingInterval"], 30.0),
+            cooldown: secs(&s["cooldownPeriod"], 300.0),
+            sref: ScaledObjectRef {
+                name: so["metadata"]["name"].as_str().unwrap().to_owned(),
+                namespace: so["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or("llm")
+                    .to_owned(),
+                scaler_metadata: meta,
+            },
+            metric_target: 1.0,
+            up_tolerance: tolerance(&beh["scaleUp"]["tolerance"]),
+            down_tolerance: tolerance(&beh["scaleDown"]["tolerance"]),
+            up_window: secs(&beh["scaleUp"]["stabilizationWindowSeconds"], 0.0),
+            down_window: secs(&beh["scaleDown"]["stabilizationWindowSeconds"], 300.0),
+            up_policies: policies(&beh["scaleUp"]["policies"]),
+            down_policies: policies(&beh["scaleDown"]["policies"]),
+            fallback: s.get("fallback").map(|f| {
+                (
+                    f["failureThreshold"].as_u64().unwrap_or(3) as u32,
+                    f["replicas"].as_i64().unwrap_or(0),
+                    f["behavior"].as_str().unwrap_or("static").to_owned(),
+                )
+            }),
+        }
+    }
+}
+
+/// Drives `so` until the cluster goes; `scaler` is the scaler Service's gRPC address.
+pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
+    let spec = Arc::new(Spec::of(so));
+    let url = format!("http://{scaler}");
+    let active = Arc::new(AtomicBool::new(false));
+    // External push: the stream held open, reconnected after a pause when it ends.
+    {
+        let (c, spec, url, active) = (
+            Arc::clone(c),
+            Arc::clone(&spec),
+            url.clone(),
+            Arc::clone(&active),
+        );
+        let rt = c.rt.clone();
+        rt.spawn(async move {
+            while !c.stopped() {
+                if let Ok(mut client) = ExternalScalerClient::connect(url.clone()).await
+                    && let Ok(r) = client.stream_is_active(spec.sref.clone()).await
+                {
+                    let mut s = r.into_inner();
+                    while let Some(Ok(m)) = s.next().await {
+                        active.store(m.result, Ordering::SeqCst);
+                        if m.result && c.scale(&spec.target) == 0 {
+                            set_scale(&c.state, &spec.target, spec.min.max(1), "keda (push)");
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+    }
+    let c = Arc::clone(c);
+    let rt = c.rt.clone();
+    rt.spawn(async move {
+        let mut last_active = Instant::now();
+        let mut failures = 0u32;
+        let mut recs: VecDeque<(Instant, i64)> = VecDeque::new();
+        let mut events: VecDeque<(Instant, i64)> = VecDeque::new();
+        while !c.stopped() {
+            tokio::time::sleep(spec.polling).await;
+            let mut client = ExternalScalerClient::connect(url.clone()).await.ok();
+            let is_active = match &mut client {
+                Some(cl) => cl
+                    .is_active(spec.sref.clone())
+                    .await
+                    .map(|r| r.into_inner().result),
+                None => Err(tonic::Status::unavailable("no connection")),
+            };
+            let current = c.scale(&spec.target);
+            match is_active {
+                Ok(true) => {
+                    last_active = Instant::now();
+                    if current == 0 {
+                        set_scale(&c.state, &spec.target, spec.min.max(1), "keda (poll)");
+                        continue;
+                    }
+                }
+                Ok(false) => {
+                    if current > 0 && spec.min == 0 && last_active.elapsed() >= spec.cooldown {
+                        set_scale(&c.state, &spec.target, 0, "keda (cooldown)");
+                        continue;
+                    }
+                }
+                // KEDA >= 2.16: a failing scaler alone neither activates nor
+                // deactivates; with a fallback the HPA metric takes over.
+                Err(_) => {}
+            }
+            let _ = active.load(Ordering::SeqCst);
+            if current == 0 {
+                continue; // HPA is idle at zero replicas.
+            }
+            let metric = match &mut client {
+                Some(cl) => cl
+                    .get_metrics(GetMetricsRequest {
+                        scaled_object_ref: Some(spec.sref.clone()),
+                        metric_name: String::new(),
+                    })
+                    .await
+                    .ok()
+                    .and_then(|r| {
+                        r.into_inner()
+                            .metric_values
+                            .first()
+                            .map(|v| v.metric_value_float)
+                    }),
+                None => None,
+            };
+            let value = match metric {
+                Some(v) => {
+                    failures = 0;
+                    v
+                }
+                None => {
+                    failures += 1;
+                    match &spec.fallback {
+                        Some((threshold, replicas, behavior)) if failures > *threshold => {
+                            let r = match behavior.as_str() {
+                                "currentReplicas" => current,
+                                "currentReplicasIfHigher" => current.max(*replicas),
+                                "currentReplicasIfLower" => current.min(*replicas),
+                                _ => *replicas,
+                            };
+                            r as f64 * spec.metric_target
+                        }
+                        // HPA cannot read the metric: it keeps the replicas it has.
+                        _ => continue,
+                    }
+                }
+            };
+            let ratio = value / (spec.metric_target * current as f64);
+            let raw = if (ratio > 1.0 && ratio - 1.0 <= spec.up_tolerance)
+                || (ratio < 1.0 && 1.0 - ratio <= spec.down_tolerance)
+            {
+                current
+            } else {
+                (value / spec.metric_target).ceil() as i64
+            };
+            let now = Instant::now();
+            recs.push_back((now, raw));
+            let keep = spec.up_window.max(spec.down_window);
+            while recs.front().is_some_and(|(t, _)| now - *t > keep) {
+                recs.pop_front();
+            }
+            // Stabilisation: up to the lowest recommendation of the up window, down to
+            // the highest of the down window.
+            let in_window = |w: Duration| {
+                recs.iter()
+                    .filter(move |(t, _)| now - *t <= w)
+                    .map(|(_, r)| *r)
+            };
+            let mut desired = raw;
+            if raw > current {
+                desired = in_window(spec.up_window).min().unwrap_or(raw).max(current);
+            } else if raw < current {
+                desired = in_window(spec.down_window)
+                    .max()
+                    .unwrap_or(raw)
+                    .min(current);
+            }
+            // Rate policies: the most permissive one, over the replicas changed within
+            // its period.
+            let changed = |period: Duration| {
+                events
+                    .iter()
+                    .filter(|(t, _)| now - *t <= period)
+                    .map(|(_, d)| d.abs())
+                    .sum::<i64>()
+            };
+            if desired > current && !spec.up_policies.is_empty() {
+                let allow = spec
+                    .up_policies
+                    .iter()
+                    .map(|(ty, v, p)| {
+                        let limit = if ty == "Percent" {
+                            (current as f64 * v / 100.0).ceil() as i64
+                        } else {
+                            *v as i64
+                        };
+                        (limit - changed(*p)).max(0)
+                    })
+                    .max()
+                    .unwrap_or(i64::MAX);
+                desired = desired.min(current + allow);
+            } else if desired < current && !spec.down_policies.is_empty() {
+                let allow = spec
+                    .down_policies
+                    .iter()
+                    .map(|(ty, v, p)| {
+                        let limit = if ty == "Percent" {
+                            (current as f64 * v / 100.0).ceil() as i64
+                        } else {
+                            *v as i64
+                        };
+                        (limit - changed(*p)).max(0)
+                    })
+                    .max()
+                    .unwrap_or(i64::MAX);
+                desired = desired.max(current - allow);
+            }
+            let desired = desired.clamp(spec.min.max(1), spec.max);
+            if desired != current {
+                events.push_back((now, desired - current));
+                while events
+                    .front()
+                    .is_some_and(|(t, _)| now - *t > Duration::from_secs(600))
+                {
+                    events.pop_front();
+                }
+                set_scale(&c.state, &spec.target, desired, "hpa");
+            }
+        }
+    });
+}
