@@ -368,3 +368,35 @@ fn g_two_gateway_replicas_both_serve() {
         assert_eq!(status, 200, "gateway {ip}: {body}");
     }
 }
+
+#[test]
+fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
+    // KEDA's fallback as rendered (currentReplicasIfHigher): while the scaler is gone
+    // for longer than failureThreshold polls, HPA is fed max(current, floor).
+    let Some(run) = install(json!({}), 220) else {
+        return;
+    };
+    let c = &run.c;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = load(&run.gateway, 3, 60, &stop);
+    wait_for("decode serving", 120, || !c.ready(DECODE).is_empty());
+    std::thread::sleep(Duration::from_secs(3));
+    let before = (c.scale(PREFILL), c.scale(DECODE));
+    let mark = c.state.lock().unwrap().scale_history.len();
+    emulator::set_scale(&c.state, SCALER, 0, "test (outage)");
+    wait_for("the scaler gone", 60, || c.pods_of(SCALER).is_empty());
+    std::thread::sleep(Duration::from_secs(8));
+    emulator::set_scale(&c.state, SCALER, 1, "test (back)");
+    wait_for("the scaler back", 60, || !c.ready(SCALER).is_empty());
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = all_ok(h);
+    for (pool, had) in [(PREFILL, before.0), (DECODE, before.1)] {
+        let after = history(c, pool, mark);
+        assert!(
+            after.iter().all(|(r, _)| *r >= had),
+            "{pool} shrank from {had} during the outage: {after:?}"
+        );
+    }
+    eprintln!("{n} requests across a scaler outage, pools {before:?}");
+}

@@ -368,12 +368,18 @@ impl PreheatPolicy {
             } else {
                 "steady"
             };
-            let active = !(idle_long && self.cfg.min_replicas == 0 && !busy);
+            // A pool at zero with nothing to do stays there: waking it costs a start.
+            let idle_at_zero = o.current == 0 && desired == 0 && !busy;
+            let active = !(idle_at_zero || idle_long && self.cfg.min_replicas == 0 && !busy);
             if !active {
                 return Decision {
                     desired: 0,
                     active: false,
-                    reason: "idle past grace: scale to zero",
+                    reason: if idle_at_zero {
+                        "idle at zero"
+                    } else {
+                        "idle past grace: scale to zero"
+                    },
                 };
             }
             return Decision {
@@ -624,6 +630,19 @@ mod tests {
             (1, true),
             "a held request still wakes it"
         );
+    }
+
+    #[test]
+    fn regression_an_idle_pool_at_zero_was_activated_after_a_scaler_start() {
+        // Found by the cluster run: a fresh policy counted idleness from its own start,
+        // so for the first idle grace a pool at zero with no traffic was reported
+        // active and KEDA started a replica of it (every install, every restart).
+        let mut p = policy(Pool::Prefill);
+        let d = p.decide(0.0, &obs(0, |_| {}));
+        assert_eq!((d.desired, d.active), (0, false), "{}", d.reason);
+        let mut o = obs(0, |_| {});
+        o.held_requests = 2.0;
+        assert!(p.decide(1.0, &o).active, "held requests still wake it");
     }
 
     #[test]
