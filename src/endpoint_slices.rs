@@ -45,8 +45,12 @@ impl EndpointSlices {
             .map(|(role, service)| {
                 let api: Api<EndpointSlice> = Api::namespaced(client.clone(), namespace);
                 let (reader, writer) = reflector::store();
-                let cfg = watcher::Config::default()
-                    .labels(&format!("kubernetes.io/service-name={service}"));
+                // Only slices the EndpointSlice controller made from the Service's
+                // selector: whoever may create EndpointSlices cannot list an address
+                // of their own for the gateway to send prompts to.
+                let cfg = watcher::Config::default().labels(&format!(
+                    "kubernetes.io/service-name={service},endpointslice.kubernetes.io/managed-by=endpointslice-controller.k8s.io"
+                ));
                 let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
                 let svc = service.clone();
                 tokio::spawn(async move {
@@ -85,6 +89,10 @@ impl WorkerSource for EndpointSlices {
 /// `http://address:port` of each Ready endpoint of a slice, the port being the one
 /// named `http` (or the slice's only port).
 fn ready_urls(slice: &EndpointSlice) -> Vec<String> {
+    // FQDN slices name hosts, not pods.
+    if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+        return Vec::new();
+    }
     let ports = slice.ports.as_deref().unwrap_or_default();
     let port = ports
         .iter()
@@ -133,5 +141,8 @@ mod tests {
             ready_urls(&slice),
             ["http://10.0.0.1:8100", "http://[fd00::7]:8100"]
         );
+        let mut fqdn = slice;
+        fqdn.address_type = "FQDN".into();
+        assert!(ready_urls(&fqdn).is_empty());
     }
 }

@@ -234,7 +234,8 @@ mod fake_kube {
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": format!("{service}-x"), "namespace": "llm",
                          "resourceVersion": rv.to_string(),
-                         "labels": {"kubernetes.io/service-name": service}},
+                         "labels": {"kubernetes.io/service-name": service,
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
             "addressType": "IPv4",
             "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
             "endpoints": endpoints.iter().map(|(ip, ready)| json!({
@@ -249,7 +250,9 @@ mod fake_kube {
     ) -> Response {
         let want = q
             .get("labelSelector")
-            .and_then(|l| l.strip_prefix("kubernetes.io/service-name="))
+            .into_iter()
+            .flat_map(|l| l.split(','))
+            .find_map(|kv| kv.strip_prefix("kubernetes.io/service-name="))
             .unwrap_or("")
             .to_owned();
         if q.get("watch").is_some_and(|w| w == "true" || w == "1") {

@@ -311,8 +311,10 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 60, &stop);
-    wait_for("decode serving", 120, || !c.ready(DECODE).is_empty());
-    std::thread::sleep(Duration::from_secs(3));
+    // Above HPA's floor of one, so a shrink would show.
+    wait_for("decode at two or more replicas", 120, || {
+        c.ready(DECODE).len() >= 2
+    });
     let mark = c.state.lock().unwrap().scale_history.len();
     let before = (c.scale(PREFILL), c.scale(DECODE));
     let victim = c.pods_of(SCALER)[0].name.clone();
@@ -379,8 +381,9 @@ fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 60, &stop);
-    wait_for("decode serving", 120, || !c.ready(DECODE).is_empty());
-    std::thread::sleep(Duration::from_secs(3));
+    wait_for("decode at two or more replicas", 120, || {
+        c.ready(DECODE).len() >= 2
+    });
     let before = (c.scale(PREFILL), c.scale(DECODE));
     let mark = c.state.lock().unwrap().scale_history.len();
     emulator::set_scale(&c.state, SCALER, 0, "test (outage)");

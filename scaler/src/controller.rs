@@ -288,10 +288,18 @@ impl Tick<'_> {
     /// through the scale subresource), else the last count seen, else unknown.
     async fn real_replicas(&self, p: &PoolLoop) -> Option<u32> {
         if let (Some(client), Some(deploy)) = (self.kube, &p.deployment) {
-            match crate::kube::deployment_replicas(client.clone(), self.namespace, deploy).await {
-                Ok(n) => return Some(n),
-                Err(e) => {
-                    tracing::warn!(pool = p.pool.as_str(), error = %e, "reading the pool's replicas")
+            // Bounded like a scrape: a stalled API server must not stall every pool.
+            let read = crate::kube::deployment_replicas(client.clone(), self.namespace, deploy);
+            match tokio::time::timeout(self.timeout, read).await {
+                Ok(Ok(n)) => return Some(n),
+                Ok(Err(e)) => {
+                    tracing::warn!(pool = p.pool.as_str(), error = %e, "reading the pool's replicas");
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        pool = p.pool.as_str(),
+                        "reading the pool's replicas timed out"
+                    );
                 }
             }
         }

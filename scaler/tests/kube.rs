@@ -321,6 +321,14 @@ async fn regression_direct_mode_restart_scaled_blind_pools_to_zero() {
         );
     }
     assert_eq!((f.scaled["m-prefill"], f.scaled["m-decode"]), (3, 2));
+    // It did act (held each pool at what its Deployment had), not just stay silent.
+    for (deploy, had) in [("m-prefill", 3), ("m-decode", 2)] {
+        assert!(
+            f.history.contains(&(deploy.to_owned(), had)),
+            "{deploy} was never held at {had}: {:?}",
+            f.history
+        );
+    }
     drop(f);
     let _ = stop.send(());
 }
@@ -344,9 +352,11 @@ async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() 
             Err(e) => panic!("scaler never listened: {e}"),
         }
     };
-    // Ask at once and for a while after: never fewer than the Deployment has.
+    // Ask at once and for a while after: never fewer than the Deployment has, and,
+    // once it read the Deployments, exactly that.
+    let mut answered = [false; 2];
     while t0.elapsed() < Duration::from_millis(1500) {
-        for (pool, had) in [("prefill", 3.0), ("decode", 2.0)] {
+        for (i, (pool, had)) in [("prefill", 3.0), ("decode", 2.0)].into_iter().enumerate() {
             let sref = ScaledObjectRef {
                 name: format!("m-{pool}"),
                 namespace: "llm".into(),
@@ -362,6 +372,7 @@ async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() 
                 Ok(r) => {
                     let v = r.into_inner().metric_values[0].metric_value_float;
                     assert!(v >= had, "GetMetrics answered {v} for {pool} (has {had})");
+                    answered[i] |= v == had;
                 }
                 // Not known yet: HPA keeps the replicas it has.
                 Err(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
@@ -369,6 +380,11 @@ async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() 
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert_eq!(
+        answered,
+        [true, true],
+        "the pools' real sizes were never answered"
+    );
     assert!(
         state.lock().unwrap().history.is_empty(),
         "KEDA mode never patches"

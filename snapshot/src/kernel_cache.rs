@@ -103,6 +103,7 @@ impl KernelCache {
             .and_then(|()| f.write_all(&Checksum::of(image).0.to_le_bytes()))
             .and_then(|()| f.write_all(image))
             .and_then(|()| f.sync_all())
+            .and_then(|()| crate::writer::shareable(f))
             .map_err(|e| Error::io(&p, e))?;
         tmp.persist(&p).map_err(|e| Error::io(&p, e.error))?;
         Ok(())

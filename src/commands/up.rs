@@ -130,6 +130,13 @@ fn stage(o: &Options) -> anyhow::Result<PathBuf> {
                 .cache
                 .join(format!("{stem}-{:016x}.preheat", source_identity(m)?));
             if !dest.exists() {
+                // Earlier conversions of this source (it changed since) are stale.
+                for old in std::fs::read_dir(&o.cache)?.flatten() {
+                    let n = old.file_name().to_string_lossy().into_owned();
+                    if n.starts_with(&format!("{stem}-")) && n.ends_with(".preheat") {
+                        let _ = std::fs::remove_file(old.path());
+                    }
+                }
                 tracing::info!(source = %m.display(), dest = %dest.display(), "staging the model as a snapshot");
                 preheat_snapshot::source::convert(
                     m,
@@ -205,6 +212,9 @@ struct Replica {
     started: Instant,
     /// Its stderr, for its own account of why it died.
     log: Option<PathBuf>,
+    /// It lived past [`QUICK_DEATH`] (counted once, so one long-lived replica does not
+    /// excuse every new one that dies at start).
+    survived: bool,
 }
 
 /// A replica that dies sooner than this after its start "died at start": the next
@@ -282,6 +292,7 @@ impl PoolState {
             port,
             started: Instant::now(),
             log: Some(log_path),
+            survived: false,
         });
         self.publish();
         Ok(())
@@ -304,6 +315,7 @@ impl PoolState {
                     port,
                     started: Instant::now(),
                     log: None,
+                    survived: false,
                 });
                 self.publish();
                 return Ok("standby");
@@ -355,7 +367,8 @@ impl PoolState {
                 false
             }
             _ => {
-                if r.started.elapsed() >= QUICK_DEATH {
+                if !r.survived && r.started.elapsed() >= QUICK_DEATH {
+                    r.survived = true;
                     backoff.started_ok();
                 }
                 true

@@ -122,6 +122,15 @@ def check_variant(variant, values, defaults, schema, dump):
                 for key in ["apiGroups", "resources", "verbs", "resourceNames"]:
                     if "*" in rule.get(key, []):
                         fail(variant, f'{kind}/{r["metadata"]["name"]} grants a wildcard in {key}')
+    # The gateway finds workers through EndpointSlices: exactly list and watch on them.
+    gw_role = [r for r in by_kind.get("Role", []) if r["metadata"]["name"] == "rel-preheat-gateway"]
+    gw_rules = gw_role[0].get("rules") or [] if gw_role else []
+    if [(r.get("apiGroups"), r.get("resources"), sorted(r.get("verbs", []))) for r in gw_rules] != [(["discovery.k8s.io"], ["endpointslices"], ["list", "watch"])]:
+        fail(variant, f"gateway Role is not exactly endpointslices list/watch: {gw_rules}")
+    gw_dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-gateway"]
+    bindings = [b for b in by_kind.get("RoleBinding", []) if b["roleRef"]["name"] == "rel-preheat-gateway"]
+    if gw_dep and not any(s["name"] == gw_dep[0]["spec"]["template"]["spec"].get("serviceAccountName") for b in bindings for s in b["subjects"]):
+        fail(variant, "the gateway's service account is not bound to its Role")
     scaler_role = [r for r in by_kind.get("Role", []) if r["metadata"]["name"] == "rel-preheat-scaler"]
     if not scaler_role:
         fail(variant, "no scaler Role")
@@ -154,6 +163,8 @@ def check_variant(variant, values, defaults, schema, dump):
             args = c.get("args", [])
             if f'--model={merged["model"]["source"]}' not in args:
                 fail(variant, "gateway: not started with --model=<model.source>")
+            if f'--block-size={merged["kvBlockSize"]}' not in args:
+                fail(variant, "gateway: --block-size does not follow kvBlockSize")
             drain = merged["gateway"]["drainGraceSeconds"]
             if f"--drain-grace-secs={drain}" not in args:
                 fail(variant, "gateway: --drain-grace-secs does not follow gateway.drainGraceSeconds")
@@ -166,6 +177,8 @@ def check_variant(variant, values, defaults, schema, dump):
             p = merged[role]
             # The image runs as 65532; workers only read the node's snapshots and stay
             # non-root, the staging step writes the root-owned node directory as root.
+            if f'--block-size={merged["kvBlockSize"]}' not in c.get("args", []):
+                fail(variant, f"{role}: --block-size does not follow kvBlockSize")
             psc = pod.get("securityContext", {})
             if not psc.get("runAsNonRoot") or psc.get("runAsUser", 0) == 0:
                 fail(variant, f"{role}: workers do not run as a non-root user")

@@ -78,13 +78,13 @@ async fn list_or_watch(s: Shared, kind: &'static str, q: BTreeMap<String, String
     let start = objects(&s, kind, &selector, rv);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout);
     let stream = futures_util::stream::unfold(
-        (start, Vec::<Value>::new()),
+        (start, std::collections::VecDeque::<Value>::new()),
         move |(mut seen, mut queue)| {
             let s = s.clone();
             let selector = selector.clone();
             async move {
                 loop {
-                    if let Some(ev) = queue.pop() {
+                    if let Some(ev) = queue.pop_front() {
                         let mut line = serde_json::to_vec(&ev).unwrap();
                         line.push(b'\n');
                         return Some((Ok::<_, std::io::Error>(Bytes::from(line)), (seen, queue)));
@@ -97,9 +97,9 @@ async fn list_or_watch(s: Shared, kind: &'static str, q: BTreeMap<String, String
                     let now = objects(&s, kind, &selector, rv);
                     for (name, obj) in &now {
                         match seen.get(name) {
-                            None => queue.push(json!({"type": "ADDED", "object": obj})),
+                            None => queue.push_back(json!({"type": "ADDED", "object": obj})),
                             Some(old) if content(old) != content(obj) => {
-                                queue.push(json!({"type": "MODIFIED", "object": obj}));
+                                queue.push_back(json!({"type": "MODIFIED", "object": obj}));
                             }
                             _ => {}
                         }
@@ -108,7 +108,7 @@ async fn list_or_watch(s: Shared, kind: &'static str, q: BTreeMap<String, String
                         if !now.contains_key(name) {
                             let mut gone = old.clone();
                             gone["metadata"]["resourceVersion"] = json!(rv.to_string());
-                            queue.push(json!({"type": "DELETED", "object": gone}));
+                            queue.push_back(json!({"type": "DELETED", "object": gone}));
                         }
                     }
                     seen = now;

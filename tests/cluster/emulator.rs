@@ -797,7 +797,8 @@ pub fn endpoint_slice(svc: &Value, pods: &[&Pod], rv: u64) -> Value {
     json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": format!("{name}-slice"), "namespace": NS, "resourceVersion": rv.to_string(),
-                     "labels": {"kubernetes.io/service-name": name}},
+                     "labels": {"kubernetes.io/service-name": name,
+                                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
         "addressType": "IPv4",
         "ports": ports,
         "endpoints": members.iter().filter(|p| p.running).map(|p| json!({

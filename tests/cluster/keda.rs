@@ -12,7 +12,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
@@ -111,14 +110,14 @@ impl Spec {
 pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
     let spec = Arc::new(Spec::of(so));
     let url = format!("http://{scaler}");
-    let active = Arc::new(AtomicBool::new(false));
+    let last_push = Arc::new(std::sync::Mutex::new(Instant::now()));
     // External push: the stream held open, reconnected after a pause when it ends.
     {
-        let (c, spec, url, active) = (
+        let (c, spec, url, last_push) = (
             Arc::clone(c),
             Arc::clone(&spec),
             url.clone(),
-            Arc::clone(&active),
+            Arc::clone(&last_push),
         );
         let rt = c.rt.clone();
         rt.spawn(async move {
@@ -128,7 +127,10 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
                 {
                     let mut s = r.into_inner();
                     while let Some(Ok(m)) = s.next().await {
-                        active.store(m.result, Ordering::SeqCst);
+                        // LastActiveTime moves on a pushed "active" too.
+                        if m.result {
+                            *last_push.lock().unwrap() = Instant::now();
+                        }
                         if m.result && c.scale(&spec.target) == 0 {
                             set_scale(&c.state, &spec.target, spec.min.max(1), "keda (push)");
                         }
@@ -165,6 +167,7 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
                     }
                 }
                 Ok(false) => {
+                    last_active = last_active.max(*last_push.lock().unwrap());
                     if current > 0 && spec.min == 0 && last_active.elapsed() >= spec.cooldown {
                         set_scale(&c.state, &spec.target, 0, "keda (cooldown)");
                         continue;
@@ -174,7 +177,6 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
                 // deactivates; with a fallback the HPA metric takes over.
                 Err(_) => {}
             }
-            let _ = active.load(Ordering::SeqCst);
             if current == 0 {
                 continue; // HPA is idle at zero replicas.
             }

@@ -79,12 +79,20 @@ impl RestartBackoff {
 /// stopped), joined by " | "; empty when the log cannot be read.
 #[must_use]
 pub fn log_tail(path: &Path, lines: usize) -> String {
-    let Ok(text) = std::fs::read(path) else {
+    use std::io::{Read, Seek, SeekFrom};
+    // Only the end matters, and a runaway log must not be read whole.
+    let Ok(mut f) = std::fs::File::open(path) else {
         return String::new();
     };
-    // Only the end matters, and a runaway log must not be read whole into a message.
-    let start = text.len().saturating_sub(16 * 1024);
-    let text = String::from_utf8_lossy(&text[start..]);
+    let len = f.metadata().map_or(0, |m| m.len());
+    let mut text = Vec::new();
+    if f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)))
+        .is_err()
+        || f.read_to_end(&mut text).is_err()
+    {
+        return String::new();
+    }
+    let text = String::from_utf8_lossy(&text);
     let tail: Vec<&str> = text
         .lines()
         .map(str::trim)

@@ -25,7 +25,3 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "preheat.snapshotDir" -}}
 {{- printf "%s/snapshots" .Values.warmpool.hostPath -}}
 {{- end -}}
-
-{{- define "preheat.gatewayUrl" -}}
-{{- printf "http://%s-gateway:%v" (include "preheat.fullname" .) .Values.gateway.port -}}
-{{- end -}}

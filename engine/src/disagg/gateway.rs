@@ -31,7 +31,8 @@ use preheat_snapshot::ModelCard;
 #[derive(Clone, Debug)]
 #[must_use]
 pub struct GatewayOptions {
-    /// Missed-heartbeat horizon after which a worker is dropped.
+    /// Missed-heartbeat horizon after which a registered worker is dropped (a
+    /// discovered one: at least [`DISCOVERED_SILENCE`] without an answer).
     pub worker_timeout: Duration,
     /// How long a request waits for a decode worker when there is none (scale from
     /// zero) before failing.
@@ -62,25 +63,20 @@ pub trait WorkerSource: Send + Sync + std::fmt::Debug {
 }
 
 /// Why no worker can be had, set by whoever runs the workers (local mode's driver,
-/// when a pool's workers keep dying at start): held and new requests then fail at
-/// once with that reason instead of waiting out the hold time. Cleared when workers
-/// run again.
+/// when a pool's workers keep dying at start) or by the gateway's own shutdown: held
+/// and new requests then fail at once with that reason (503 + Retry-After) instead of
+/// waiting out the hold time.
 #[derive(Debug, Default)]
 pub struct Outage(Mutex<Option<String>>);
 
 impl Outage {
+    /// Records why; the first reason stays (it is the cause, e.g. workers that cannot
+    /// start, rather than the shutdown that follows it).
     pub fn set(&self, why: impl Into<String>) {
-        *self
-            .0
+        self.0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why.into());
-    }
-
-    pub fn clear(&self) {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_or_insert_with(|| why.into());
     }
 
     #[must_use]
@@ -180,7 +176,10 @@ impl Gateway {
     }
 
     fn drop_worker(&self, id: &str, why: &str) {
-        if self.lock().workers.remove(id).is_some() {
+        let mut g = self.lock();
+        // Its prefix memory goes too: ids are addresses, and a new pod may get this one.
+        g.prefix.0.remove(id);
+        if g.workers.remove(id).is_some() {
             tracing::warn!(worker = %id, reason = why, "worker dropped");
         }
     }
@@ -525,6 +524,33 @@ pub fn model_info_from_card(card: &ModelCard, block_size: usize, name: &str) -> 
 
 /// How often a discovering gateway reads its source and its workers' load.
 const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+/// A discovered worker silent this long leaves the rotation (it is re-admitted once
+/// it answers while still listed): several missed reads, not one slow one.
+const DISCOVERED_SILENCE: Duration = Duration::from_secs(10);
+/// Most bytes read from a listed peer's `/internal/load` (65,536 block hashes as JSON
+/// is about 1.3 MB) and `/internal/model` (its tokenizer): a peer cannot make the
+/// gateway buffer more.
+const MAX_STATUS_BYTES: usize = 4 << 20;
+const MAX_MODEL_BYTES: usize = 64 << 20;
+/// Prefix-cache block hashes kept per prefill worker.
+const MAX_PEER_BLOCKS: usize = 65_536;
+
+/// A response body of at most `cap` bytes, refused (not truncated) beyond.
+async fn read_capped(r: reqwest::Response, cap: usize) -> std::result::Result<Vec<u8>, String> {
+    if r.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(format!("body larger than {cap} bytes"));
+    }
+    let mut body = Vec::new();
+    let mut stream = r.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        if body.len() + chunk.len() > cap {
+            return Err(format!("body larger than {cap} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
 /// A listed worker that serves another model is asked again after this.
 const REFUSED_RETRY: Duration = Duration::from_secs(30);
 
@@ -544,17 +570,16 @@ impl Gateway {
             let status = self.read_status(url).await;
             (*role, url, status)
         });
+        let mut to_admit = Vec::new();
         for (role, url, status) in futures_util::future::join_all(probes).await {
-            let Ok(status) = status else {
+            let Ok(mut status) = status else {
                 continue; // unanswered: the reaper drops it once it stays silent
             };
-            let admitted = self.lock().workers.contains_key(url.as_str());
-            if admitted {
-                let mut g = self.lock();
-                if let Some(e) = g.workers.get_mut(url.as_str()) {
-                    e.load = status.load.clone();
-                    e.last_seen = Instant::now();
-                }
+            status.blocks.truncate(MAX_PEER_BLOCKS);
+            let mut g = self.lock();
+            if let Some(e) = g.workers.get_mut(url.as_str()) {
+                e.load = status.load.clone();
+                e.last_seen = Instant::now();
                 if role == WorkerRole::Prefill {
                     g.prefix
                         .0
@@ -562,12 +587,17 @@ impl Gateway {
                         .or_default()
                         .replace(&status.blocks);
                 }
-                continue;
+            } else if !refused.contains_key(url.as_str()) {
+                to_admit.push((role, url, status));
             }
-            if refused.contains_key(url.as_str()) {
-                continue;
-            }
-            match self.admit(role, url, status).await {
+        }
+        // New workers are checked concurrently, after the known ones were refreshed, so
+        // a slow newcomer delays nobody's liveness.
+        let admits = to_admit.into_iter().map(|(role, url, status)| async move {
+            (url, role, self.admit(role, url, status).await)
+        });
+        for (url, role, r) in futures_util::future::join_all(admits).await {
+            match r {
                 Ok(()) => tracing::info!(worker = %url, role = role.as_str(), "worker discovered"),
                 Err(why) => {
                     tracing::warn!(worker = %url, reason = %why, "listed worker not used");
@@ -586,7 +616,8 @@ impl Gateway {
             .await
             .and_then(reqwest::Response::error_for_status)
             .map_err(|e| e.to_string())?;
-        r.json().await.map_err(|e| e.to_string())
+        let body = read_capped(r, MAX_STATUS_BYTES).await?;
+        serde_json::from_slice(&body).map_err(|e| e.to_string())
     }
 
     /// Checks a listed worker against this gateway's model and its pool, then puts it in
@@ -604,17 +635,19 @@ impl Gateway {
                 status.role.as_str()
             ));
         }
-        let info: ModelInfo = self
+        let r = self
             .client
             .get(format!("{url}/internal/model"))
             .timeout(Duration::from_secs(10))
             .send()
             .await
             .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| format!("reading its model: {e}"))?
-            .json()
+            .map_err(|e| format!("reading its model: {e}"))?;
+        let body = read_capped(r, MAX_MODEL_BYTES)
             .await
             .map_err(|e| format!("reading its model: {e}"))?;
+        let info: ModelInfo =
+            serde_json::from_slice(&body).map_err(|e| format!("reading its model: {e}"))?;
         let mut g = self.lock();
         match &g.compat {
             Some(c) if *c == info.compat => {}
@@ -668,6 +701,7 @@ pub async fn run(
     if let Some(info) = opts.model.clone() {
         gw.install_front(info)?;
     }
+    let mut discovery = None;
     let app = match &opts.discovery {
         Some(source) => {
             if opts.model.is_none() {
@@ -677,13 +711,13 @@ pub async fn run(
             }
             let gw = Arc::clone(&gw);
             let source = Arc::clone(source);
-            tokio::spawn(async move {
+            discovery = Some(tokio::spawn(async move {
                 let mut refused = HashMap::new();
                 loop {
                     gw.discover(source.as_ref(), &mut refused).await;
                     tokio::time::sleep(DISCOVERY_PERIOD).await;
                 }
-            });
+            }));
             router(api.clone())
         }
         None => {
@@ -702,7 +736,11 @@ pub async fn run(
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                let horizon = gw.opts.worker_timeout;
+                let horizon = if gw.opts.discovery.is_some() {
+                    gw.opts.worker_timeout.max(DISCOVERED_SILENCE)
+                } else {
+                    gw.opts.worker_timeout
+                };
                 let dead: Vec<String> = gw
                     .lock()
                     .workers
@@ -719,9 +757,13 @@ pub async fn run(
     tracing::info!(addr = %listener.local_addr().map_err(|e| EngineError::Unavailable(e.to_string()))?, model_known = opts.model.is_some(), discovery = opts.discovery.is_some(), "gateway listening");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let grace = opts.drain_grace;
+    let outage = Arc::clone(&opts.outage);
     tokio::spawn(async move {
         stop.await;
         tracing::info!("gateway shutting down: draining in-flight requests");
+        // Held requests have not started: they get 503 + Retry-After now, and the
+        // client's retry reaches another replica, instead of a reset at the grace's end.
+        outage.set("this gateway is shutting down; retry");
         drain(&api, grace).await;
         let _ = stop_tx.send(());
     });
@@ -731,5 +773,8 @@ pub async fn run(
         })
         .await;
     reaper.abort();
+    if let Some(d) = discovery {
+        d.abort();
+    }
     r.map_err(|e| EngineError::Unavailable(format!("gateway: {e}")))
 }

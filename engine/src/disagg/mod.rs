@@ -13,10 +13,14 @@
 //! before the first token is reported as such, and the gateway retries once on another
 //! prefill worker, then falls back to prefilling on the decode worker.
 //!
-//! Membership: workers register (`POST /internal/register`) with their role, URL and
-//! KV compatibility hash, heartbeat every second with their load, and deregister on
-//! SIGTERM; the gateway drops a worker after three missed heartbeats and refuses one
-//! whose compatibility hash differs from the first worker's.
+//! Membership, one of two ways. Registered (local mode, `engine` commands): workers
+//! register (`POST /internal/register`) with their role, URL and KV compatibility hash,
+//! heartbeat every second with their load, and deregister on SIGTERM; the gateway drops
+//! a worker after three missed heartbeats and refuses one whose compatibility hash
+//! differs from its model's. Discovered (Kubernetes): the gateway lists the Ready
+//! endpoints of the pools' Services ([`gateway::WorkerSource`]), checks each worker's
+//! role and model before use and reads its load (`GET /internal/load`); workers do not
+//! register and the gateway serves no registration routes.
 
 pub mod gateway;
 pub mod protocol;

@@ -1,6 +1,8 @@
-//! A prefill or decode worker process: loads the model, serves its internal endpoints,
-//! `/health` and `/metrics`, registers with the gateway and heartbeats; on SIGTERM it
-//! deregisters, finishes what it holds within the grace period, and exits.
+//! A prefill or decode worker process: loads the model, serves its internal endpoints
+//! (`/internal/load` for a gateway that discovers it), `/health` and `/metrics`,
+//! registers with the gateway and heartbeats when given one; on SIGTERM it deregisters
+//! (or, discovered, leaves as its endpoint turns not-ready), finishes what it holds
+//! within the grace period, and exits.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
