@@ -229,6 +229,17 @@ fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Asserts that no pool was set below what it had at history index `mark`.
+fn assert_no_shrink(c: &Cluster, mark: usize, before: (i64, i64), during: &str) {
+    for (pool, had) in [(PREFILL, before.0), (DECODE, before.1)] {
+        let after = history(c, pool, mark);
+        assert!(
+            after.iter().all(|(r, _)| *r >= had),
+            "{pool} shrank from {had} during {during}: {after:?}"
+        );
+    }
+}
+
 /// Replica counts of a Deployment set after `from` (index into the history).
 fn history(c: &Cluster, deployment: &str, from: usize) -> Vec<(i64, &'static str)> {
     let s = c.state.lock().unwrap();
@@ -327,13 +338,7 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
     std::thread::sleep(Duration::from_secs(5));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
-    for (pool, had) in [(PREFILL, before.0), (DECODE, before.1)] {
-        let after = history(c, pool, mark);
-        assert!(
-            after.iter().all(|(r, _)| *r >= had),
-            "{pool} shrank from {had} during the restart: {after:?}"
-        );
-    }
+    assert_no_shrink(c, mark, before, "the restart");
     eprintln!("{n} requests across the restart, pools {before:?}");
 }
 
@@ -394,12 +399,6 @@ fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
-    for (pool, had) in [(PREFILL, before.0), (DECODE, before.1)] {
-        let after = history(c, pool, mark);
-        assert!(
-            after.iter().all(|(r, _)| *r >= had),
-            "{pool} shrank from {had} during the outage: {after:?}"
-        );
-    }
+    assert_no_shrink(c, mark, before, "the outage");
     eprintln!("{n} requests across a scaler outage, pools {before:?}");
 }

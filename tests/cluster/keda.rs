@@ -257,9 +257,10 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
                     .map(|(_, d)| d.abs())
                     .sum::<i64>()
             };
-            if desired > current && !spec.up_policies.is_empty() {
-                let allow = spec
-                    .up_policies
+            // The most permissive policy of the direction, less what changed within its
+            // period.
+            let allowed = |policies: &[(String, f64, Duration)]| {
+                policies
                     .iter()
                     .map(|(ty, v, p)| {
                         let limit = if ty == "Percent" {
@@ -270,23 +271,12 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
                         (limit - changed(*p)).max(0)
                     })
                     .max()
-                    .unwrap_or(i64::MAX);
-                desired = desired.min(current + allow);
-            } else if desired < current && !spec.down_policies.is_empty() {
-                let allow = spec
-                    .down_policies
-                    .iter()
-                    .map(|(ty, v, p)| {
-                        let limit = if ty == "Percent" {
-                            (current as f64 * v / 100.0).ceil() as i64
-                        } else {
-                            *v as i64
-                        };
-                        (limit - changed(*p)).max(0)
-                    })
-                    .max()
-                    .unwrap_or(i64::MAX);
-                desired = desired.max(current - allow);
+                    .unwrap_or(i64::MAX)
+            };
+            if desired > current {
+                desired = desired.min(current.saturating_add(allowed(&spec.up_policies)));
+            } else if desired < current {
+                desired = desired.max(current.saturating_sub(allowed(&spec.down_policies)));
             }
             let desired = desired.clamp(spec.min.max(1), spec.max);
             if desired != current {
