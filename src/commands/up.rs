@@ -332,11 +332,7 @@ impl PoolState {
     /// SIGTERM: the worker deregisters, finishes what it holds, then exits.
     fn stop_newest(&mut self) {
         if let Some(r) = self.replicas.pop() {
-            if let Some(pid) = r.child.id() {
-                let _ = std::process::Command::new("kill")
-                    .args(["-TERM", &pid.to_string()])
-                    .status();
-            }
+            preheat_warmpool::standby::terminate(&r.child);
             self.stopping.push(r.child);
             self.publish();
         }
@@ -614,22 +610,14 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             }
         }
         println!("stopping: draining workers");
+        let mut all: Vec<Child> = Vec::new();
         for p in &mut pools {
-            while !p.replicas.is_empty() {
-                p.stop_newest();
-            }
+            all.extend(p.replicas.drain(..).map(|r| r.child));
+            all.append(&mut p.stopping);
+            p.publish();
         }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while pools.iter().any(|p| !p.stopping.is_empty()) && Instant::now() < deadline {
-            for p in &mut pools {
-                p.reap();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        preheat_warmpool::standby::drain_children(&mut all, Duration::from_secs(30), "up").await;
         for p in &mut pools {
-            for c in &mut p.stopping {
-                let _ = c.kill().await;
-            }
             p.standby.shutdown().await;
         }
         let _ = stop_tx.send(true);

@@ -236,19 +236,25 @@ impl StandbyPool {
     }
 }
 
+/// Asks a replica to drain: SIGTERM (a worker deregisters, finishes what it holds
+/// within its grace, and exits). A child already reaped is left alone.
+pub fn terminate(child: &Child) {
+    if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+        // SAFETY: kill(2) on a pid this process spawned and has not reaped (an
+        // unreaped child's pid cannot be reused); no memory is involved.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+    }
+}
+
 /// Asks each child to drain (SIGTERM) and waits up to `grace` for all of them to
 /// exit; those still running then are killed. Serving replicas finish their requests
 /// instead of dropping them.
 pub async fn drain_children(children: &mut [Child], grace: Duration, what: &str) {
     for c in children.iter() {
-        if let Some(pid) = c.id().and_then(|p| i32::try_from(p).ok()) {
-            // SAFETY: kill(2) on a pid this process spawned and has not reaped (an
-            // unreaped child's pid cannot be reused); no memory is involved.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(pid, libc::SIGTERM);
-            }
-        }
+        terminate(c);
     }
     let deadline = Instant::now() + grace;
     for c in children.iter_mut() {
