@@ -12,16 +12,7 @@ use preheat_testkit::{KillOnDrop, free_port, serve_files};
 use serde_json::{Value, json};
 
 fn tiny_snapshot(dir: &std::path::Path) -> std::path::PathBuf {
-    let snap = dir.join("tiny.preheat");
-    harness::ok([
-        "snapshot",
-        "synth",
-        "--preset",
-        "tiny",
-        "-o",
-        snap.to_str().unwrap(),
-    ]);
-    snap
+    harness::synth_tiny(dir, "tiny", 0)
 }
 
 fn gateway(model: &str, hold_secs: u64) -> (KillOnDrop, String) {
@@ -141,16 +132,7 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
 fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_held() {
     let dir = tempfile::tempdir().unwrap();
     let snap = tiny_snapshot(dir.path());
-    let packed = dir.path().join("tiny.phpack");
-    harness::ok([
-        "snapshot",
-        "pack",
-        snap.to_str().unwrap(),
-        "-o",
-        packed.to_str().unwrap(),
-        "--chunk-mib",
-        "1",
-    ]);
+    harness::pack(&snap, 1);
     let url = format!("{}/tiny.phpack", serve_files(dir.path()));
     let (_gw, base) = gateway(&url, 120);
     let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
@@ -343,17 +325,7 @@ fn unregistered_decode_worker(snap: &std::path::Path, port: u16) -> KillOnDrop {
 fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
     let dir = tempfile::tempdir().unwrap();
     let snap = tiny_snapshot(dir.path());
-    let other = dir.path().join("other.preheat");
-    harness::ok([
-        "snapshot",
-        "synth",
-        "--preset",
-        "tiny",
-        "--seed",
-        "7",
-        "-o",
-        other.to_str().unwrap(),
-    ]);
+    let other = harness::synth_tiny(dir.path(), "other", 7);
     // Pods have addresses of their own; here every worker is on 127.0.0.1 and each
     // slice names the port of the one it lists.
     let port = free_port();

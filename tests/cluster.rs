@@ -98,25 +98,9 @@ fn install(extra: Value, subnet: u8) -> Option<Run> {
     // The model store: a packed tiny snapshot served with Range requests on the
     // cluster network's host address.
     let model = tempfile::tempdir().unwrap();
-    let snap = model.path().join("tiny.preheat");
-    harness::ok([
-        "snapshot",
-        "synth",
-        "--preset",
-        "tiny",
-        "-o",
-        snap.to_str().unwrap(),
-    ]);
-    let packed = model.path().join("tiny.phpack");
-    harness::ok([
-        "snapshot",
-        "pack",
-        snap.to_str().unwrap(),
-        "-o",
-        packed.to_str().unwrap(),
-    ]);
-    // The network must exist before its host address can be bound: install first with
-    // a placeholder source, then render again with the store's URL.
+    harness::pack(&harness::synth_tiny(model.path(), "tiny", 0), 4);
+    // The network must exist before the store can bind its host address: the cluster
+    // comes up empty, then gets the chart rendered with the store's URL.
     let host = format!("10.{subnet}.0.1");
     let c = Cluster::install(Vec::new(), tag, 2, subnet);
     let store = preheat_testkit::serve_files_on(model.path(), &host);
@@ -314,32 +298,40 @@ fn c_idle_pools_return_to_zero() {
     });
 }
 
-#[test]
-fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
-    let Some(run) = install(json!({}), 216) else {
+/// Under steady load, once decode runs two or more Ready replicas (above HPA's floor of
+/// one, so a shrink would show), `disrupt`s the scaler; afterwards no request has failed
+/// and no pool was set below what it had.
+fn scaler_disruption(subnet: u8, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)) {
+    let Some(run) = install(json!({}), subnet) else {
         return;
     };
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 60, &stop);
-    // Above HPA's floor of one, so a shrink would show.
     wait_for("decode at two or more replicas", 120, || {
         c.ready(DECODE).len() >= 2
     });
     let mark = c.state.lock().unwrap().scale_history.len();
     let before = (c.scale(PREFILL), c.scale(DECODE));
-    let victim = c.pods_of(SCALER)[0].name.clone();
-    c.kill(&victim);
-    wait_for("a new scaler Ready", 60, || {
-        c.pods_of(SCALER)
-            .iter()
-            .any(|p| p.name != victim && p.ready)
-    });
-    std::thread::sleep(Duration::from_secs(5));
+    disrupt(c);
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
-    assert_no_shrink(c, mark, before, "the restart");
-    eprintln!("{n} requests across the restart, pools {before:?}");
+    assert_no_shrink(c, mark, before, what);
+    eprintln!("{n} requests across {what}, pools {before:?}");
+}
+
+#[test]
+fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
+    scaler_disruption(216, "the restart", |c| {
+        let victim = c.pods_of(SCALER)[0].name.clone();
+        c.kill(&victim);
+        wait_for("a new scaler Ready", 60, || {
+            c.pods_of(SCALER)
+                .iter()
+                .any(|p| p.name != victim && p.ready)
+        });
+        std::thread::sleep(Duration::from_secs(5));
+    });
 }
 
 #[test]
@@ -380,25 +372,12 @@ fn g_two_gateway_replicas_both_serve() {
 fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
     // KEDA's fallback as rendered (currentReplicasIfHigher): while the scaler is gone
     // for longer than failureThreshold polls, HPA is fed max(current, floor).
-    let Some(run) = install(json!({}), 220) else {
-        return;
-    };
-    let c = &run.c;
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let h = load(&run.gateway, 3, 60, &stop);
-    wait_for("decode at two or more replicas", 120, || {
-        c.ready(DECODE).len() >= 2
+    scaler_disruption(220, "the outage", |c| {
+        emulator::set_scale(&c.state, SCALER, 0, "test (outage)");
+        wait_for("the scaler gone", 60, || c.pods_of(SCALER).is_empty());
+        std::thread::sleep(Duration::from_secs(8));
+        emulator::set_scale(&c.state, SCALER, 1, "test (back)");
+        wait_for("the scaler back", 60, || !c.ready(SCALER).is_empty());
+        std::thread::sleep(Duration::from_secs(3));
     });
-    let before = (c.scale(PREFILL), c.scale(DECODE));
-    let mark = c.state.lock().unwrap().scale_history.len();
-    emulator::set_scale(&c.state, SCALER, 0, "test (outage)");
-    wait_for("the scaler gone", 60, || c.pods_of(SCALER).is_empty());
-    std::thread::sleep(Duration::from_secs(8));
-    emulator::set_scale(&c.state, SCALER, 1, "test (back)");
-    wait_for("the scaler back", 60, || !c.ready(SCALER).is_empty());
-    std::thread::sleep(Duration::from_secs(3));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let n = all_ok(h);
-    assert_no_shrink(c, mark, before, "the outage");
-    eprintln!("{n} requests across a scaler outage, pools {before:?}");
 }

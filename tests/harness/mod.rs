@@ -81,3 +81,37 @@ pub fn wait_healthy(port: u16, secs: u64) {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// Writes the synthetic tiny model (`seed` picks its weights) as `DIR/NAME.preheat`
+/// through the CLI, and returns its path.
+pub fn synth_tiny(dir: &std::path::Path, name: &str, seed: u64) -> std::path::PathBuf {
+    let snap = dir.join(format!("{name}.preheat"));
+    let seed = seed.to_string();
+    ok([
+        "snapshot",
+        "synth",
+        "--preset",
+        "tiny",
+        "--seed",
+        &seed,
+        "-o",
+        snap.to_str().expect("utf-8 path"),
+    ]);
+    snap
+}
+
+/// Packs `snap` into `DIR/NAME.phpack` (chunks of `chunk_mib`) and returns its path.
+pub fn pack(snap: &std::path::Path, chunk_mib: u64) -> std::path::PathBuf {
+    let packed = snap.with_extension("phpack");
+    let chunk = chunk_mib.to_string();
+    ok([
+        "snapshot",
+        "pack",
+        snap.to_str().expect("utf-8 path"),
+        "-o",
+        packed.to_str().expect("utf-8 path"),
+        "--chunk-mib",
+        &chunk,
+    ]);
+    packed
+}

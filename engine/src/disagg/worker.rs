@@ -344,46 +344,40 @@ async fn membership(
         compat: e.compat().to_owned(),
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
     };
-    let Some(gateway) = opts.gateway.clone() else {
-        // Discovered, not registered: serving is being listed as a Ready endpoint.
-        let secs = e.metrics.mark_startup("registered");
-        if let Some(tx) = on_registered.take() {
-            let _ = tx.send(secs);
-        }
-        loop {
-            tokio::time::sleep(opts.heartbeat).await;
-            if !e.is_alive() {
-                return Err(EngineError::Internal("the engine thread died".into()));
+    // Discovered workers (no gateway) do not register: serving is being listed as a
+    // Ready endpoint, so they count as registered once they serve.
+    let register = |gateway: String| {
+        let (client, reg) = (&client, &reg);
+        async move {
+            loop {
+                match client
+                    .post(format!("{gateway}/internal/register"))
+                    .json(reg)
+                    .timeout(Duration::from_secs(5))
+                    .send()
+                    .await
+                {
+                    Ok(r) if r.status().is_success() => {
+                        tracing::info!(gateway = %gateway, id = %reg.id, role = reg.role.as_str(), "registered");
+                        return Ok(());
+                    }
+                    Ok(r) if r.status() == StatusCode::CONFLICT => {
+                        let why = r.text().await.unwrap_or_default();
+                        tracing::error!(gateway = %gateway, reason = %why, "the gateway refused this worker");
+                        return Err(EngineError::Unavailable(format!(
+                            "refused by the gateway: {why}"
+                        )));
+                    }
+                    Ok(r) => tracing::warn!(status = %r.status(), "registration failed; retrying"),
+                    Err(err) => tracing::warn!(error = %err, "gateway unreachable; retrying"),
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     };
-    let register = || async {
-        loop {
-            match client
-                .post(format!("{gateway}/internal/register"))
-                .json(&reg)
-                .timeout(Duration::from_secs(5))
-                .send()
-                .await
-            {
-                Ok(r) if r.status().is_success() => {
-                    tracing::info!(gateway = %gateway, id = %reg.id, role = reg.role.as_str(), "registered");
-                    return Ok(());
-                }
-                Ok(r) if r.status() == StatusCode::CONFLICT => {
-                    let why = r.text().await.unwrap_or_default();
-                    tracing::error!(gateway = %gateway, reason = %why, "the gateway refused this worker");
-                    return Err(EngineError::Unavailable(format!(
-                        "refused by the gateway: {why}"
-                    )));
-                }
-                Ok(r) => tracing::warn!(status = %r.status(), "registration failed; retrying"),
-                Err(err) => tracing::warn!(error = %err, "gateway unreachable; retrying"),
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    };
-    register().await?;
+    if let Some(gateway) = &opts.gateway {
+        register(gateway.clone()).await?;
+    }
     let secs = e.metrics.mark_startup("registered");
     if let Some(tx) = on_registered.take() {
         let _ = tx.send(secs);
@@ -395,6 +389,9 @@ async fn membership(
             // replaces this worker.
             return Err(EngineError::Internal("the engine thread died".into()));
         }
+        let Some(gateway) = &opts.gateway else {
+            continue;
+        };
         let status = status_of_worker(&e, opts.role, None);
         let hb = Heartbeat {
             id: id.clone(),
@@ -408,7 +405,7 @@ async fn membership(
             .send()
             .await
         {
-            Ok(r) if r.status() == StatusCode::NOT_FOUND => register().await?,
+            Ok(r) if r.status() == StatusCode::NOT_FOUND => register(gateway.clone()).await?,
             Ok(_) => {}
             Err(err) => tracing::debug!(error = %err, "heartbeat failed"),
         }
