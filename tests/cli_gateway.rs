@@ -153,24 +153,7 @@ fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_h
         }
         // A decode worker of the same snapshot registers: the gateway's model, read
         // from the card alone, must be the worker's (same KV compatibility hash).
-        let wport = free_port();
-        let _worker = harness::spawn(
-            &[
-                "engine",
-                "decode",
-                "--model",
-                snap.to_str().unwrap(),
-                "--served-model-name",
-                "tiny",
-                "--port",
-                &wport.to_string(),
-                "--kv-cache-mib",
-                "16",
-                "--gateway",
-                &base,
-            ],
-            Stdio::inherit(),
-        );
+        let _worker = decode_worker(&snap, free_port(), Some(&base));
         let r = req.await.unwrap().unwrap();
         assert_eq!(r.status(), 200);
         let body: Value = r.json().await.unwrap();
@@ -303,22 +286,26 @@ mod fake_kube {
     }
 }
 
-fn unregistered_decode_worker(snap: &std::path::Path, port: u16) -> KillOnDrop {
-    harness::spawn(
-        &[
-            "engine",
-            "decode",
-            "--model",
-            snap.to_str().unwrap(),
-            "--served-model-name",
-            "tiny",
-            "--port",
-            &port.to_string(),
-            "--kv-cache-mib",
-            "16",
-        ],
-        Stdio::inherit(),
-    )
+/// A decode worker of `snap` on `port`, registering with `gateway` when given (else
+/// it only serves, to be discovered).
+fn decode_worker(snap: &std::path::Path, port: u16, gateway: Option<&str>) -> KillOnDrop {
+    let port = port.to_string();
+    let mut args = vec![
+        "engine",
+        "decode",
+        "--model",
+        snap.to_str().unwrap(),
+        "--served-model-name",
+        "tiny",
+        "--port",
+        &port,
+        "--kv-cache-mib",
+        "16",
+    ];
+    if let Some(g) = gateway {
+        args.extend(["--gateway", g]);
+    }
+    harness::spawn(&args, Stdio::inherit())
 }
 
 #[test]
@@ -329,9 +316,9 @@ fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
     // Pods have addresses of their own; here every worker is on 127.0.0.1 and each
     // slice names the port of the one it lists.
     let port = free_port();
-    let _good = unregistered_decode_worker(&snap, port);
+    let _good = decode_worker(&snap, port, None);
     let bad_port = free_port();
-    let _bad = unregistered_decode_worker(&other, bad_port);
+    let _bad = decode_worker(&other, bad_port, None);
     harness::wait_healthy(port, 60);
     harness::wait_healthy(bad_port, 60);
     let api = fake_kube::Shared::default();

@@ -102,22 +102,11 @@ fn install(extra: Value, subnet: u8) -> Option<Run> {
     // The network must exist before the store can bind its host address: the cluster
     // comes up empty, then gets the chart rendered with the store's URL.
     let host = format!("10.{subnet}.0.1");
-    let c = Cluster::install(Vec::new(), tag, 2, subnet);
+    let c = Cluster::install(tag, 2, subnet);
     let store = preheat_testkit::serve_files_on(model.path(), &host);
     let values = emulator::values(tag, &format!("{store}/tiny.phpack"), extra);
     let objects = emulator::render(&values);
-    {
-        let mut s = c.state.lock().unwrap();
-        for o in &objects {
-            if o["kind"] == "Deployment" {
-                let name = o["metadata"]["name"].as_str().unwrap().to_owned();
-                let r = o["spec"]["replicas"].as_i64().unwrap_or(1);
-                s.scale.insert(name.clone(), r);
-                s.scale_history.push((name, r, "install"));
-            }
-        }
-        s.objects = objects.clone();
-    }
+    c.apply(objects.clone());
     let c = Arc::new(c);
     let teardown = Teardown(Arc::clone(&c));
     c.start();

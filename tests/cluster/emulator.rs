@@ -119,9 +119,8 @@ pub fn matches(selector: &str, labels: &BTreeMap<String, String>) -> bool {
 }
 
 impl Cluster {
-    /// Creates the network and the API server and applies `objects`: Deployments start at
-    /// their rendered replicas, DaemonSets on every node.
-    pub fn install(objects: Vec<Value>, image: &str, nodes: usize, subnet: u8) -> Cluster {
+    /// Creates the network and the API server of an empty cluster of `nodes` nodes.
+    pub fn install(image: &str, nodes: usize, subnet: u8) -> Cluster {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -146,18 +145,6 @@ impl Cluster {
             &net,
         ]);
         let state = Shared::default();
-        {
-            let mut s = state.lock().unwrap();
-            for o in &objects {
-                if o["kind"] == "Deployment" {
-                    let name = o["metadata"]["name"].as_str().unwrap().to_owned();
-                    let r = o["spec"]["replicas"].as_i64().unwrap_or(1);
-                    s.scale.insert(name.clone(), r);
-                    s.scale_history.push((name, r, "install"));
-                }
-            }
-            s.objects = objects;
-        }
         let host = format!("{prefix}.1");
         let api_url = rt.block_on(super::api::serve(Arc::clone(&state), &host));
         let c = Cluster {
@@ -183,6 +170,21 @@ impl Cluster {
         )
         .unwrap();
         c
+    }
+
+    /// Applies rendered `objects`: Deployments start at their rendered replicas,
+    /// DaemonSets on every node (once [`Cluster::start`] runs the controllers).
+    pub fn apply(&self, objects: Vec<Value>) {
+        let mut s = self.state.lock().unwrap();
+        for o in &objects {
+            if o["kind"] == "Deployment" {
+                let name = o["metadata"]["name"].as_str().unwrap().to_owned();
+                let r = o["spec"]["replicas"].as_i64().unwrap_or(1);
+                s.scale.insert(name.clone(), r);
+                s.scale_history.push((name, r, "install"));
+            }
+        }
+        s.objects = objects;
     }
 
     /// The Docker name of a pod's container: unique across clusters of one run.
