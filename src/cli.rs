@@ -52,6 +52,10 @@ pub enum WarmpoolCmd {
     Run {
         #[arg(long)]
         config: PathBuf,
+        /// Where peers reach this node's standbys (overrides the config's
+        /// `advertise_host`; in Kubernetes the pod IP, `$(POD_IP)`).
+        #[arg(long)]
+        advertise_host: Option<String>,
     },
     /// Stage one snapshot into a directory: parallel, resumable, verified, published
     /// atomically. Exit 0 only when a verified snapshot is in place.

@@ -481,6 +481,8 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 pool: role.to_owned(),
                 model: staged.clone(),
                 drain_grace: Duration::from_secs(30),
+                // Local mode's driver owns promoted standbys (promote_take).
+                unlist_delay: Duration::ZERO,
                 count: o.standbys,
                 base_port: free_port()?,
                 command: [

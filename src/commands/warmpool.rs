@@ -14,10 +14,20 @@ use crate::commands::human_bytes;
 
 pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
     match cmd {
-        WarmpoolCmd::Run { config } => {
+        WarmpoolCmd::Run {
+            config,
+            advertise_host,
+        } => {
             let text = std::fs::read_to_string(&config)
                 .with_context(|| format!("reading {}", config.display()))?;
-            let cfg = AgentConfig::from_yaml(&text, std::env::var("NODE_NAME").ok())?;
+            let mut cfg = AgentConfig::from_yaml(&text, std::env::var("NODE_NAME").ok())?;
+            if let Some(h) = advertise_host {
+                anyhow::ensure!(
+                    !h.is_empty() && !h.contains(['/', ' ', '@']),
+                    "--advertise-host {h:?} is not a host"
+                );
+                cfg.advertise_host = h;
+            }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;

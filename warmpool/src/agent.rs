@@ -9,8 +9,14 @@
 //! | `GET /models` | every configured model: state, bytes, resident bytes, progress, last error |
 //! | `POST /models/{name}/stage` | stage a configured model now (joins a staging in progress) |
 //! | `GET /snapshots/{file}` | a staged snapshot, with Range support (peer staging) |
+//! | `GET /standbys` | per pool: `count` to keep parked, `parked` ready, `serving` (ports of promoted standbys, at `advertise_host`) |
 //! | `PUT /standbys/{pool}` | `{"count": n}`: how many to keep parked |
 //! | `POST /standbys/{pool}/promote` | promote one parked standby; 503 when none is ready |
+//! | `POST /standbys/{pool}/retire` | retire the newest promoted standby (unlisted, then drained); 409 when none serves |
+//!
+//! Gateways list a node's serving standbys from `GET /standbys` (at the agent pod's
+//! address: an agent can only point them at its own pod); the scaler promotes and
+//! retires them.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -198,8 +204,10 @@ pub async fn run(
         .route("/models", get(models_route))
         .route("/models/{name}/stage", post(stage_route))
         .route("/snapshots/{file}", get(snapshot_route))
+        .route("/standbys", get(standbys_route))
         .route("/standbys/{pool}", put(standby_count_route))
         .route("/standbys/{pool}/promote", post(promote_route))
+        .route("/standbys/{pool}/retire", post(retire_route))
         .with_state(shared.clone());
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -327,7 +335,9 @@ async fn refresh(
             };
             let pool = pools
                 .entry(spec.pool.clone())
-                .or_insert_with(|| StandbyPool::new(spec.clone(), &path));
+                .or_insert_with(|| {
+                    StandbyPool::new(spec.clone(), &path).with_host(&shared.cfg.advertise_host)
+                });
             if let Err(e) = pool.reconcile().await {
                 tracing::warn!(pool = %spec.pool, error = %e, "standbys not reconciled");
             }
@@ -421,6 +431,48 @@ async fn standby_count_route(
         None => error_response(
             StatusCode::NOT_FOUND,
             &Error::Invalid(format!("no standby pool {pool:?} (configured and staged)")),
+        ),
+    }
+}
+
+/// One pool's standbys as `GET /standbys` lists them.
+#[derive(Debug, Serialize)]
+struct PoolStandbys {
+    count: u32,
+    parked: usize,
+    serving: Vec<u16>,
+}
+
+async fn standbys_route(State(s): State<Shared>) -> Json<BTreeMap<String, PoolStandbys>> {
+    let mut pools = s.standbys.lock().await;
+    Json(
+        pools
+            .iter_mut()
+            .map(|(name, p)| {
+                let v = PoolStandbys {
+                    count: p.spec().count,
+                    parked: p.ready(),
+                    serving: p.serving_ports(),
+                };
+                (name.clone(), v)
+            })
+            .collect(),
+    )
+}
+
+async fn retire_route(State(s): State<Shared>, UrlPath(pool): UrlPath<String>) -> Response {
+    let mut pools = s.standbys.lock().await;
+    let Some(p) = pools.get_mut(&pool) else {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            &Error::Invalid(format!("no standby pool {pool:?}")),
+        );
+    };
+    match p.retire() {
+        Some(port) => Json(serde_json::json!({"pool": pool, "port": port})).into_response(),
+        None => error_response(
+            StatusCode::CONFLICT,
+            &Error::Invalid(format!("no promoted standby of {pool:?} serves")),
         ),
     }
 }

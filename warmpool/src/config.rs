@@ -13,10 +13,11 @@
 //! stage: { concurrency: 4, piece_mib: 8 }
 //! models:
 //!   - { name: llama-1b, source: "https://models.example/llama-1b.phpack", hot: true }
+//! advertise_host: 10.0.3.7               # where peers reach this node's standbys
 //! standbys:
 //!   - { pool: decode, model: llama-1b, count: 1, base_port: 18100,
-//!       command: [preheat, engine, decode, --model, "{model_path}", --port, "{port}",
-//!                 --gateway, "http://gw:8000", --standby] }
+//!       command: [preheat, engine, decode, --model, "{model_path}", --host, 0.0.0.0,
+//!                 --port, "{port}", --advertise, "http://{host}:{port}", --standby] }
 //! ```
 
 use std::net::SocketAddr;
@@ -38,6 +39,7 @@ struct Raw {
     #[serde(default)]
     mlock: bool,
     listen: Option<String>,
+    advertise_host: Option<String>,
     refresh_secs: Option<f64>,
     kernel_cache_dir: Option<PathBuf>,
     kubernetes: Option<RawKube>,
@@ -83,6 +85,15 @@ struct RawStandby {
     /// agent stops.
     #[serde(default = "default_drain_grace_s")]
     drain_grace_s: f64,
+    /// Seconds between taking a promoted standby off the agent's `/standbys` list and
+    /// asking it to drain: gateways read that list every half second, and must have
+    /// stopped sending it requests before it stops taking them.
+    #[serde(default = "default_unlist_delay_s")]
+    unlist_delay_s: f64,
+}
+
+fn default_unlist_delay_s() -> f64 {
+    2.0
 }
 
 fn default_drain_grace_s() -> f64 {
@@ -106,11 +117,14 @@ pub struct StandbySpec {
     /// Standby `i` listens on `base_port + 2*i` (a prefill worker's KV port is the
     /// next one).
     pub base_port: u16,
-    /// Program and arguments; `{model_path}` and `{port}` are substituted.
+    /// Program and arguments; `{model_path}`, `{port}` and `{host}` (the agent's
+    /// `advertise_host`) are substituted.
     pub command: Vec<String>,
-    /// How long a promoted standby may drain (SIGTERM → exit) when the agent stops
-    /// before it is killed.
+    /// How long a promoted standby may drain (SIGTERM → exit) when it is retired or the
+    /// agent stops, before it is killed.
     pub drain_grace: Duration,
+    /// From leaving the agent's serving list to the drain (see `unlist_delay_s`).
+    pub unlist_delay: Duration,
 }
 
 /// Where the node labels go.
@@ -128,6 +142,9 @@ pub struct AgentConfig {
     pub memory_budget: u64,
     pub mlock: bool,
     pub listen: SocketAddr,
+    /// The address peers reach this node's standbys at (`{host}` in their commands);
+    /// in Kubernetes the agent pod's IP.
+    pub advertise_host: String,
     pub refresh: Duration,
     pub kernel_cache_dir: Option<PathBuf>,
     pub kubernetes: Option<KubeSpec>,
@@ -186,6 +203,12 @@ impl AgentConfig {
             errs.push(format!("listen: {listen:?} is not host:port"));
             SocketAddr::from(([0, 0, 0, 0], 9400))
         });
+        let advertise_host = raw
+            .advertise_host
+            .unwrap_or_else(|| "127.0.0.1".to_owned());
+        if advertise_host.is_empty() || advertise_host.contains(['/', ' ', '@']) {
+            errs.push(format!("advertise_host: {advertise_host:?} is not a host"));
+        }
         let refresh = raw.refresh_secs.unwrap_or(10.0);
         if !(refresh.is_finite() && refresh > 0.0) {
             errs.push(format!("refresh_secs: {refresh} must be > 0"));
@@ -249,6 +272,9 @@ impl AgentConfig {
             if !(s.drain_grace_s.is_finite() && s.drain_grace_s >= 0.0) {
                 errs.push(format!("standbys[{i}].drain_grace_s must be >= 0"));
             }
+            if !(s.unlist_delay_s.is_finite() && (0.0..=600.0).contains(&s.unlist_delay_s)) {
+                errs.push(format!("standbys[{i}].unlist_delay_s must be in 0..=600"));
+            }
             if standbys.iter().any(|o: &StandbySpec| o.pool == s.pool) {
                 errs.push(format!("standbys[{i}]: pool {:?} appears twice", s.pool));
             }
@@ -259,6 +285,7 @@ impl AgentConfig {
                 base_port: s.base_port,
                 command: s.command,
                 drain_grace: Duration::from_secs_f64(s.drain_grace_s.clamp(0.0, 86_400.0)),
+                unlist_delay: Duration::from_secs_f64(s.unlist_delay_s.clamp(0.0, 600.0)),
             });
         }
         if !errs.is_empty() {
@@ -272,6 +299,7 @@ impl AgentConfig {
             memory_budget,
             mlock: raw.mlock,
             listen,
+            advertise_host,
             refresh: Duration::from_secs_f64(refresh),
             kernel_cache_dir: raw.kernel_cache_dir,
             kubernetes,

@@ -1,7 +1,9 @@
 //! Parked standby replicas: engine processes started with `--standby` (model mapped
 //! and paged in, tokenizer loaded, warm-up done, not registered), promoted to serving
 //! by one HTTP call. A pool keeps `count` parked; each promotion hands one over and a
-//! replacement is started.
+//! replacement is started. A promoted standby serves until it is retired (the scaler,
+//! once the pool's own replicas have caught up) or the agent stops: it leaves the
+//! serving list first, then drains, so no gateway sends it a request it would refuse.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -26,7 +28,9 @@ struct Parked {
 /// A promoted standby.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Promoted {
+    /// Where the agent reaches it (loopback).
     pub url: String,
+    pub port: u16,
     pub pid: Option<u32>,
     /// From the promote call to the worker answering that it serves.
     pub promote_ms: f64,
@@ -40,6 +44,10 @@ pub struct StandbyPool {
     parked: Vec<Parked>,
     /// Handed over; kept to reap them and stop them with the agent.
     promoted: Vec<(u16, Child)>,
+    /// Retired: off the serving list, draining (their ports stay taken until done).
+    draining: Vec<(u16, tokio::task::JoinHandle<()>)>,
+    /// `{host}` in the command: where peers reach the standbys.
+    host: String,
     client: reqwest::Client,
     /// Where each standby's stderr goes (`<pool>-standby-<port>.log`); inherited when
     /// unset.
@@ -56,6 +64,8 @@ impl StandbyPool {
             model_path: model_path.to_path_buf(),
             parked: Vec::new(),
             promoted: Vec::new(),
+            draining: Vec::new(),
+            host: "127.0.0.1".to_owned(),
             client: reqwest::Client::new(),
             log_dir: None,
             backoff: RestartBackoff::default(),
@@ -66,6 +76,45 @@ impl StandbyPool {
     #[must_use]
     pub fn failing(&self) -> Option<&str> {
         self.backoff.gave_up()
+    }
+
+    /// Where peers reach the standbys (`{host}` in their command; default loopback).
+    #[must_use]
+    pub fn with_host(mut self, host: &str) -> Self {
+        host.clone_into(&mut self.host);
+        self
+    }
+
+    /// Ports of the promoted standbys that serve now (not retired, not exited).
+    #[must_use]
+    pub fn serving_ports(&mut self) -> Vec<u16> {
+        self.reap_promoted();
+        self.promoted.iter().map(|(p, _)| *p).collect()
+    }
+
+    fn reap_promoted(&mut self) {
+        self.promoted
+            .retain_mut(|(_, c)| matches!(c.try_wait(), Ok(None)));
+    }
+
+    /// Retires the newest promoted standby: off the serving list now, asked to drain
+    /// after the spec's `unlist_delay` (gateways have stopped sending it requests by
+    /// then), killed if it outlives `drain_grace`. Its port, or `None` when none serves.
+    pub fn retire(&mut self) -> Option<u16> {
+        self.reap_promoted();
+        let (port, child) = self.promoted.pop()?;
+        let (delay, grace, pool) = (
+            self.spec.unlist_delay,
+            self.spec.drain_grace,
+            self.spec.pool.clone(),
+        );
+        tracing::info!(pool = %pool, port, "promoted standby retired: unlisted, draining");
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            drain_children(&mut [child], grace, &pool).await;
+        });
+        self.draining.push((port, task));
+        Some(port)
     }
 
     /// Sends each standby's stderr to a file in `dir`.
@@ -93,8 +142,8 @@ impl StandbyPool {
     /// Reaps exited processes, checks readiness, starts or stops standbys to reach
     /// `count` parked.
     pub async fn reconcile(&mut self) -> Result<()> {
-        self.promoted
-            .retain_mut(|(_, c)| matches!(c.try_wait(), Ok(None)));
+        self.reap_promoted();
+        self.draining.retain(|(_, t)| !t.is_finished());
         let mut kept = Vec::new();
         for mut p in std::mem::take(&mut self.parked) {
             if let Ok(Some(status)) = p.child.try_wait() {
@@ -132,6 +181,7 @@ impl StandbyPool {
                 .map(|a| {
                     a.replace("{model_path}", &self.model_path.to_string_lossy())
                         .replace("{port}", &port.to_string())
+                        .replace("{host}", &self.host)
                 })
                 .collect();
             let (prog, rest) = args
@@ -171,6 +221,7 @@ impl StandbyPool {
             .find(|p| {
                 !self.parked.iter().any(|x| x.port == *p)
                     && !self.promoted.iter().any(|(q, _)| q == p)
+                    && !self.draining.iter().any(|(q, _)| q == p)
                     && bindable(*p)
                     && p.checked_add(1).is_some_and(bindable)
             })
@@ -204,6 +255,7 @@ impl StandbyPool {
             Ok(r) if r.status().is_success() => {
                 let out = Promoted {
                     url: p.url.clone(),
+                    port: p.port,
                     pid: p.child.id(),
                     promote_ms: t0.elapsed().as_secs_f64() * 1e3,
                 };
@@ -224,15 +276,22 @@ impl StandbyPool {
     }
 
     /// Stops every process the pool started: parked ones at once (they serve
-    /// nobody); promoted ones drain — SIGTERM, on which a worker deregisters and
-    /// finishes what it holds — and are killed only if they outlive the spec's
-    /// `drain_grace`.
+    /// nobody); promoted ones, once off the list for `unlist_delay` (the agent's API
+    /// is already closed, so gateways drop them), drain — SIGTERM, on which a worker
+    /// deregisters and finishes what it holds — and are killed only if they outlive
+    /// the spec's `drain_grace`. Standbys retired earlier finish their drains too.
     pub async fn shutdown(&mut self) {
         for mut p in self.parked.drain(..) {
             let _ = p.child.kill().await;
         }
         let mut promoted: Vec<Child> = self.promoted.drain(..).map(|(_, c)| c).collect();
+        if !promoted.is_empty() {
+            tokio::time::sleep(self.spec.unlist_delay).await;
+        }
         drain_children(&mut promoted, self.spec.drain_grace, &self.spec.pool).await;
+        for (_, t) in self.draining.drain(..) {
+            let _ = t.await;
+        }
     }
 }
 

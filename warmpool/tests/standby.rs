@@ -47,6 +47,7 @@ fn spec(dir: &Path, count: u32, command: Vec<String>) -> StandbySpec {
         base_port: preheat_testkit::free_port(),
         command,
         drain_grace: Duration::from_secs(10),
+        unlist_delay: Duration::from_millis(300),
     }
 }
 
@@ -135,4 +136,39 @@ async fn standbys_that_die_at_start_are_replaced_with_growing_pauses_then_report
     );
     let why = pool.failing().unwrap();
     assert!(why.contains("KV compatibility hash differs"), "{why}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retired_standby_leaves_the_serving_list_before_it_drains() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    let command = [
+        "python3",
+        &format!("{d}/replica.py"),
+        "{port}",
+        &format!("{d}/drained-{{port}}-{{host}}"),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let mut pool = StandbyPool::new(spec(dir.path(), 1, command), Path::new("/unused"))
+        .with_host("10.9.8.7");
+    until_ready(&mut pool, 1).await;
+    assert!(pool.serving_ports().is_empty(), "parked is not serving");
+    let p = pool.promote().await.unwrap().expect("a ready standby");
+    assert_eq!(pool.serving_ports(), [p.port]);
+    assert_eq!(pool.retire(), Some(p.port));
+    let t0 = Instant::now();
+    assert!(pool.serving_ports().is_empty(), "unlisted at once");
+    assert_eq!(pool.retire(), None, "nothing else serves");
+    let marker = dir.path().join(format!("drained-{}-10.9.8.7", p.port));
+    assert!(!marker.exists(), "drained before gateways could unlist it");
+    while !marker.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The unlist delay (300 ms) then the replica's own half-second drain.
+    assert!(t0.elapsed() >= Duration::from_millis(750), "{:?}", t0.elapsed());
+    // The pool parks a replacement meanwhile; shutdown kills it and returns.
+    until_ready(&mut pool, 1).await;
+    pool.shutdown().await;
 }
