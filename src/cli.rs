@@ -308,6 +308,11 @@ pub struct GatewayArgs {
     /// The decode pool's Service (with --discover-namespace).
     #[arg(long, requires = "discover_namespace")]
     pub decode_service: Option<String>,
+    /// The warm-pool agents' Service (with --discover-namespace): each Ready agent's
+    /// promoted standbys (`GET /standbys`, reached at the agent's own address) join
+    /// their pools.
+    #[arg(long, requires = "discover_namespace")]
+    pub standby_agents_service: Option<String>,
     /// Kubernetes API base URL (default: the in-cluster service account, else the local
     /// kubeconfig).
     #[arg(long, requires = "discover_namespace")]

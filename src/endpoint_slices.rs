@@ -1,8 +1,13 @@
 //! The gateway's workers the Kubernetes way: the Ready endpoints of each pool's
 //! Service, read from its EndpointSlices through a watch (kube-rs reflector), so any
 //! number of gateway replicas see the same workers and nothing has to register.
+//! Promoted standbys, which are processes of the warm-pool agents rather than pods of
+//! a pool, join from the agents' own lists (`GET /standbys`) — each reached at its
+//! agent's address, so an agent can name a port of its own pod and nothing else.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -22,7 +27,14 @@ struct Pool {
 /// The prefill and decode pools' Ready endpoints.
 pub struct EndpointSlices {
     pools: Vec<Pool>,
+    /// Serving standbys read from the agents, refreshed by a task of their own.
+    standbys: Arc<Mutex<Vec<(WorkerRole, String)>>>,
 }
+
+/// How often the agents' standby lists are read (the gateway's discovery pace).
+const AGENT_POLL: Duration = Duration::from_millis(500);
+/// Most bytes read from an agent's `/standbys`.
+const MAX_AGENT_BYTES: usize = 64 << 10;
 
 impl std::fmt::Debug for EndpointSlices {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -33,43 +45,122 @@ impl std::fmt::Debug for EndpointSlices {
 }
 
 impl EndpointSlices {
-    /// Watches the EndpointSlices of `services` (role, Service name) in `namespace`;
-    /// each watch reconnects with backoff while the runtime runs.
+    /// Watches the EndpointSlices of `services` (role, Service name) in `namespace`,
+    /// and with `agents` (the warm-pool agents' Service) reads each Ready agent's
+    /// serving standbys; each watch reconnects with backoff while the runtime runs.
     pub fn watch(
         client: kube::Client,
         namespace: &str,
         services: &[(WorkerRole, String)],
+        agents: Option<&str>,
     ) -> Arc<Self> {
+        let standbys = Arc::new(Mutex::new(Vec::new()));
+        if let Some(service) = agents {
+            let store = slice_store(client.clone(), namespace, service);
+            tokio::spawn(poll_agents(store, Arc::clone(&standbys)));
+        }
         let pools = services
             .iter()
-            .map(|(role, service)| {
-                let api: Api<EndpointSlice> = Api::namespaced(client.clone(), namespace);
-                let (reader, writer) = reflector::store();
-                // Only slices the EndpointSlice controller made from the Service's
-                // selector: whoever may create EndpointSlices cannot list an address
-                // of their own for the gateway to send prompts to.
-                let cfg = watcher::Config::default().labels(&format!(
-                    "kubernetes.io/service-name={service},endpointslice.kubernetes.io/managed-by=endpointslice-controller.k8s.io"
-                ));
-                let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
-                let svc = service.clone();
-                tokio::spawn(async move {
-                    let mut stream = std::pin::pin!(stream);
-                    while let Some(ev) = stream.next().await {
-                        if let Err(e) = ev {
-                            tracing::warn!(service = %svc, error = %e, "EndpointSlice watch");
-                        }
-                    }
-                });
-                Pool {
-                    role: *role,
-                    service: service.clone(),
-                    store: reader,
-                }
+            .map(|(role, service)| Pool {
+                role: *role,
+                service: service.clone(),
+                store: slice_store(client.clone(), namespace, service),
             })
             .collect();
-        Arc::new(EndpointSlices { pools })
+        Arc::new(EndpointSlices { pools, standbys })
     }
+}
+
+/// A reflector over `service`'s EndpointSlices.
+fn slice_store(client: kube::Client, namespace: &str, service: &str) -> Store<EndpointSlice> {
+    let api: Api<EndpointSlice> = Api::namespaced(client, namespace);
+    let (reader, writer) = reflector::store();
+    // Only slices the EndpointSlice controller made from the Service's selector:
+    // whoever may create EndpointSlices cannot list an address of their own for the
+    // gateway to send prompts to.
+    let cfg = watcher::Config::default().labels(&format!(
+        "kubernetes.io/service-name={service},endpointslice.kubernetes.io/managed-by=endpointslice-controller.k8s.io"
+    ));
+    let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
+    let svc = service.to_owned();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(ev) = stream.next().await {
+            if let Err(e) = ev {
+                tracing::warn!(service = %svc, error = %e, "EndpointSlice watch");
+            }
+        }
+    });
+    reader
+}
+
+/// One pool's entry in an agent's `GET /standbys`.
+#[derive(Debug, serde::Deserialize)]
+struct AgentPool {
+    #[serde(default)]
+    serving: Vec<u16>,
+}
+
+/// Reads every Ready agent's serving standbys into `out`, every [`AGENT_POLL`]. An
+/// agent that does not answer lists nothing: the gateway stops sending new requests
+/// to standbys it cannot vouch for (in-flight ones finish).
+async fn poll_agents(agents: Store<EndpointSlice>, out: Arc<Mutex<Vec<(WorkerRole, String)>>>) {
+    let client = reqwest::Client::new();
+    loop {
+        let bases: Vec<String> = agents.state().iter().flat_map(|s| ready_urls(s)).collect();
+        let reads = bases.iter().map(|base| {
+            let client = client.clone();
+            async move { (base, read_agent(&client, base).await) }
+        });
+        let mut listed = Vec::new();
+        for (base, r) in futures_util::future::join_all(reads).await {
+            match r {
+                Ok(pools) => listed.extend(standby_urls(base, &pools)),
+                Err(e) => tracing::debug!(agent = %base, error = %e, "agent standbys unread"),
+            }
+        }
+        *out.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = listed;
+        tokio::time::sleep(AGENT_POLL).await;
+    }
+}
+
+async fn read_agent(
+    client: &reqwest::Client,
+    base: &str,
+) -> Result<BTreeMap<String, AgentPool>, String> {
+    let r = client
+        .get(format!("{base}/standbys"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map_err(|e| e.to_string())?;
+    let body = preheat_engine::disagg::gateway::read_capped(r, MAX_AGENT_BYTES).await?;
+    serde_json::from_slice(&body).map_err(|e| e.to_string())
+}
+
+/// The serving standbys an agent at `base` (`http://host:port`) lists, at its host.
+fn standby_urls(base: &str, pools: &BTreeMap<String, AgentPool>) -> Vec<(WorkerRole, String)> {
+    let Some(host) = base
+        .strip_prefix("http://")
+        .and_then(|h| h.rsplit_once(':'))
+        .map(|(h, _)| h)
+    else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (pool, p) in pools {
+        let role = match pool.as_str() {
+            "prefill" => WorkerRole::Prefill,
+            "decode" => WorkerRole::Decode,
+            _ => continue,
+        };
+        // Bounded: an agent lists at most as many as a pool could sensibly park.
+        for port in p.serving.iter().take(64) {
+            out.push((role, format!("http://{host}:{port}")));
+        }
+    }
+    out
 }
 
 impl WorkerSource for EndpointSlices {
@@ -80,6 +171,13 @@ impl WorkerSource for EndpointSlices {
                 out.extend(ready_urls(&slice).into_iter().map(|u| (pool.role, u)));
             }
         }
+        out.extend(
+            self.standbys
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .iter()
+                .cloned(),
+        );
         out.sort_by(|a, b| (a.0.as_str(), &a.1).cmp(&(b.0.as_str(), &b.1)));
         out.dedup();
         out
@@ -144,5 +242,26 @@ mod tests {
         let mut fqdn = slice;
         fqdn.address_type = "FQDN".into();
         assert!(ready_urls(&fqdn).is_empty());
+    }
+
+    #[test]
+    fn standbys_are_reached_at_their_agents_address_only() {
+        let pools: BTreeMap<String, AgentPool> = serde_json::from_value(serde_json::json!({
+            "decode": {"count": 1, "parked": 1, "serving": [18000, 18002]},
+            "prefill": {"count": 1, "parked": 0, "serving": []},
+            "other": {"serving": [1]}
+        }))
+        .unwrap();
+        assert_eq!(
+            standby_urls("http://10.0.0.9:9400", &pools),
+            [
+                (WorkerRole::Decode, "http://10.0.0.9:18000".to_owned()),
+                (WorkerRole::Decode, "http://10.0.0.9:18002".to_owned())
+            ]
+        );
+        assert_eq!(
+            standby_urls("http://[fd00::7]:9400", &pools)[0].1,
+            "http://[fd00::7]:18000"
+        );
     }
 }

@@ -30,6 +30,7 @@ const GATEWAY: &str = "rel-preheat-gateway";
 const SCALER: &str = "rel-preheat-scaler";
 const PREFILL: &str = "rel-preheat-prefill";
 const DECODE: &str = "rel-preheat-decode";
+const WARMPOOL: &str = "rel-preheat-warmpool";
 
 /// One cluster at a time: each is a dozen containers on two cores.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -321,6 +322,104 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
         });
         std::thread::sleep(Duration::from_secs(5));
     });
+}
+
+/// Each Ready agent's `GET /standbys`, by agent IP.
+fn agent_standbys(c: &Cluster) -> Vec<(String, Value)> {
+    c.ready(WARMPOOL)
+        .into_iter()
+        .filter_map(|ip| {
+            let v = client()
+                .get(format!("http://{ip}:9400/standbys"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .ok()?
+                .json()
+                .ok()?;
+            Some((ip, v))
+        })
+        .collect()
+}
+
+/// `http://ip:port` of each serving standby of `pool`.
+fn serving(c: &Cluster, pool: &str) -> Vec<String> {
+    agent_standbys(c)
+        .into_iter()
+        .flat_map(|(ip, v)| {
+            v[pool]["serving"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |p| format!("http://{ip}:{p}"))
+        })
+        .collect()
+}
+
+/// Tokens a worker has generated, from its `/metrics`.
+fn generated(url: &str) -> f64 {
+    let text = client()
+        .get(format!("{url}/metrics"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:generation_tokens_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
+    // One parked standby per pool on each node's agent, kept serving once promoted
+    // (retirement far off) so the restart hits standbys that carry requests.
+    let values = json!({"warmpool": {"standbys": {
+        "prefill": 1, "decode": 1, "retireAfterSeconds": 600, "drainGraceSeconds": 20
+    }}});
+    let Some(run) = install(values, 217) else {
+        return;
+    };
+    let c = &run.c;
+    wait_for("a parked decode standby on every agent", 120, || {
+        let a = agent_standbys(c);
+        a.len() == 2 && a.iter().all(|(_, v)| v["decode"]["parked"] == 1)
+    });
+    // The first request at zero: the scaler promotes a standby for it.
+    let t0 = Instant::now();
+    let (status, body) = complete(&run.gateway, 4);
+    assert_eq!(status, 200, "{body}");
+    let first_s = t0.elapsed().as_secs_f64();
+    let standbys = serving(c, "decode");
+    assert!(!standbys.is_empty(), "no decode standby was promoted");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = load(&run.gateway, 3, 100, &stop);
+    wait_for("a serving standby generating tokens", 60, || {
+        serving(c, "decode").iter().any(|u| generated(u) > 0.0)
+    });
+    let busy = serving(c, "decode")
+        .into_iter()
+        .find(|u| generated(u) > 0.0)
+        .unwrap();
+    let ip = busy.trim_start_matches("http://").split(':').next().unwrap().to_owned();
+    let agent = c
+        .pods_of(WARMPOOL)
+        .into_iter()
+        .find(|p| p.ip == ip)
+        .unwrap()
+        .name;
+    let before = generated(&busy);
+    c.terminate(&agent);
+    wait_for("the old agent gone", 60, || {
+        c.pods_of(WARMPOOL).iter().all(|p| p.name != agent)
+    });
+    wait_for("a new agent Ready on every node", 120, || c.ready(WARMPOOL).len() == 2);
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let n = all_ok(h);
+    eprintln!(
+        "first request at zero in {first_s:.1} s on a standby; {n} requests across the restart of {agent}, whose standby had generated {before} tokens"
+    );
 }
 
 #[test]

@@ -119,6 +119,10 @@ pub struct ModelConfig {
     /// Port of a discovered gateway pod's `/metrics`.
     #[serde(default = "default_metrics_port")]
     pub gateway_port: u16,
+    /// Parked standbys on the warm-pool agents, promoted while a pool has fewer Ready
+    /// replicas than it wants (see [`crate::standbys`]).
+    #[serde(default)]
+    pub standbys: Option<crate::standbys::StandbyConfig>,
     pub prefill: PoolConfig,
     pub decode: PoolConfig,
 }
@@ -320,6 +324,14 @@ impl Config {
             }
             if !names.insert(&m.name) {
                 e.push(format!("models.{i}.name {:?} appears twice", m.name));
+            }
+            if let Some(sb) = &m.standbys {
+                if sb.agent_selector.trim().is_empty() {
+                    e.push(format!("models.{i}.standbys.agent_selector is empty"));
+                }
+                if !(sb.retire_after_s.is_finite() && sb.retire_after_s >= 0.0) {
+                    e.push(format!("models.{i}.standbys.retire_after_s must be >= 0"));
+                }
             }
             for (pool, p) in [("prefill", &m.prefill), ("decode", &m.decode)] {
                 let at = format!("models.{i}.{pool}");

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::config::{Config, Mode, ModelConfig, PoolConfig};
 use crate::grpc::{DecisionStore, PoolDecision, PoolStatus};
 use crate::kube::PodSet;
+use crate::standbys;
 use crate::policy::{Observation, Pool, PreheatPolicy};
 use crate::profile::Profile;
 use crate::prom::PromSource;
@@ -41,6 +42,10 @@ struct PoolLoop {
     /// Whether the "replicas unknown" warning was logged since the count was last known.
     unknown_logged: bool,
     failures: FailureLog,
+    /// Since when the pool has had more than it wants with standbys serving.
+    surplus_since: Option<Instant>,
+    /// Path of a replica's (and a standby's) metrics.
+    metrics_path: String,
 }
 
 struct ModelLoop {
@@ -49,6 +54,8 @@ struct ModelLoop {
     /// Gateway pods found by `gateway_selector`, scraped besides `gateway` URLs.
     gateway_pods: Option<PodSet>,
     gateway_failures: FailureLog,
+    /// Warm-pool agents whose parked standbys bridge the pools' start-ups.
+    agents: Option<(PodSet, crate::standbys::StandbyConfig)>,
 }
 
 /// Runs the scrape-and-decide loop over `cfg`'s models until the task is dropped.
@@ -102,6 +109,7 @@ impl Controller {
         cfg.mode == Mode::Direct
             || cfg.models.iter().any(|m| {
                 m.gateway_selector.is_some()
+                    || m.standbys.is_some()
                     || [&m.prefill, &m.decode]
                         .iter()
                         .any(|p| p.selector.is_some() || p.deployment.is_some())
@@ -150,6 +158,8 @@ impl Controller {
                         last_current: None,
                         unknown_logged: false,
                         failures: FailureLog::default(),
+                        surplus_since: None,
+                        metrics_path: p.metrics_path.clone(),
                     })
                     .collect(),
                 gateway_pods: match (&m.gateway_selector, &self.kube) {
@@ -163,6 +173,19 @@ impl Controller {
                     _ => None,
                 },
                 gateway_failures: FailureLog::default(),
+                agents: match (&m.standbys, &self.kube) {
+                    (Some(sb), Some(client)) => Some((
+                        PodSet::watch(
+                            client.clone(),
+                            &self.cfg.kubernetes.namespace,
+                            &sb.agent_selector,
+                            sb.agent_port,
+                            "",
+                        ),
+                        sb.clone(),
+                    )),
+                    _ => None,
+                },
             })
             .collect();
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
@@ -221,13 +244,27 @@ fn startup_of<'a>(
         })
 }
 
+/// The readings of a pool's own replicas (not its standbys').
+fn own<'a>(
+    ok: &'a [(String, Reading)],
+    standbys: &'a [String],
+) -> impl Iterator<Item = &'a Reading> {
+    ok.iter()
+        .filter(|(u, _)| !standbys.contains(u))
+        .map(|(_, r)| r)
+}
+
 impl Tick<'_> {
-    /// Signals, current replicas and measured start-up of one pool.
+    /// Signals, current replicas and measured start-up of one pool. `standbys` (the
+    /// metrics URLs of its serving standbys) are scraped with the pool's replicas: the
+    /// load they carry is the pool's, though they are not among its replicas and their
+    /// starts are not its start-up.
     async fn observe(
         &self,
         p: &mut PoolLoop,
         t: f64,
         filter: Option<&str>,
+        standbys: &[String],
     ) -> (PoolSignals, Option<u32>, Option<f64>) {
         let blind = |why: &str| {
             let s = PoolSignals {
@@ -251,10 +288,10 @@ impl Tick<'_> {
                     Source::Static(urls) => urls.clone(),
                     _ => Vec::new(),
                 };
-                let (ok, failed) = self.scrape(p, &urls, filter).await;
-                let startup = startup_of(ok.iter().map(|(_, r)| r));
                 // Static endpoints all exist, answering or not.
-                let current = u32::try_from(ok.len() + failed.len()).unwrap_or(u32::MAX);
+                let current = u32::try_from(urls.len()).unwrap_or(u32::MAX);
+                let (ok, failed) = self.scrape_with(p, urls, standbys, filter).await;
+                let startup = startup_of(own(&ok, standbys));
                 (p.windows.tick(t, ok, &failed), Some(current), startup)
             }
             Source::Pods(set) => {
@@ -264,8 +301,8 @@ impl Tick<'_> {
                 }
                 let view = set.view();
                 let urls: Vec<String> = view.ready.values().cloned().collect();
-                let (ok, failed) = self.scrape(p, &urls, filter).await;
-                let startup = startup_of(ok.iter().map(|(_, r)| r));
+                let (ok, failed) = self.scrape_with(p, urls, standbys, filter).await;
+                let startup = startup_of(own(&ok, standbys));
                 (p.windows.tick(t, ok, &failed), Some(view.current), startup)
             }
             Source::Prometheus(sel) => {
@@ -306,6 +343,18 @@ impl Tick<'_> {
         p.last_current
     }
 
+    /// [`Tick::scrape`] of `urls` and `standbys` together.
+    async fn scrape_with(
+        &self,
+        p: &mut PoolLoop,
+        mut urls: Vec<String>,
+        standbys: &[String],
+        filter: Option<&str>,
+    ) -> (Vec<(String, Reading)>, Vec<String>) {
+        urls.extend(standbys.iter().cloned());
+        self.scrape(p, &urls, filter).await
+    }
+
     /// Scrapes a pool's endpoints; failures are logged when they change and returned
     /// as the URLs that did not answer.
     async fn scrape(
@@ -330,8 +379,26 @@ impl Tick<'_> {
         m.gateway_failures
             .note("gateway", gw.iter().map(|(u, _)| u.as_str()), &gw_failed);
         let held: f64 = gw.iter().filter_map(|(_, r)| r.gateway_pending).sum();
+        let agents = match &m.agents {
+            Some((set, _)) => {
+                let bases: Vec<String> = set.view().ready.into_values().collect();
+                standbys::read_agents(self.client, &bases, self.timeout).await
+            }
+            None => Vec::new(),
+        };
         for p in &mut m.pools {
-            let (signals, current, startup) = self.observe(p, t, filter).await;
+            let pool = p.pool.as_str();
+            let path = match &p.source {
+                Source::Pods(_) | Source::Static(_) | Source::Shared(_) => p.metrics_path.as_str(),
+                // Prometheus does not scrape the standbys: their load is not added.
+                Source::Prometheus(_) => "",
+            };
+            let serving = if path.is_empty() {
+                Vec::new()
+            } else {
+                standbys::serving_urls(&agents, pool, path)
+            };
+            let (signals, current, startup) = self.observe(p, t, filter, &serving).await;
             let Some(current) = current else {
                 // Acting on a guess could shrink a serving pool: decide nothing, and
                 // KEDA is told the pool is not decided yet (HPA then keeps its size).
@@ -387,6 +454,28 @@ impl Tick<'_> {
                 },
             );
             let replicas = if d.active { d.desired } else { 0 };
+            if let Some((_, sb)) = &m.agents {
+                let ready = match &p.source {
+                    Source::Pods(set) => u32::try_from(set.view().ready.len()).unwrap_or(u32::MAX),
+                    _ => current,
+                };
+                let mine: Vec<(String, standbys::AgentPool)> = agents
+                    .iter()
+                    .map(|(a, pools)| (a.clone(), pools.get(pool).cloned().unwrap_or_default()))
+                    .collect();
+                let serving = mine.iter().map(|(_, a)| a.serving.len()).sum::<usize>();
+                let surplus = serving > 0 && ready as usize + serving > replicas as usize;
+                let due = standbys::retire_due(
+                    surplus,
+                    &mut p.surplus_since,
+                    Duration::from_secs_f64(sb.retire_after_s),
+                );
+                let steps = standbys::plan(replicas, ready, &mine, due);
+                if !steps.is_empty() {
+                    tracing::info!(model = %m.cfg.name, pool, replicas, ready, serving, ?steps, "standbys");
+                    standbys::apply(self.client, pool, &steps, self.timeout).await;
+                }
+            }
             if let (true, Some(client), Some(deploy)) = (self.direct, self.kube, &p.deployment)
                 && p.applied != Some(replicas)
             {

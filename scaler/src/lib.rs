@@ -22,6 +22,7 @@ pub mod scrape;
 pub mod server;
 pub mod signals;
 pub mod sim;
+pub mod standbys;
 
 pub use error::{Result, ScalerError};
 

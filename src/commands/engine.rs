@@ -106,6 +106,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
                         (WorkerRole::Prefill, prefill.clone()),
                         (WorkerRole::Decode, decode.clone()),
                     ],
+                    a.standby_agents_service.as_deref(),
                 );
             opts.discovery = Some(source);
         }

@@ -239,6 +239,42 @@ def check_variant(variant, values, defaults, schema, dump):
                 fail(variant, f"{ds['metadata']['name']}: the agent cannot write the root-owned node directory")
     if merged["warmpool"]["enabled"] != bool(by_kind.get("DaemonSet")):
         fail(variant, "warm-pool DaemonSet does not follow warmpool.enabled")
+    # Standbys: the agent parks them (at its pod IP), the gateway lists the serving
+    # ones from the agents, the scaler promotes and retires them, and the agent's
+    # grace covers their drain.
+    sb = merged["warmpool"]["standbys"]
+    want_sb = merged["warmpool"]["enabled"] and (sb["prefill"] > 0 or sb["decode"] > 0)
+    cms = {cm["metadata"]["name"]: cm for cm in by_kind.get("ConfigMap", [])}
+    agent_cfg = yaml.safe_load(cms["rel-preheat-warmpool"]["data"]["warmpool.yaml"]) if "rel-preheat-warmpool" in cms else {}
+    scaler_cfg = yaml.safe_load(cms["rel-preheat-scaler"]["data"]["scaler.yaml"])
+    gw_args = gw_dep[0]["spec"]["template"]["spec"]["containers"][0].get("args", []) if gw_dep else []
+    has = {
+        "agent standbys": bool(agent_cfg.get("standbys")),
+        "gateway --standby-agents-service": "--standby-agents-service=rel-preheat-warmpool" in gw_args,
+        "scaler standbys": bool(scaler_cfg["models"][0].get("standbys")),
+    }
+    for what, present in has.items():
+        if present != want_sb:
+            fail(variant, f"{what} {'missing' if want_sb else 'rendered'} with warmpool.standbys {sb}")
+    if want_sb:
+        counts = {s["pool"]: s["count"] for s in agent_cfg["standbys"]}
+        if counts != {r: sb[r] for r in ("prefill", "decode") if sb[r] > 0}:
+            fail(variant, f"agent standby counts {counts} do not follow warmpool.standbys")
+        for s_ in agent_cfg["standbys"]:
+            cmd = s_["command"]
+            for want in ["--standby", "--port={port}", "--advertise=http://{host}:{port}", f'--block-size={merged["kvBlockSize"]}']:
+                if want not in cmd:
+                    fail(variant, f"standby {s_['pool']}: command lacks {want}")
+        ds = by_kind["DaemonSet"][0]
+        pod = ds["spec"]["template"]["spec"]
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        sel = scaler_cfg["models"][0]["standbys"]["agent_selector"]
+        if not all(labels.get(k) == v for k, v in (kv.split("=") for kv in sel.split(","))):
+            fail(variant, f"scaler agent_selector {sel} does not select the agent pods")
+        if "--advertise-host=$(POD_IP)" not in pod["containers"][0]["args"]:
+            fail(variant, "agent: standbys not advertised at the pod IP")
+        if pod.get("terminationGracePeriodSeconds", 30) <= sb["drainGraceSeconds"]:
+            fail(variant, "agent: grace period does not cover the standbys' drain")
     # The scaler's config parses as YAML and names both pools; with --dump, every
     # config file is written out for the Rust side to parse with the real parsers.
     for cm in by_kind.get("ConfigMap", []):

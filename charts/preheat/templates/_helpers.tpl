@@ -25,3 +25,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "preheat.snapshotDir" -}}
 {{- printf "%s/snapshots" .Values.warmpool.hostPath -}}
 {{- end -}}
+
+{{/* "true" when the warm-pool agents keep parked standbys. */}}
+{{- define "preheat.standbys" -}}
+{{- if and .Values.warmpool.enabled (or (gt (int .Values.warmpool.standbys.prefill) 0) (gt (int .Values.warmpool.standbys.decode) 0)) -}}
+true
+{{- end -}}
+{{- end -}}

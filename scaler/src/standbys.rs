@@ -1,0 +1,272 @@
+//! Parked standbys bridge a pool's start-up. A new pod of a large model takes minutes;
+//! the warm-pool agents keep standby replicas parked (loaded, not serving) that serve
+//! within a second of a promote call. When a pool wants more replicas than it has
+//! Ready, the scaler promotes parked standbys for the difference; once the pool's own
+//! Ready replicas have covered what it wants for `retire_after_s`, it retires them
+//! (each is unlisted, then drains). While they serve, their metrics count with the
+//! pool's, so the load they carry keeps the pool awake and sized.
+//!
+//! The agents are found by a pod selector and read over their API (`GET /standbys`,
+//! `POST /standbys/{pool}/promote|retire`); [`plan`] is the whole decision, pure.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Where the agents are and how long the pool's own replicas must have caught up
+/// before standbys are retired.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandbyConfig {
+    /// Label selector of the warm-pool agent pods.
+    pub agent_selector: String,
+    /// Port of an agent's API.
+    #[serde(default = "default_agent_port")]
+    pub agent_port: u16,
+    /// Seconds the pool's Ready replicas (with the standbys) must exceed what it wants
+    /// before a standby is retired: a pod that just turned Ready may still be warming,
+    /// and load may come back.
+    #[serde(default = "default_retire_after_s")]
+    pub retire_after_s: f64,
+}
+
+fn default_agent_port() -> u16 {
+    9400
+}
+
+fn default_retire_after_s() -> f64 {
+    30.0
+}
+
+/// One agent's standbys of one pool, as its `GET /standbys` lists them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct AgentPool {
+    /// Parked and ready to promote.
+    #[serde(default)]
+    pub parked: u32,
+    /// Ports of the promoted standbys serving now.
+    #[serde(default)]
+    pub serving: Vec<u16>,
+}
+
+/// What to do at one agent (by its base URL).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    Promote(String),
+    Retire(String),
+}
+
+/// The steps that bring `ready` pool replicas plus serving standbys to `want`:
+/// promotions for a shortfall (spread over the agents with the most parked), and, when
+/// `retire_due` (the surplus has lasted), retirements of standbys the pool no longer
+/// needs (from the agents with the most serving).
+#[must_use]
+pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: bool) -> Vec<Step> {
+    let serving: u32 = agents
+        .iter()
+        .map(|(_, a)| u32::try_from(a.serving.len()).unwrap_or(u32::MAX))
+        .sum();
+    let have = ready.saturating_add(serving);
+    let mut steps = Vec::new();
+    if want > have {
+        let mut left: Vec<(&str, u32)> = agents.iter().map(|(u, a)| (u.as_str(), a.parked)).collect();
+        for _ in 0..want - have {
+            let Some(best) = left.iter_mut().filter(|(_, n)| *n > 0).max_by_key(|(_, n)| *n) else {
+                break;
+            };
+            best.1 -= 1;
+            steps.push(Step::Promote(best.0.to_owned()));
+        }
+    } else if retire_due && have > want && serving > 0 {
+        let mut left: Vec<(&str, usize)> = agents
+            .iter()
+            .map(|(u, a)| (u.as_str(), a.serving.len()))
+            .collect();
+        for _ in 0..(have - want).min(serving) {
+            let Some(best) = left.iter_mut().filter(|(_, n)| *n > 0).max_by_key(|(_, n)| *n) else {
+                break;
+            };
+            best.1 -= 1;
+            steps.push(Step::Retire(best.0.to_owned()));
+        }
+    }
+    steps
+}
+
+/// Whether standbys may be retired now: the pool has had more than it wants, with
+/// standbys serving, for `after`. `since` is when that started (kept by the caller).
+pub fn retire_due(
+    surplus: bool,
+    since: &mut Option<std::time::Instant>,
+    after: Duration,
+) -> bool {
+    if !surplus {
+        *since = None;
+        return false;
+    }
+    since.get_or_insert_with(std::time::Instant::now).elapsed() >= after
+}
+
+/// Most bytes read from an agent's `/standbys`.
+const MAX_AGENT_BYTES: usize = 64 << 10;
+
+/// Reads each agent's standbys, by agent base URL; agents that do not answer are
+/// left out (nothing is promoted on or retired from an agent that cannot be read).
+pub async fn read_agents(
+    client: &reqwest::Client,
+    agents: &[String],
+    timeout: Duration,
+) -> Vec<(String, BTreeMap<String, AgentPool>)> {
+    let reads = agents.iter().map(|base| async move {
+        let r = client
+            .get(format!("{base}/standbys"))
+            .timeout(timeout)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status);
+        let body = match r {
+            Ok(r) if r.content_length().is_none_or(|n| n <= MAX_AGENT_BYTES as u64) => {
+                r.bytes().await.ok()
+            }
+            _ => None,
+        };
+        let pools = body
+            .filter(|b| b.len() <= MAX_AGENT_BYTES)
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        if pools.is_none() {
+            tracing::debug!(agent = %base, "agent standbys unread");
+        }
+        pools.map(|p| (base.clone(), p))
+    });
+    futures_util::future::join_all(reads)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Carries out `steps` for `pool`; failures are logged (the next tick plans again).
+pub async fn apply(client: &reqwest::Client, pool: &str, steps: &[Step], timeout: Duration) {
+    for step in steps {
+        let (agent, verb) = match step {
+            Step::Promote(a) => (a, "promote"),
+            Step::Retire(a) => (a, "retire"),
+        };
+        let r = client
+            .post(format!("{agent}/standbys/{pool}/{verb}"))
+            .timeout(timeout)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status);
+        match r {
+            Ok(_) => tracing::info!(pool, agent = %agent, verb, "standby"),
+            Err(e) => tracing::warn!(pool, agent = %agent, verb, error = %e, "standby step failed"),
+        }
+    }
+}
+
+/// `http://host:port<path>` of each serving standby of `pool`, at its agent's host.
+#[must_use]
+pub fn serving_urls(
+    agents: &[(String, BTreeMap<String, AgentPool>)],
+    pool: &str,
+    path: &str,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (base, pools) in agents {
+        let Some(host) = base
+            .strip_prefix("http://")
+            .and_then(|h| h.rsplit_once(':'))
+            .map(|(h, _)| h)
+        else {
+            continue;
+        };
+        for port in pools.get(pool).map(|p| p.serving.as_slice()).unwrap_or_default() {
+            out.push(format!("http://{host}:{port}{path}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent(url: &str, parked: u32, serving: &[u16]) -> (String, AgentPool) {
+        (
+            url.to_owned(),
+            AgentPool {
+                parked,
+                serving: serving.to_vec(),
+            },
+        )
+    }
+
+    #[test]
+    fn a_shortfall_is_promoted_across_agents_with_parked_standbys() {
+        let agents = [agent("a", 1, &[]), agent("b", 2, &[]), agent("c", 0, &[])];
+        assert_eq!(
+            plan(3, 0, &agents, false),
+            [
+                Step::Promote("b".into()),
+                Step::Promote("a".into()),
+                Step::Promote("b".into())
+            ]
+        );
+        // No more than are parked.
+        assert_eq!(plan(9, 0, &agents, false).len(), 3);
+        // Standbys already serving count.
+        let agents = [agent("a", 1, &[18000]), agent("b", 1, &[])];
+        assert_eq!(plan(2, 1, &agents, false), []);
+        assert_eq!(plan(3, 1, &agents, false).len(), 1);
+    }
+
+    #[test]
+    fn standbys_retire_only_once_the_surplus_has_lasted() {
+        let agents = [agent("a", 1, &[18000]), agent("b", 1, &[18000, 18002])];
+        // Pods caught up: 2 Ready + 3 standbys for 2 wanted.
+        assert_eq!(plan(2, 2, &agents, false), []);
+        assert_eq!(
+            plan(2, 2, &agents, true),
+            [
+                Step::Retire("b".into()),
+                Step::Retire("a".into()),
+                Step::Retire("b".into())
+            ]
+        );
+        // Partly caught up: only the surplus goes.
+        assert_eq!(plan(3, 1, &agents, true), [Step::Retire("b".into())]);
+        // To zero: every standby goes, pods are the Deployment's business.
+        assert_eq!(plan(0, 0, &agents, true).len(), 3);
+    }
+
+    #[test]
+    fn retire_due_needs_a_continuous_surplus() {
+        let mut since = None;
+        assert!(!retire_due(true, &mut since, Duration::from_millis(50)));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(retire_due(true, &mut since, Duration::from_millis(50)));
+        assert!(!retire_due(false, &mut since, Duration::from_millis(50)));
+        assert!(since.is_none());
+        assert!(!retire_due(true, &mut since, Duration::from_millis(50)));
+    }
+
+    #[test]
+    fn serving_urls_are_at_the_agents_host() {
+        let mut pools = BTreeMap::new();
+        pools.insert(
+            "decode".to_owned(),
+            AgentPool {
+                parked: 0,
+                serving: vec![18000],
+            },
+        );
+        let agents = vec![("http://10.0.0.5:9400".to_owned(), pools)];
+        assert_eq!(
+            serving_urls(&agents, "decode", "/metrics"),
+            ["http://10.0.0.5:18000/metrics"]
+        );
+        assert!(serving_urls(&agents, "prefill", "/metrics").is_empty());
+    }
+}
