@@ -119,7 +119,8 @@ async fn poll_agents(agents: Store<EndpointSlice>, out: Arc<Mutex<Vec<(WorkerRol
                 Err(e) => tracing::debug!(agent = %base, error = %e, "agent standbys unread"),
             }
         }
-        *out.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = listed;
+        *out.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = listed;
         tokio::time::sleep(AGENT_POLL).await;
     }
 }

@@ -291,10 +291,14 @@ fn c_idle_pools_return_to_zero() {
 /// Under steady load, once decode runs two or more Ready replicas (above HPA's floor of
 /// one, so a shrink would show), `disrupt`s the scaler; afterwards no request has failed
 /// and no pool was set below what it had.
-fn scaler_disruption(subnet: u8, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)) {
-    let Some(run) = install(json!({}), subnet) else {
-        return;
-    };
+fn scaler_disruption(values: Value, subnet: u8, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)) {
+    if let Some(run) = install(values, subnet) {
+        disrupt_under_load(&run, what, disrupt);
+    }
+}
+
+/// The body of [`scaler_disruption`], on a cluster already installed.
+fn disrupt_under_load(run: &Run, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)) {
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 60, &stop);
@@ -312,16 +316,19 @@ fn scaler_disruption(subnet: u8, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)
 
 #[test]
 fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
-    scaler_disruption(216, "the restart", |c| {
-        let victim = c.pods_of(SCALER)[0].name.clone();
-        c.kill(&victim);
-        wait_for("a new scaler Ready", 60, || {
-            c.pods_of(SCALER)
-                .iter()
-                .any(|p| p.name != victim && p.ready)
-        });
-        std::thread::sleep(Duration::from_secs(5));
+    scaler_disruption(json!({}), 216, "the restart", kill_the_scaler);
+}
+
+/// Kills the scaler pod and waits for its replacement to be Ready and settle.
+fn kill_the_scaler(c: &Arc<Cluster>) {
+    let victim = c.pods_of(SCALER)[0].name.clone();
+    c.kill(&victim);
+    wait_for("a new scaler Ready", 60, || {
+        c.pods_of(SCALER)
+            .iter()
+            .any(|p| p.name != victim && p.ready)
     });
+    std::thread::sleep(Duration::from_secs(5));
 }
 
 /// Each Ready agent's `GET /standbys`, by agent IP.
@@ -401,7 +408,12 @@ fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
         .into_iter()
         .find(|u| generated(u) > 0.0)
         .unwrap();
-    let ip = busy.trim_start_matches("http://").split(':').next().unwrap().to_owned();
+    let ip = busy
+        .trim_start_matches("http://")
+        .split(':')
+        .next()
+        .unwrap()
+        .to_owned();
     let agent = c
         .pods_of(WARMPOOL)
         .into_iter()
@@ -413,7 +425,9 @@ fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
     wait_for("the old agent gone", 60, || {
         c.pods_of(WARMPOOL).iter().all(|p| p.name != agent)
     });
-    wait_for("a new agent Ready on every node", 120, || c.ready(WARMPOOL).len() == 2);
+    wait_for("a new agent Ready on every node", 120, || {
+        c.ready(WARMPOOL).len() == 2
+    });
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
@@ -460,7 +474,7 @@ fn g_two_gateway_replicas_both_serve() {
 fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
     // KEDA's fallback as rendered (currentReplicasIfHigher): while the scaler is gone
     // for longer than failureThreshold polls, HPA is fed max(current, floor).
-    scaler_disruption(220, "the outage", |c| {
+    scaler_disruption(json!({}), 220, "the outage", |c| {
         emulator::set_scale(&c.state, SCALER, 0, "test (outage)");
         wait_for("the scaler gone", 60, || c.pods_of(SCALER).is_empty());
         std::thread::sleep(Duration::from_secs(8));
@@ -468,4 +482,32 @@ fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
         wait_for("the scaler back", 60, || !c.ready(SCALER).is_empty());
         std::thread::sleep(Duration::from_secs(3));
     });
+}
+
+#[test]
+fn i_direct_mode_serves_from_zero_and_a_scaler_restart_shrinks_nothing() {
+    // No KEDA: the scaler sets the Deployments' replicas through the scale
+    // subresource itself (the emulated API server records who set what).
+    let Some(run) = install(json!({"scaler": {"mode": "direct"}}), 221) else {
+        return;
+    };
+    let c = &run.c;
+    assert!(
+        c.state
+            .lock()
+            .unwrap()
+            .objects
+            .iter()
+            .all(|o| o["kind"] != "ScaledObject"),
+        "no ScaledObjects in direct mode"
+    );
+    let (status, body) = complete(&run.gateway, 4);
+    assert_eq!(status, 200, "{body}");
+    let set = history(c, DECODE, 0);
+    assert!(
+        set.iter()
+            .any(|(r, by)| *r >= 1 && *by == "scaler (direct)"),
+        "the scaler woke decode itself: {set:?}"
+    );
+    disrupt_under_load(&run, "a restart in direct mode", kill_the_scaler);
 }

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use crate::config::{Config, Mode, ModelConfig, PoolConfig};
 use crate::grpc::{DecisionStore, PoolDecision, PoolStatus};
 use crate::kube::PodSet;
-use crate::standbys;
 use crate::policy::{Observation, Pool, PreheatPolicy};
 use crate::profile::Profile;
 use crate::prom::PromSource;
 use crate::scrape::{FailureLog, scrape_all};
 use crate::signals::exposition::Reading;
 use crate::signals::{PoolSignals, PoolWindows};
+use crate::standbys;
 
 /// Endpoint URLs someone else keeps current (the local mode's replica driver).
 pub type SharedEndpoints = Arc<std::sync::RwLock<Vec<String>>>;

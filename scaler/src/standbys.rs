@@ -70,9 +70,14 @@ pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: b
     let have = ready.saturating_add(serving);
     let mut steps = Vec::new();
     if want > have {
-        let mut left: Vec<(&str, u32)> = agents.iter().map(|(u, a)| (u.as_str(), a.parked)).collect();
+        let mut left: Vec<(&str, u32)> =
+            agents.iter().map(|(u, a)| (u.as_str(), a.parked)).collect();
         for _ in 0..want - have {
-            let Some(best) = left.iter_mut().filter(|(_, n)| *n > 0).max_by_key(|(_, n)| *n) else {
+            let Some(best) = left
+                .iter_mut()
+                .filter(|(_, n)| *n > 0)
+                .max_by_key(|(_, n)| *n)
+            else {
                 break;
             };
             best.1 -= 1;
@@ -84,7 +89,11 @@ pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: b
             .map(|(u, a)| (u.as_str(), a.serving.len()))
             .collect();
         for _ in 0..(have - want).min(serving) {
-            let Some(best) = left.iter_mut().filter(|(_, n)| *n > 0).max_by_key(|(_, n)| *n) else {
+            let Some(best) = left
+                .iter_mut()
+                .filter(|(_, n)| *n > 0)
+                .max_by_key(|(_, n)| *n)
+            else {
                 break;
             };
             best.1 -= 1;
@@ -96,11 +105,7 @@ pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: b
 
 /// Whether standbys may be retired now: the pool has had more than it wants, with
 /// standbys serving, for `after`. `since` is when that started (kept by the caller).
-pub fn retire_due(
-    surplus: bool,
-    since: &mut Option<std::time::Instant>,
-    after: Duration,
-) -> bool {
+pub fn retire_due(surplus: bool, since: &mut Option<std::time::Instant>, after: Duration) -> bool {
     if !surplus {
         *since = None;
         return false;
@@ -126,7 +131,10 @@ pub async fn read_agents(
             .await
             .and_then(reqwest::Response::error_for_status);
         let body = match r {
-            Ok(r) if r.content_length().is_none_or(|n| n <= MAX_AGENT_BYTES as u64) => {
+            Ok(r)
+                if r.content_length()
+                    .is_none_or(|n| n <= MAX_AGENT_BYTES as u64) =>
+            {
                 r.bytes().await.ok()
             }
             _ => None,
@@ -182,7 +190,11 @@ pub fn serving_urls(
         else {
             continue;
         };
-        for port in pools.get(pool).map(|p| p.serving.as_slice()).unwrap_or_default() {
+        for port in pools
+            .get(pool)
+            .map(|p| p.serving.as_slice())
+            .unwrap_or_default()
+        {
             out.push(format!("http://{host}:{port}{path}"));
         }
     }

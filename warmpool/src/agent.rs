@@ -333,11 +333,9 @@ async fn refresh(
             let Some(path) = shared.store.path_of(&spec.model) else {
                 continue;
             };
-            let pool = pools
-                .entry(spec.pool.clone())
-                .or_insert_with(|| {
-                    StandbyPool::new(spec.clone(), &path).with_host(&shared.cfg.advertise_host)
-                });
+            let pool = pools.entry(spec.pool.clone()).or_insert_with(|| {
+                StandbyPool::new(spec.clone(), &path).with_host(&shared.cfg.advertise_host)
+            });
             if let Err(e) = pool.reconcile().await {
                 tracing::warn!(pool = %spec.pool, error = %e, "standbys not reconciled");
             }

@@ -203,9 +203,7 @@ impl AgentConfig {
             errs.push(format!("listen: {listen:?} is not host:port"));
             SocketAddr::from(([0, 0, 0, 0], 9400))
         });
-        let advertise_host = raw
-            .advertise_host
-            .unwrap_or_else(|| "127.0.0.1".to_owned());
+        let advertise_host = raw.advertise_host.unwrap_or_else(|| "127.0.0.1".to_owned());
         if advertise_host.is_empty() || advertise_host.contains(['/', ' ', '@']) {
             errs.push(format!("advertise_host: {advertise_host:?} is not a host"));
         }

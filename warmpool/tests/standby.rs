@@ -150,8 +150,8 @@ async fn a_retired_standby_leaves_the_serving_list_before_it_drains() {
     ]
     .map(str::to_owned)
     .to_vec();
-    let mut pool = StandbyPool::new(spec(dir.path(), 1, command), Path::new("/unused"))
-        .with_host("10.9.8.7");
+    let mut pool =
+        StandbyPool::new(spec(dir.path(), 1, command), Path::new("/unused")).with_host("10.9.8.7");
     until_ready(&mut pool, 1).await;
     assert!(pool.serving_ports().is_empty(), "parked is not serving");
     let p = pool.promote().await.unwrap().expect("a ready standby");
@@ -167,7 +167,11 @@ async fn a_retired_standby_leaves_the_serving_list_before_it_drains() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The unlist delay (300 ms) then the replica's own half-second drain.
-    assert!(t0.elapsed() >= Duration::from_millis(750), "{:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_millis(750),
+        "{:?}",
+        t0.elapsed()
+    );
     // The pool parks a replacement meanwhile; shutdown kills it and returns.
     until_ready(&mut pool, 1).await;
     pool.shutdown().await;
