@@ -379,10 +379,11 @@ fn generated(url: &str) -> f64 {
 
 #[test]
 fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
-    // One parked standby per pool on each node's agent, kept serving once promoted
-    // (retirement far off) so the restart hits standbys that carry requests.
+    // One parked standby per pool on each node's agent, retired 20 s after the pools'
+    // own pods cover the load: the restart (seconds after the first tokens) hits a
+    // standby that carries requests.
     let values = json!({"warmpool": {"standbys": {
-        "prefill": 1, "decode": 1, "retireAfterSeconds": 600, "drainGraceSeconds": 20
+        "prefill": 1, "decode": 1, "retireAfterSeconds": 20, "drainGraceSeconds": 20
     }}});
     let Some(run) = install(values, 217) else {
         return;
@@ -431,8 +432,20 @@ fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
+    // Idle: the scaler retires every standby (the pools' pods go too).
+    let t1 = Instant::now();
+    wait_for("every standby retired", 120, || {
+        let a = agent_standbys(c);
+        a.len() == 2
+            && a.iter().all(|(_, v)| {
+                ["prefill", "decode"]
+                    .iter()
+                    .all(|p| v[p]["serving"].as_array().is_some_and(Vec::is_empty))
+            })
+    });
     eprintln!(
-        "first request at zero in {first_s:.1} s on a standby; {n} requests across the restart of {agent}, whose standby had generated {before} tokens"
+        "first request at zero in {first_s:.1} s on a standby; {n} requests across the restart of {agent}, whose standby had generated {before} tokens; standbys retired {:.0} s after the load stopped",
+        t1.elapsed().as_secs_f64()
     );
 }
 
