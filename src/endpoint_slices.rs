@@ -5,7 +5,6 @@
 //! a pool, join from the agents' own lists (`GET /standbys`) — each reached at its
 //! agent's address, so an agent can name a port of its own pod and nothing else.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,6 +15,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use preheat_engine::disagg::gateway::WorkerSource;
 use preheat_engine::disagg::protocol::WorkerRole;
+use preheat_scaler::standbys;
 
 /// One pool's Service, watched.
 struct Pool {
@@ -33,8 +33,6 @@ pub struct EndpointSlices {
 
 /// How often the agents' standby lists are read (the gateway's discovery pace).
 const AGENT_POLL: Duration = Duration::from_millis(500);
-/// Most bytes read from an agent's `/standbys`.
-const MAX_AGENT_BYTES: usize = 64 << 10;
 
 impl std::fmt::Debug for EndpointSlices {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -94,13 +92,6 @@ fn slice_store(client: kube::Client, namespace: &str, service: &str) -> Store<En
     reader
 }
 
-/// One pool's entry in an agent's `GET /standbys`.
-#[derive(Debug, serde::Deserialize)]
-struct AgentPool {
-    #[serde(default)]
-    serving: Vec<u16>,
-}
-
 /// Reads every Ready agent's serving standbys into `out`, every [`AGENT_POLL`]. An
 /// agent that does not answer lists nothing: the gateway stops sending new requests
 /// to standbys it cannot vouch for (in-flight ones finish).
@@ -108,60 +99,19 @@ async fn poll_agents(agents: Store<EndpointSlice>, out: Arc<Mutex<Vec<(WorkerRol
     let client = reqwest::Client::new();
     loop {
         let bases: Vec<String> = agents.state().iter().flat_map(|s| ready_urls(s)).collect();
-        let reads = bases.iter().map(|base| {
-            let client = client.clone();
-            async move { (base, read_agent(&client, base).await) }
-        });
-        let mut listed = Vec::new();
-        for (base, r) in futures_util::future::join_all(reads).await {
-            match r {
-                Ok(pools) => listed.extend(standby_urls(base, &pools)),
-                Err(e) => tracing::debug!(agent = %base, error = %e, "agent standbys unread"),
-            }
-        }
+        let read = standbys::read_agents(&client, &bases, Duration::from_secs(2)).await;
+        let listed = [WorkerRole::Prefill, WorkerRole::Decode]
+            .into_iter()
+            .flat_map(|role| {
+                standbys::serving_urls(&read, role.as_str(), "")
+                    .into_iter()
+                    .map(move |u| (role, u))
+            })
+            .collect();
         *out.lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = listed;
         tokio::time::sleep(AGENT_POLL).await;
     }
-}
-
-async fn read_agent(
-    client: &reqwest::Client,
-    base: &str,
-) -> Result<BTreeMap<String, AgentPool>, String> {
-    let r = client
-        .get(format!("{base}/standbys"))
-        .timeout(Duration::from_secs(2))
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| e.to_string())?;
-    let body = preheat_engine::disagg::gateway::read_capped(r, MAX_AGENT_BYTES).await?;
-    serde_json::from_slice(&body).map_err(|e| e.to_string())
-}
-
-/// The serving standbys an agent at `base` (`http://host:port`) lists, at its host.
-fn standby_urls(base: &str, pools: &BTreeMap<String, AgentPool>) -> Vec<(WorkerRole, String)> {
-    let Some(host) = base
-        .strip_prefix("http://")
-        .and_then(|h| h.rsplit_once(':'))
-        .map(|(h, _)| h)
-    else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for (pool, p) in pools {
-        let role = match pool.as_str() {
-            "prefill" => WorkerRole::Prefill,
-            "decode" => WorkerRole::Decode,
-            _ => continue,
-        };
-        // Bounded: an agent lists at most as many as a pool could sensibly park.
-        for port in p.serving.iter().take(64) {
-            out.push((role, format!("http://{host}:{port}")));
-        }
-    }
-    out
 }
 
 impl WorkerSource for EndpointSlices {
@@ -243,26 +193,5 @@ mod tests {
         let mut fqdn = slice;
         fqdn.address_type = "FQDN".into();
         assert!(ready_urls(&fqdn).is_empty());
-    }
-
-    #[test]
-    fn standbys_are_reached_at_their_agents_address_only() {
-        let pools: BTreeMap<String, AgentPool> = serde_json::from_value(serde_json::json!({
-            "decode": {"count": 1, "parked": 1, "serving": [18000, 18002]},
-            "prefill": {"count": 1, "parked": 0, "serving": []},
-            "other": {"serving": [1]}
-        }))
-        .unwrap();
-        assert_eq!(
-            standby_urls("http://10.0.0.9:9400", &pools),
-            [
-                (WorkerRole::Decode, "http://10.0.0.9:18000".to_owned()),
-                (WorkerRole::Decode, "http://10.0.0.9:18002".to_owned())
-            ]
-        );
-        assert_eq!(
-            standby_urls("http://[fd00::7]:9400", &pools)[0].1,
-            "http://[fd00::7]:18000"
-        );
     }
 }

@@ -76,7 +76,7 @@ pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: b
             let Some(best) = left
                 .iter_mut()
                 .filter(|(_, n)| *n > 0)
-                .max_by_key(|(_, n)| *n)
+                .min_by_key(|(_, n)| std::cmp::Reverse(*n))
             else {
                 break;
             };
@@ -92,7 +92,7 @@ pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: b
             let Some(best) = left
                 .iter_mut()
                 .filter(|(_, n)| *n > 0)
-                .max_by_key(|(_, n)| *n)
+                .min_by_key(|(_, n)| std::cmp::Reverse(*n))
             else {
                 break;
             };
@@ -129,23 +129,21 @@ pub async fn read_agents(
             .timeout(timeout)
             .send()
             .await
-            .and_then(reqwest::Response::error_for_status);
-        let body = match r {
-            Ok(r)
-                if r.content_length()
-                    .is_none_or(|n| n <= MAX_AGENT_BYTES as u64) =>
-            {
-                r.bytes().await.ok()
-            }
-            _ => None,
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| e.to_string());
+        let pools = match r {
+            Ok(r) => crate::scrape::read_limited(r, MAX_AGENT_BYTES)
+                .await
+                .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())),
+            Err(e) => Err(e),
         };
-        let pools = body
-            .filter(|b| b.len() <= MAX_AGENT_BYTES)
-            .and_then(|b| serde_json::from_slice(&b).ok());
-        if pools.is_none() {
-            tracing::debug!(agent = %base, "agent standbys unread");
+        match pools {
+            Ok(p) => Some((base.clone(), p)),
+            Err(e) => {
+                tracing::debug!(agent = %base, error = %e, "agent standbys unread");
+                None
+            }
         }
-        pools.map(|p| (base.clone(), p))
     });
     futures_util::future::join_all(reads)
         .await
@@ -174,7 +172,8 @@ pub async fn apply(client: &reqwest::Client, pool: &str, steps: &[Step], timeout
     }
 }
 
-/// `http://host:port<path>` of each serving standby of `pool`, at its agent's host.
+/// `http://host:port<path>` of each serving standby of `pool`, at its agent's host
+/// (an agent names ports of its own pod, nothing else; at most 64 per pool).
 #[must_use]
 pub fn serving_urls(
     agents: &[(String, BTreeMap<String, AgentPool>)],
@@ -280,5 +279,7 @@ mod tests {
             ["http://10.0.0.5:18000/metrics"]
         );
         assert!(serving_urls(&agents, "prefill", "/metrics").is_empty());
+        let v6 = vec![("http://[fd00::7]:9400".to_owned(), agents[0].1.clone())];
+        assert_eq!(serving_urls(&v6, "decode", ""), ["http://[fd00::7]:18000"]);
     }
 }

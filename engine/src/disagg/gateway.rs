@@ -536,7 +536,7 @@ const MAX_MODEL_BYTES: usize = 64 << 20;
 const MAX_PEER_BLOCKS: usize = 65_536;
 
 /// A response body of at most `cap` bytes, refused (not truncated) beyond.
-pub async fn read_capped(r: reqwest::Response, cap: usize) -> std::result::Result<Vec<u8>, String> {
+async fn read_capped(r: reqwest::Response, cap: usize) -> std::result::Result<Vec<u8>, String> {
     if r.content_length().is_some_and(|n| n > cap as u64) {
         return Err(format!("body larger than {cap} bytes"));
     }
