@@ -50,4 +50,7 @@ RUN pip install --no-cache-dir --break-system-packages --target /opt/nvidia \
 
 FROM runtime-base AS runtime
 COPY --from=build /preheat /usr/local/bin/preheat
+# The slim base has no CA bundle; https model sources and Prometheus need one (add a
+# private CA with SSL_CERT_FILE). The mmdebstrap base carries ca-certificates.
+COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=cuda-libs /opt/cuda-libs/ /usr/local/lib/preheat-cuda/

@@ -180,3 +180,159 @@ fn stage_reports_every_bad_option_at_once() {
         assert!(err.contains(needle), "{needle}: {err}");
     }
 }
+
+/// Terminates TLS with `cert`/`key` on a free loopback port and relays each connection
+/// to `upstream` (`host:port`); prints the port.
+const TLS_PROXY: &str = r#"
+import socket, ssl, sys, threading
+cert, key, upstream = sys.argv[1], sys.argv[2], sys.argv[3]
+host, port = upstream.rsplit(":", 1)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert, key)
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+def pipe(a, b):
+    try:
+        while (d := a.recv(65536)):
+            b.sendall(d)
+    except OSError:
+        pass
+    finally:
+        for s in (a, b):
+            try: s.shutdown(socket.SHUT_RDWR)
+            except OSError: pass
+def serve(c):
+    try:
+        t = ctx.wrap_socket(c, server_side=True)
+    except (ssl.SSLError, OSError):
+        c.close(); return
+    u = socket.create_connection((host, int(port)))
+    threading.Thread(target=pipe, args=(t, u), daemon=True).start()
+    pipe(u, t)
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// A private CA and a certificate for 127.0.0.1 signed by it, made with `openssl`.
+fn private_ca(dir: &Path) -> Option<()> {
+    let run = |args: &[&str]| {
+        std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    let ok = run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=preheat test CA",
+    ]) && run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "leaf.key",
+        "-out",
+        "leaf.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]) && run(&[
+        "x509",
+        "-req",
+        "-in",
+        "leaf.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "leaf.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    preheat_testkit::present_or_skip(ok, "openssl", "apt-get install openssl").then_some(())
+}
+
+#[test]
+fn regression_https_sources_failed_for_lack_of_tls() {
+    // The bug: reqwest was built without TLS, so every https:// source the README
+    // shows failed. A snapshot served over TLS by a private CA: staged when that CA is
+    // trusted (SSL_CERT_FILE, as operators add private CAs), refused by name when not.
+    let tmp = tempfile::tempdir().unwrap();
+    if private_ca(tmp.path()).is_none() {
+        return;
+    }
+    let models = tmp.path().join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    let snap = harness::synth_tiny(&models, "tiny", 3);
+    let plain = preheat_testkit::serve_files(&models);
+    std::fs::write(tmp.path().join("proxy.py"), TLS_PROXY).unwrap();
+    let mut proxy = std::process::Command::new("python3")
+        .arg(tmp.path().join("proxy.py"))
+        .arg(tmp.path().join("leaf.pem"))
+        .arg(tmp.path().join("leaf.key"))
+        .arg(plain.trim_start_matches("http://"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let port = {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(proxy.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        line.trim().to_owned()
+    };
+    let _proxy = preheat_testkit::KillOnDrop(proxy);
+    let url = format!("https://127.0.0.1:{port}/tiny.preheat");
+    let stage = |dir: &str, ca: Option<&Path>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_preheat"));
+        cmd.args([
+            "warmpool", "stage", "--source", &url, "--dir", dir, "--json",
+        ])
+        .env("RUST_LOG", "warn")
+        .env_remove("SSL_CERT_DIR");
+        match ca {
+            Some(ca) => cmd.env("SSL_CERT_FILE", ca),
+            None => cmd.env_remove("SSL_CERT_FILE"),
+        };
+        cmd.output().unwrap()
+    };
+    let untrusted = stage(&tmp.path().join("a").display().to_string(), None);
+    assert!(
+        !untrusted.status.success(),
+        "a certificate of an unknown CA was accepted"
+    );
+    let err = String::from_utf8_lossy(&untrusted.stderr).to_lowercase();
+    assert!(
+        err.contains("certificate"),
+        "refused, but not for its certificate: {err}"
+    );
+    let dir = tmp.path().join("b");
+    let out = stage(&dir.display().to_string(), Some(&tmp.path().join("ca.pem")));
+    assert!(
+        out.status.success(),
+        "staging over https failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read(dir.join("tiny.preheat")).unwrap(),
+        std::fs::read(&snap).unwrap()
+    );
+}

@@ -52,6 +52,20 @@ impl std::fmt::Display for Source {
 }
 
 /// Reads ranges of one source. Cheap to clone (the HTTP client is shared).
+/// A client error with its causes — a TLS refusal says why ("invalid peer
+/// certificate: UnknownIssuer") — without the URL, which the caller names once.
+fn reason(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut s = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
 #[derive(Clone, Debug)]
 pub struct Fetcher {
     source: Source,
@@ -105,7 +119,7 @@ impl Fetcher {
                     .header(RANGE, "bytes=0-0")
                     .send()
                     .await
-                    .map_err(|e| self.err(e.to_string()))?;
+                    .map_err(|e| self.err(reason(e)))?;
                 match r.status() {
                     StatusCode::PARTIAL_CONTENT => {
                         let cr = r
@@ -190,14 +204,14 @@ impl Fetcher {
             .header(RANGE, format!("bytes={}-{}", offset, offset + len - 1))
             .send()
             .await
-            .map_err(|e| (true, e.to_string()))?;
+            .map_err(|e| (true, reason(e)))?;
         let status = r.status();
         if status != StatusCode::PARTIAL_CONTENT {
             return Err((status.is_server_error(), format!("HTTP {status}")));
         }
         let mut out = Vec::with_capacity(len as usize);
         let mut r = r;
-        while let Some(chunk) = r.chunk().await.map_err(|e| (true, e.to_string()))? {
+        while let Some(chunk) = r.chunk().await.map_err(|e| (true, reason(e)))? {
             if out.len() + chunk.len() > len as usize {
                 return Err((false, "server sent more than the range".into()));
             }
