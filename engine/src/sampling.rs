@@ -36,6 +36,82 @@ impl Default for SamplingParams {
     }
 }
 
+/// At most this many stop strings (as OpenAI), each of at most [`MAX_STOP_BYTES`]:
+/// every generated token is checked against each of them on the engine thread.
+pub const MAX_STOP: usize = 4;
+pub const MAX_STOP_BYTES: usize = 256;
+/// At most this many `stop_token_ids` (checked per token, like stop strings).
+pub const MAX_STOP_TOKEN_IDS: usize = 128;
+/// Most top logprobs per token (as OpenAI's `top_logprobs`).
+pub const MAX_LOGPROBS: usize = 20;
+
+impl SamplingParams {
+    /// The bounds every request is held to, wherever it enters (the OpenAI API, or a
+    /// peer's `/internal/*` and KV requests): a request outside them is refused by
+    /// the name of the field, never clamped.
+    pub fn check(&self) -> crate::Result<()> {
+        let inv = |m: String, p: &str| Err(crate::EngineError::invalid(m, p));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return inv(
+                format!("temperature must be >= 0, got {}", self.temperature),
+                "temperature",
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return inv(
+                format!("top_p must be in (0, 1], got {}", self.top_p),
+                "top_p",
+            );
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return inv(
+                format!("min_p must be in [0, 1], got {}", self.min_p),
+                "min_p",
+            );
+        }
+        if self.max_tokens == 0 {
+            return inv("max_tokens must be at least 1".into(), "max_tokens");
+        }
+        if let Some(n) = self.logprobs
+            && n > MAX_LOGPROBS
+        {
+            return inv(
+                format!("logprobs must be at most {MAX_LOGPROBS}, got {n}"),
+                "logprobs",
+            );
+        }
+        if self.stop.len() > MAX_STOP {
+            return inv(
+                format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()),
+                "stop",
+            );
+        }
+        if let Some(s) = self
+            .stop
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        {
+            return inv(
+                format!(
+                    "each stop string must be 1 to {MAX_STOP_BYTES} bytes, got {}",
+                    s.len()
+                ),
+                "stop",
+            );
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return inv(
+                format!(
+                    "at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {}",
+                    self.stop_token_ids.len()
+                ),
+                "stop_token_ids",
+            );
+        }
+        Ok(())
+    }
+}
+
 /// The chosen token and, when asked for, its logprob and the top alternatives.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
@@ -185,6 +261,34 @@ fn sample_stochastic(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_bound_is_refused_by_its_field() {
+        let ok = SamplingParams::default();
+        assert!(ok.check().is_ok());
+        let field = |p: SamplingParams| match p.check() {
+            Err(crate::EngineError::InvalidRequest { param, .. }) => param.unwrap(),
+            other => panic!("accepted: {other:?}"),
+        };
+        let with = |f: &dyn Fn(&mut SamplingParams)| {
+            let mut p = SamplingParams::default();
+            f(&mut p);
+            p
+        };
+        assert_eq!(field(with(&|p| p.stop = vec!["x".into(); 5])), "stop");
+        assert_eq!(field(with(&|p| p.stop = vec!["x".repeat(257)])), "stop");
+        assert_eq!(field(with(&|p| p.stop = vec![String::new()])), "stop");
+        assert_eq!(
+            field(with(&|p| p.stop_token_ids = vec![1; 129])),
+            "stop_token_ids"
+        );
+        assert_eq!(field(with(&|p| p.logprobs = Some(10_000))), "logprobs");
+        assert_eq!(field(with(&|p| p.temperature = f32::NAN)), "temperature");
+        assert_eq!(field(with(&|p| p.top_p = 0.0)), "top_p");
+        assert_eq!(field(with(&|p| p.min_p = 2.0)), "min_p");
+        assert_eq!(field(with(&|p| p.max_tokens = 0)), "max_tokens");
+        assert!(with(&|p| p.stop = vec!["y".repeat(256); 4]).check().is_ok());
+    }
 
     fn params(t: f32) -> SamplingParams {
         SamplingParams {

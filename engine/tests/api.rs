@@ -320,6 +320,19 @@ async fn invalid_requests_get_openai_errors() {
         (json!({"prompt": "x", "top_p": 0}), 400, "top_p"),
         (json!({"prompt": ["a", "b"]}), 400, "prompt"),
         (json!({"prompt": "x", "n": 2}), 400, "n"),
+        // Stop-string and stop-id floods (checked per token on the engine thread).
+        (
+            json!({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}),
+            400,
+            "stop",
+        ),
+        (json!({"prompt": "x", "stop": "y".repeat(257)}), 400, "stop"),
+        (
+            json!({"prompt": "x", "stop_token_ids": vec![1u32; 129]}),
+            400,
+            "stop_token_ids",
+        ),
+        (json!({"prompt": "x", "logprobs": 21}), 400, "logprobs"),
     ];
     for (body, status, param) in cases {
         let (st, e) = s.post("/v1/completions", body.clone()).await;

@@ -90,6 +90,36 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         },
         prefill,
     };
+    // A peer is held to the public API's bounds (regression: /internal/generate skipped
+    // the OpenAI validation, e.g. unbounded logprobs and stop strings).
+    for (field, params) in [
+        (
+            "logprobs",
+            SamplingParams {
+                logprobs: Some(100_000),
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            "stop",
+            SamplingParams {
+                stop: vec!["x".into(); 1000],
+                ..SamplingParams::default()
+            },
+        ),
+    ] {
+        let mut b = body(None);
+        b.params = params;
+        let r = c
+            .post(format!("{decode}/internal/generate"))
+            .json(&b)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{field}");
+        let err: WireError = r.json().await.unwrap();
+        assert!(err.message.contains(field), "{field}: {err:?}");
+    }
     let r = c
         .post(format!("{decode}/internal/generate"))
         .json(&body(Some(prefill)))

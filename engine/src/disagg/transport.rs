@@ -97,6 +97,7 @@ async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std:
     let result = async {
         let req: PrefillBody =
             serde_json::from_slice(&b).map_err(|e| EngineError::invalid(e.to_string(), "body"))?;
+        req.params.check()?;
         let e = engine
             .get()
             .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))?;

@@ -178,6 +178,9 @@ async fn prefill(State(st): State<WorkerState>, Json(b): Json<PrefillBody>) -> R
     if st.role != WorkerRole::Prefill {
         return wire_error(&EngineError::invalid("not a prefill worker", "role"), false);
     }
+    if let Err(err) = b.params.check() {
+        return wire_error(&err, false);
+    }
     let e = match st.engine() {
         Ok(e) => e,
         Err(r) => return *r,
@@ -248,6 +251,10 @@ async fn fetch_kv(
 async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) -> Response {
     if st.role != WorkerRole::Decode {
         return wire_error(&EngineError::invalid("not a decode worker", "role"), false);
+    }
+    // Held to the public API's bounds: a peer cannot ask for what a client may not.
+    if let Err(err) = b.params.check() {
+        return wire_error(&err, false);
     }
     let e = match st.engine() {
         Ok(e) => e.clone(),

@@ -202,7 +202,7 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         Some(StopField::One(s)) => vec![s.clone()],
         Some(StopField::Many(v)) => v.clone(),
     };
-    Ok(SamplingParams {
+    let params = SamplingParams {
         temperature: temperature as f32,
         top_k,
         top_p: top_p as f32,
@@ -213,5 +213,7 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         stop_token_ids: c.stop_token_ids.clone(),
         ignore_eos: c.ignore_eos,
         logprobs,
-    })
+    };
+    params.check()?;
+    Ok(params)
 }
