@@ -124,7 +124,8 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     let pool = |role: &str, base: u16| {
         json!({"pool": role, "model": "llama-tiny", "count": 1, "base_port": base,
                "command": [exe, "engine", role, "--model", "{model_path}", "--port", "{port}",
-                           "--kv-cache-mib", "16", "--gateway", gw, "--standby"]})
+                           "--kv-cache-mib", "16", "--gateway", gw, "--standby"],
+               "unlist_delay_s": 0.5})
     };
     let cfg = json!({
         "dir": tmp.path().join("node"),
@@ -194,6 +195,36 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         parked("prefill") && parked("decode")
     });
     assert_eq!(workers(&gw), 2);
+    // The list gateways and the scaler read: the promoted standbys' ports.
+    let listed = || -> Value {
+        serde_json::from_str(&get(&format!("{agent_url}/standbys")).unwrap().1).unwrap()
+    };
+    let port_of = |u: &str| u.rsplit(':').next().unwrap().parse::<u64>().unwrap();
+    // (The parked gauge above may still show the promoted ones: the list is current.)
+    wait_for("the list to show the replacement parked", 120, || {
+        listed()["decode"]["parked"] == 1
+    });
+    let l = listed();
+    assert_eq!(
+        l["decode"]["serving"],
+        json!([port_of(&promoted[1])]),
+        "{l}"
+    );
+    // Bounded by the config: no more serve at once than `count` (each promotion
+    // starts a replacement, so unbounded promotions would start processes forever).
+    let (st, v) = post(&format!("{agent_url}/standbys/decode/promote"), &json!({}));
+    assert_eq!(st, 409, "{v}");
+    // Retired: off the list at once, then drained (it deregisters).
+    let (st, v) = post(&format!("{agent_url}/standbys/decode/retire"), &json!({}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(listed()["decode"]["serving"], json!([]));
+    assert_eq!(workers(&gw), 2, "still serving through the unlist delay");
+    wait_for("the retired standby drained", 60, || workers(&gw) == 1);
+    assert_eq!(
+        post(&format!("{agent_url}/standbys/decode/retire"), &json!({})).0,
+        409,
+        "nothing left to retire"
+    );
     // The staged snapshot is served to peers with Range support.
     let r = reqwest::blocking::Client::new()
         .get(format!("{agent_url}/snapshots/llama-tiny.preheat"))

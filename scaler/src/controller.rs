@@ -388,17 +388,21 @@ impl Tick<'_> {
         };
         for p in &mut m.pools {
             let pool = p.pool.as_str();
+            let agent_pool = m
+                .agents
+                .as_ref()
+                .map_or(pool, |(_, sb)| sb.agent_pool(p.pool));
             let path = match &p.source {
                 Source::Pods(_) | Source::Static(_) | Source::Shared(_) => p.metrics_path.as_str(),
                 // Prometheus does not scrape the standbys: their load is not added.
                 Source::Prometheus(_) => "",
             };
-            let serving = if path.is_empty() {
+            let serving_urls = if path.is_empty() {
                 Vec::new()
             } else {
-                standbys::serving_urls(&agents, pool, path)
+                standbys::serving_urls(&agents, agent_pool, path)
             };
-            let (signals, current, startup) = self.observe(p, t, filter, &serving).await;
+            let (signals, current, startup) = self.observe(p, t, filter, &serving_urls).await;
             let Some(current) = current else {
                 // Acting on a guess could shrink a serving pool: decide nothing, and
                 // KEDA is told the pool is not decided yet (HPA then keeps its size).
@@ -461,10 +465,22 @@ impl Tick<'_> {
                 };
                 let mine: Vec<(String, standbys::AgentPool)> = agents
                     .iter()
-                    .map(|(a, pools)| (a.clone(), pools.get(pool).cloned().unwrap_or_default()))
+                    .map(|(a, pools)| {
+                        (
+                            a.clone(),
+                            pools.get(agent_pool).cloned().unwrap_or_default(),
+                        )
+                    })
                     .collect();
                 let serving = mine.iter().map(|(_, a)| a.serving.len()).sum::<usize>();
-                let surplus = serving > 0 && ready as usize + serving > replicas as usize;
+                // Load not fully known (the pool blind, a standby not answering —
+                // perhaps overloaded): no surplus, whatever the counts say.
+                let unsure = blind
+                    || serving_urls
+                        .iter()
+                        .any(|u| p.failures.failing().contains_key(u));
+                let surplus =
+                    !unsure && serving > 0 && ready as usize + serving > replicas as usize;
                 let due = standbys::retire_due(
                     surplus,
                     &mut p.surplus_since,

@@ -29,6 +29,30 @@ pub struct StandbyConfig {
     /// and load may come back.
     #[serde(default = "default_retire_after_s")]
     pub retire_after_s: f64,
+    /// The agents' names of this model's pools (their `standbys[].pool`).
+    #[serde(default = "default_prefill_pool")]
+    pub prefill_pool: String,
+    #[serde(default = "default_decode_pool")]
+    pub decode_pool: String,
+}
+
+fn default_prefill_pool() -> String {
+    "prefill".into()
+}
+
+fn default_decode_pool() -> String {
+    "decode".into()
+}
+
+impl StandbyConfig {
+    /// The agents' name of `pool`.
+    #[must_use]
+    pub fn agent_pool(&self, pool: crate::policy::Pool) -> &str {
+        match pool {
+            crate::policy::Pool::Prefill => &self.prefill_pool,
+            crate::policy::Pool::Decode => &self.decode_pool,
+        }
+    }
 }
 
 fn default_agent_port() -> u16 {
@@ -113,6 +137,9 @@ pub fn retire_due(surplus: bool, since: &mut Option<std::time::Instant>, after: 
     since.get_or_insert_with(std::time::Instant::now).elapsed() >= after
 }
 
+/// Most serving standbys taken from one agent's list for one pool.
+const MAX_SERVING_PER_AGENT: usize = 64;
+
 /// Most bytes read from an agent's `/standbys`.
 const MAX_AGENT_BYTES: usize = 64 << 10;
 
@@ -189,11 +216,13 @@ pub fn serving_urls(
         else {
             continue;
         };
-        for port in pools
+        let mut ports: Vec<u16> = pools
             .get(pool)
-            .map(|p| p.serving.as_slice())
-            .unwrap_or_default()
-        {
+            .map(|p| p.serving.clone())
+            .unwrap_or_default();
+        ports.sort_unstable();
+        ports.dedup();
+        for port in ports.iter().take(MAX_SERVING_PER_AGENT) {
             out.push(format!("http://{host}:{port}{path}"));
         }
     }
@@ -280,6 +309,20 @@ mod tests {
         );
         assert!(serving_urls(&agents, "prefill", "/metrics").is_empty());
         let v6 = vec![("http://[fd00::7]:9400".to_owned(), agents[0].1.clone())];
+        let mut flood = BTreeMap::new();
+        flood.insert(
+            "decode".to_owned(),
+            AgentPool {
+                parked: 0,
+                serving: (1..=5000).chain([7, 7]).collect(),
+            },
+        );
+        let flood = vec![("http://10.0.0.6:9400".to_owned(), flood)];
+        assert_eq!(
+            serving_urls(&flood, "decode", "").len(),
+            64,
+            "capped and deduplicated"
+        );
         assert_eq!(serving_urls(&v6, "decode", ""), ["http://[fd00::7]:18000"]);
     }
 }

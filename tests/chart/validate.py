@@ -149,6 +149,9 @@ def check_variant(variant, values, defaults, schema, dump):
                 fail(variant, "deployments/scale is not limited to the two pool Deployments")
         if "pods" not in resources:
             fail(variant, "the scaler cannot find the gateway pods (held requests)")
+    sc_dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-scaler"]
+    if sc_dep and sc_dep[0]["spec"].get("strategy", {}).get("type") != "Recreate":
+        fail(variant, "the scaler's rollout can run two scalers at once (strategy is not Recreate)")
     # Workers: probes sized for loading, drain covered by the grace period, warm affinity.
     for d in by_kind.get("Deployment", []):
         pod = d["spec"]["template"]["spec"]
@@ -273,8 +276,14 @@ def check_variant(variant, values, defaults, schema, dump):
             fail(variant, f"scaler agent_selector {sel} does not select the agent pods")
         if "--advertise-host=$(POD_IP)" not in pod["containers"][0]["args"]:
             fail(variant, "agent: standbys not advertised at the pod IP")
-        if pod.get("terminationGracePeriodSeconds", 30) <= sb["drainGraceSeconds"]:
-            fail(variant, "agent: grace period does not cover the standbys' drain")
+        for s_ in agent_cfg["standbys"]:
+            need = s_["drain_grace_s"] + s_.get("unlist_delay_s", 5)
+            if s_["drain_grace_s"] != merged[s_["pool"]]["drainGraceSeconds"]:
+                fail(variant, f"standby {s_['pool']}: drains for {s_['drain_grace_s']} s, its pool's pods for {merged[s_['pool']]['drainGraceSeconds']} s")
+            if pod.get("terminationGracePeriodSeconds", 30) <= need:
+                fail(variant, f"agent: grace period does not cover the {s_['pool']} standbys' unlisting and drain ({need} s)")
+            if any(a not in s_["command"] for a in merged[s_["pool"]].get("extraArgs", [])):
+                fail(variant, f"standby {s_['pool']}: the pool's extraArgs are missing")
     # The scaler's config parses as YAML and names both pools; with --dump, every
     # config file is written out for the Rust side to parse with the real parsers.
     for cm in by_kind.get("ConfigMap", []):

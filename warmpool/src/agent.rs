@@ -61,6 +61,9 @@ struct Shared {
     metrics: Arc<AgentMetrics>,
     status: Arc<Mutex<BTreeMap<String, ModelStatus>>>,
     standbys: Arc<tokio::sync::Mutex<BTreeMap<String, StandbyPool>>>,
+    /// What `GET /standbys` answers, published whenever the pools change: readers never
+    /// wait behind a promotion's HTTP call (gateways would drop serving standbys).
+    listing: Arc<Mutex<BTreeMap<String, PoolStandbys>>>,
 }
 
 /// Staging progress into the agent's metrics and status.
@@ -104,6 +107,22 @@ impl Progress for MetricProgress {
 }
 
 impl Shared {
+    /// Publishes what `GET /standbys` answers from the pools' current state.
+    fn publish(&self, pools: &mut BTreeMap<String, StandbyPool>) {
+        let listing = pools
+            .iter_mut()
+            .map(|(name, p)| {
+                let v = PoolStandbys {
+                    count: p.spec().count,
+                    parked: p.ready(),
+                    serving: p.serving_ports(),
+                };
+                (name.clone(), v)
+            })
+            .collect();
+        *self.listing.lock().expect("no panics while held") = listing;
+    }
+
     fn set_state(&self, name: &str, f: impl FnOnce(&mut ModelStatus)) {
         let mut m = self.status.lock().expect("no panics while held");
         let s = m.entry(name.to_owned()).or_insert_with(|| ModelStatus {
@@ -194,6 +213,7 @@ pub async fn run(
         metrics,
         status: Arc::default(),
         standbys: Arc::default(),
+        listing: Arc::default(),
     };
     for m in &shared.cfg.models {
         shared.set_state(&m.name, |_| {});
@@ -241,9 +261,10 @@ pub async fn run(
             _ = stop_rx.wait_for(|s| *s) => break,
         }
     }
-    for p in shared.standbys.lock().await.values_mut() {
-        p.shutdown().await;
-    }
+    // Every pool at once: the pod's grace period covers one drain, not their sum.
+    let mut pools = std::mem::take(&mut *shared.standbys.lock().await);
+    shared.listing.lock().expect("no panics while held").clear();
+    futures_util::future::join_all(pools.values_mut().map(StandbyPool::shutdown)).await;
     let _ = server.await;
     Ok(())
 }
@@ -345,6 +366,7 @@ async fn refresh(
                 .with_label_values(&[&spec.pool])
                 .set(pool.ready() as i64);
         }
+        shared.publish(&mut pools);
     }
     if let Ok(list) = shared.store.list() {
         shared.metrics.staged_models.set(list.len() as i64);
@@ -421,10 +443,13 @@ async fn standby_count_route(
     match pools.get_mut(&pool) {
         Some(p) => {
             p.set_count(b.count.min(64));
-            if let Err(e) = p.reconcile().await {
+            let r = p.reconcile().await;
+            let count = p.spec().count;
+            s.publish(&mut pools);
+            if let Err(e) = r {
                 return error_response(StatusCode::INTERNAL_SERVER_ERROR, &e);
             }
-            Json(serde_json::json!({"pool": pool, "count": p.spec().count})).into_response()
+            Json(serde_json::json!({"pool": pool, "count": count})).into_response()
         }
         None => error_response(
             StatusCode::NOT_FOUND,
@@ -434,7 +459,7 @@ async fn standby_count_route(
 }
 
 /// One pool's standbys as `GET /standbys` lists them.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 struct PoolStandbys {
     count: u32,
     parked: usize,
@@ -442,20 +467,7 @@ struct PoolStandbys {
 }
 
 async fn standbys_route(State(s): State<Shared>) -> Json<BTreeMap<String, PoolStandbys>> {
-    let mut pools = s.standbys.lock().await;
-    Json(
-        pools
-            .iter_mut()
-            .map(|(name, p)| {
-                let v = PoolStandbys {
-                    count: p.spec().count,
-                    parked: p.ready(),
-                    serving: p.serving_ports(),
-                };
-                (name.clone(), v)
-            })
-            .collect(),
-    )
+    Json(s.listing.lock().expect("no panics while held").clone())
 }
 
 async fn retire_route(State(s): State<Shared>, UrlPath(pool): UrlPath<String>) -> Response {
@@ -466,7 +478,9 @@ async fn retire_route(State(s): State<Shared>, UrlPath(pool): UrlPath<String>) -
             &Error::Invalid(format!("no standby pool {pool:?}")),
         );
     };
-    match p.retire() {
+    let retired = p.retire();
+    s.publish(&mut pools);
+    match retired {
         Some(port) => Json(serde_json::json!({"pool": pool, "port": port})).into_response(),
         None => error_response(
             StatusCode::CONFLICT,
@@ -483,12 +497,26 @@ async fn promote_route(State(s): State<Shared>, UrlPath(pool): UrlPath<String>) 
             &Error::Invalid(format!("no standby pool {pool:?}")),
         );
     };
-    match p.promote().await {
-        Ok(Some(done)) => {
-            // A replacement starts parking now, not at the next refresh.
-            let _ = p.reconcile().await;
-            Json(done).into_response()
-        }
+    // Each promotion starts a replacement: without a cap, promotions would start
+    // processes without limit.
+    let serving = p.serving_ports().len();
+    if serving >= p.spec().count as usize {
+        return error_response(
+            StatusCode::CONFLICT,
+            &Error::Invalid(format!(
+                "{serving} standbys of {pool:?} already serve (the limit is its count, {})",
+                p.spec().count
+            )),
+        );
+    }
+    let promoted = p.promote().await;
+    if matches!(promoted, Ok(Some(_))) {
+        // A replacement starts parking now, not at the next refresh.
+        let _ = p.reconcile().await;
+    }
+    s.publish(&mut pools);
+    match promoted {
+        Ok(Some(done)) => Json(done).into_response(),
         Ok(None) => error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             &Error::Invalid(format!("no parked standby of {pool:?} is ready")),

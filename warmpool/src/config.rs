@@ -93,7 +93,8 @@ struct RawStandby {
 }
 
 fn default_unlist_delay_s() -> f64 {
-    2.0
+    // As long as a worker pod's preStop pause: every gateway has re-read the list.
+    5.0
 }
 
 fn default_drain_grace_s() -> f64 {

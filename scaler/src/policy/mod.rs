@@ -294,8 +294,11 @@ impl PreheatPolicy {
                 let batch = self.profile.max_batch_at(self.cfg.slo_itl_s * 0.9);
                 let by_batch = seqs * growth / batch;
                 let seq_tokens = o.mean_seq_tokens.unwrap_or(self.cfg.default_prompt_len);
-                let kv_now = (s.kv_usage * o.current as f64 * self.profile.kv_tokens)
-                    .max(s.running * seq_tokens);
+                // The usage is a mean over the endpoints that answered, which include
+                // promoted standbys beside the pool's own replicas.
+                let serving = (s.endpoints_ok as f64).max(o.current as f64);
+                let kv_now =
+                    (s.kv_usage * serving * self.profile.kv_tokens).max(s.running * seq_tokens);
                 let by_kv = kv_now * growth / (0.85 * self.profile.kv_tokens);
                 let mut n = by_batch.max(by_kv);
                 if let Some(p90) = s.itl_p90
