@@ -56,6 +56,10 @@ pub enum WarmpoolCmd {
         /// `advertise_host`; in Kubernetes the pod IP, `$(POD_IP)`).
         #[arg(long)]
         advertise_host: Option<String>,
+        /// Address of the agent's API (overrides the config's `listen`; in Kubernetes
+        /// `$(POD_IP):PORT`, never every interface).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
     },
     /// Stage one snapshot into a directory: parallel, resumable, verified, published
     /// atomically. Exit 0 only when a verified snapshot is in place.

@@ -336,3 +336,28 @@ fn regression_https_sources_failed_for_lack_of_tls() {
         std::fs::read(&snap).unwrap()
     );
 }
+
+#[test]
+fn regression_credentials_in_a_source_url_reached_errors_and_logs() {
+    // A source with user info and a signed query (its credentials), unreachable: the
+    // error names the source, redacted.
+    let tmp = tempfile::tempdir().unwrap();
+    let port = preheat_testkit::free_port();
+    let out = harness::preheat([
+        "warmpool",
+        "stage",
+        "--source",
+        &format!("http://user:hunter2@127.0.0.1:{port}/m.phpack?X-Amz-Signature=topsecret"),
+        "--dir",
+        tmp.path().to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("http://***@127.0.0.1:{port}/m.phpack?***")),
+        "{err}"
+    );
+    for secret in ["hunter2", "topsecret", "user:"] {
+        assert!(!err.contains(secret), "{secret} shown: {err}");
+    }
+}

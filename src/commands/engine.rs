@@ -142,18 +142,20 @@ async fn gateway_model(
         .await?
         .with_context(|| format!("--model {model}"));
     }
+    // Shown without credentials (a URL's user info and query are redacted).
+    let shown = source.to_string();
     let name = match name {
         Some(n) => n.to_owned(),
         None => preheat_warmpool::stage::default_name(&source).with_context(|| {
-            format!("--model {model}: no model name in it; give --served-model-name")
+            format!("--model {shown}: no model name in it; give --served-model-name")
         })?,
     };
     let fetcher = preheat_warmpool::Fetcher::new(source, Duration::from_secs(30))?;
     let card = preheat_warmpool::card::fetch_card(&fetcher)
         .await
-        .with_context(|| format!("--model {model}: reading its manifest"))?;
+        .with_context(|| format!("--model {shown}: reading its manifest"))?;
     let info = gateway::model_info_from_card(&card, block_size, &name)?;
-    tracing::info!(model = %info.model, source = %model, "gateway model read from its manifest (no weights)");
+    tracing::info!(model = %info.model, source = %shown, "gateway model read from its manifest (no weights)");
     Ok(info)
 }
 

@@ -17,6 +17,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
         WarmpoolCmd::Run {
             config,
             advertise_host,
+            listen,
         } => {
             let text = std::fs::read_to_string(&config)
                 .with_context(|| format!("reading {}", config.display()))?;
@@ -27,6 +28,9 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                     "--advertise-host {h:?} is not a host"
                 );
                 cfg.advertise_host = h;
+            }
+            if let Some(l) = listen {
+                cfg.listen = l;
             }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -59,7 +63,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             let src = Source::parse(&source);
             let name = name.or_else(|| stage::default_name(&src));
             match &name {
-                None => errs.push(format!("--name is needed: no model name in {source:?}")),
+                None => errs.push(format!("--name is needed: no model name in {src}")),
                 Some(n) => {
                     if let Err(e) = stage::validate_name(n) {
                         errs.push(e.to_string());

@@ -240,6 +240,10 @@ def check_variant(variant, values, defaults, schema, dump):
         for c in ds["spec"]["template"]["spec"]["containers"]:
             if c.get("securityContext", {}).get("runAsUser") != 0:
                 fail(variant, f"{ds['metadata']['name']}: the agent cannot write the root-owned node directory")
+    for ds in by_kind.get("DaemonSet", []):
+        args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+        if f'--listen=$(POD_IP):{merged["warmpool"]["port"]}' not in args:
+            fail(variant, "agent: its API is not bound to the pod IP")
     if merged["warmpool"]["enabled"] != bool(by_kind.get("DaemonSet")):
         fail(variant, "warm-pool DaemonSet does not follow warmpool.enabled")
     # Standbys: the agent parks them (at its pod IP), the gateway lists the serving

@@ -6,7 +6,7 @@
 //! disk_budget: 200GiB
 //! memory_budget: 64GiB                # page cache held for the hot set
 //! mlock: false                        # pin the hot set (needs CAP_IPC_LOCK)
-//! listen: 0.0.0.0:9400
+//! listen: 127.0.0.1:9400             # default; in Kubernetes the pod IP (--listen)
 //! refresh_secs: 10
 //! kernel_cache_dir: /var/lib/preheat/kernels
 //! kubernetes: { node_name: node-1, api_url: null }   # omit to run without kube
@@ -199,10 +199,12 @@ impl AgentConfig {
         };
         let disk_budget = size("disk_budget", raw.disk_budget.as_ref(), 100 << 30);
         let memory_budget = size("memory_budget", raw.memory_budget.as_ref(), 16 << 30);
-        let listen = raw.listen.as_deref().unwrap_or("0.0.0.0:9400");
+        // Loopback unless told: the API starts and retires serving replicas, so it is
+        // not offered to every network the node is on (in Kubernetes: the pod IP).
+        let listen = raw.listen.as_deref().unwrap_or("127.0.0.1:9400");
         let listen = listen.parse().unwrap_or_else(|_| {
             errs.push(format!("listen: {listen:?} is not host:port"));
-            SocketAddr::from(([0, 0, 0, 0], 9400))
+            SocketAddr::from(([127, 0, 0, 1], 9400))
         });
         let advertise_host = raw.advertise_host.unwrap_or_else(|| "127.0.0.1".to_owned());
         if advertise_host.is_empty() || advertise_host.contains(['/', ' ', '@']) {

@@ -10,8 +10,10 @@ use reqwest::header::{CONTENT_LENGTH, CONTENT_RANGE, RANGE};
 
 use crate::{Error, Result};
 
-/// Where a model is fetched from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where a model is fetched from. Shown (Display, Debug: logs, errors, the agent's
+/// API) without credentials: a URL's user info and query (signed-URL tokens) are
+/// redacted.
+#[derive(Clone, PartialEq, Eq)]
 pub enum Source {
     Path(PathBuf),
     Http(String),
@@ -46,9 +48,38 @@ impl std::fmt::Display for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Source::Path(p) => write!(f, "{}", p.display()),
-            Source::Http(u) => f.write_str(u),
+            Source::Http(u) => f.write_str(&redact_url(u)),
         }
     }
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Path(p) => f.debug_tuple("Path").field(p).finish(),
+            Source::Http(_) => f.debug_tuple("Http").field(&self.to_string()).finish(),
+        }
+    }
+}
+
+/// `url` without what may be a credential: user info (`user:pass@`) becomes `***@`,
+/// a query string (`?X-Amz-Signature=…`) `?***`, a fragment is dropped.
+#[must_use]
+pub fn redact_url(url: &str) -> String {
+    let url = url.split('#').next().unwrap_or(url);
+    let (url, query) = match url.split_once('?') {
+        Some((u, _)) => (u, "?***"),
+        None => (url, ""),
+    };
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return format!("{url}{query}");
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = match authority.rsplit_once('@') {
+        Some((_, host)) => format!("***@{host}"),
+        None => authority.to_owned(),
+    };
+    format!("{scheme}://{host}{path}{query}")
 }
 
 /// Reads ranges of one source. Cheap to clone (the HTTP client is shared).
@@ -241,5 +272,26 @@ mod tests {
             Source::Path("/data/x.phpack".into())
         );
         assert_eq!(Source::parse("http://h/").file_name(), None);
+    }
+
+    #[test]
+    fn credentials_never_shown() {
+        for (raw, shown) in [
+            (
+                "https://u:secret@h.example/m.phpack",
+                "https://***@h.example/m.phpack",
+            ),
+            (
+                "https://h.example/m.phpack?X-Amz-Signature=secret&a=b",
+                "https://h.example/m.phpack?***",
+            ),
+            ("http://tok@h:8080/a/b?x#frag", "http://***@h:8080/a/b?***"),
+            ("https://h.example/m.phpack", "https://h.example/m.phpack"),
+            ("https://h.example/p@th", "https://h.example/p@th"),
+        ] {
+            let s = Source::parse(raw);
+            assert_eq!(s.to_string(), shown);
+            assert!(!format!("{s:?}").contains("secret"), "{s:?}");
+        }
     }
 }
