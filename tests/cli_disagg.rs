@@ -237,3 +237,56 @@ fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
         assert!(status.success(), "{status}");
     });
 }
+
+#[test]
+fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve() {
+    // The bug: a connect error on the chosen decode worker failed the request although
+    // nothing had been sent and another decode worker was listed. Kill one of two
+    // (before the gateway notices: heartbeats lapse only after seconds) and every
+    // request is still answered.
+    let gport = free_port();
+    let gw = format!("http://127.0.0.1:{gport}");
+    let _gateway = spawn(&[
+        "engine",
+        "gateway",
+        "--port",
+        &gport.to_string(),
+        "--worker-timeout-secs",
+        "30",
+    ]);
+    let (a, aport) = worker("decode", "llama-tiny", &gw);
+    let (b, _) = worker("decode", "llama-tiny", &gw);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        wait_for("two decode workers", 60, async || {
+            workers(&c, &gw).await.len() == 2
+        })
+        .await;
+        // The one the gateway picks first while both are idle (the first listed).
+        let first = workers(&c, &gw).await[0]["url"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let (mut victim, _other) = if first.ends_with(&format!(":{aport}")) {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        victim.0.kill().unwrap();
+        let _ = victim.0.wait();
+        assert_eq!(
+            workers(&c, &gw).await.len(),
+            2,
+            "the gateway has not noticed yet"
+        );
+        for i in 0..8u32 {
+            let v = complete(&c, &gw, &json!([1 + i, 2, 3]), 2).await;
+            assert_eq!(v["usage"]["completion_tokens"], 2, "request {i}: {v}");
+        }
+        assert_eq!(
+            workers(&c, &gw).await.len(),
+            1,
+            "the unreachable one was dropped"
+        );
+    });
+}

@@ -278,25 +278,45 @@ impl Gateway {
                 params: req.params.clone(),
                 prefill: prefill.as_ref().map(|p| p.kv.clone()),
             };
-            let resp = match self
+            // Headers come once the worker has the request in hand (K/V pulled, or
+            // its local prefill queued): as long as a stream may stay silent.
+            let sent = self
                 .client
                 .post(format!("{}/internal/generate", decode.url))
                 .json(&body)
-                .send()
-                .await
-            {
-                Ok(r) => r,
-                Err(e) => {
+                .send();
+            let resp = match tokio::time::timeout(self.opts.stream_idle_timeout, sent).await {
+                Ok(Ok(r)) => r,
+                // Not connected: nothing was sent, another decode worker takes it.
+                Ok(Err(e)) if e.is_connect() && attempt < 2 => {
+                    tracing::warn!(decode = %decode.url, error = %e, "decode worker unreachable; trying another");
+                    self.drop_worker(&decode.id, "unreachable");
+                    refused.push(decode.id.clone());
+                    continue;
+                }
+                Ok(Err(e)) => {
                     self.drop_worker(&decode.id, "unreachable");
                     return fail(EngineError::Unavailable(format!(
                         "decode worker {}: {e}",
                         decode.url
                     )));
                 }
+                Err(_) => {
+                    self.drop_worker(&decode.id, "no answer");
+                    return fail(EngineError::Unavailable(format!(
+                        "decode worker {} did not answer within {} s",
+                        decode.url,
+                        self.opts.stream_idle_timeout.as_secs()
+                    )));
+                }
             };
             if !resp.status().is_success() {
                 let status = resp.status();
-                let w: WireError = resp.json().await.unwrap_or(WireError {
+                let w: WireError = match read_capped(resp, MAX_ERROR_BYTES).await {
+                    Ok(b) => serde_json::from_slice(&b).ok(),
+                    Err(_) => None,
+                }
+                .unwrap_or(WireError {
                     class: "internal".into(),
                     message: format!("decode worker answered HTTP {status}"),
                     prefill_failed: false,
@@ -354,6 +374,13 @@ impl Gateway {
                     }
                 };
                 buf.extend_from_slice(&chunk);
+                if buf.len() > MAX_EVENT_LINE && !buf.contains(&b'\n') {
+                    self.drop_worker(&decode.id, "oversized event");
+                    return fail(EngineError::Internal(format!(
+                        "decode worker {} sent an event line over {MAX_EVENT_LINE} bytes",
+                        decode.url
+                    )));
+                }
                 while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
                     let line: Vec<u8> = buf.drain(..=pos).collect();
                     let ev = match serde_json::from_slice::<WireEvent>(&line) {
@@ -532,6 +559,11 @@ const DISCOVERED_SILENCE: Duration = Duration::from_secs(10);
 /// gateway buffer more.
 const MAX_STATUS_BYTES: usize = 4 << 20;
 const MAX_MODEL_BYTES: usize = 64 << 20;
+/// Longest line of a decode worker's event stream (a token with 20 top logprobs is
+/// a few KiB): a peer cannot make the gateway buffer without end.
+const MAX_EVENT_LINE: usize = 1 << 20;
+/// Most bytes of a worker's error body.
+const MAX_ERROR_BYTES: usize = 64 << 10;
 /// Prefix-cache block hashes kept per prefill worker.
 const MAX_PEER_BLOCKS: usize = 65_536;
 
@@ -692,7 +724,11 @@ pub async fn run(
     .map_err(|e| EngineError::Internal(e.to_string()))?;
     let gw = Arc::new(Gateway {
         reg: Mutex::new(Registry::default()),
-        client: reqwest::Client::new(),
+        // A worker that does not accept a connection within seconds is not there.
+        client: reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| EngineError::Internal(e.to_string()))?,
         api: api.clone(),
         opts: opts.clone(),
         pending,
