@@ -426,6 +426,13 @@ impl Engine {
         &self.kv_buffers
     }
 
+    /// Payload bytes of `blocks` blocks' K/V: what a transfer into a reservation of
+    /// that many blocks may carry, and no more.
+    #[must_use]
+    pub fn kv_payload_for(&self, blocks: usize) -> u64 {
+        transfer::block_bytes(&self.layout) * self.layout.num_layers as u64 * blocks as u64
+    }
+
     /// Largest KV payload this engine could hold (its whole cache).
     #[must_use]
     pub fn max_kv_payload(&self) -> u64 {
@@ -853,7 +860,7 @@ impl Worker {
         };
         let s = sample(logits, &live.params, &mut live.rng);
         if live.prefill_only.is_some() {
-            self.ship(id, s.token, s.logprob);
+            self.ship(id, s.token, s.logprob, s.top);
             return;
         }
         self.accept(id, s.token, s.logprob, s.top);
@@ -861,7 +868,7 @@ impl Worker {
 
     /// Prefill-only: hands the prompt's K/V and first token to the caller, then ends
     /// the request here (its blocks stay in the prefix cache).
-    fn ship(&mut self, id: u64, token: u32, logprob: Option<f32>) {
+    fn ship(&mut self, id: u64, token: u32, logprob: Option<f32>, top: Vec<(u32, f32)>) {
         let (Some(live), Some(seq)) = (self.live.get(&id), self.sched.get(id)) else {
             return;
         };
@@ -882,6 +889,7 @@ impl Worker {
             prompt,
             first_token: token,
             first_logprob: logprob,
+            first_top_logprobs: top,
             params: live.params.clone(),
             rng_state: live.rng.state(),
             num_layers: layout.num_layers as u32,
@@ -951,7 +959,7 @@ impl Worker {
         );
         self.sched
             .add_running(SeqState::resumed(id, h.prompt, blocks, h.block_hashes));
-        self.accept(id, h.first_token, h.first_logprob, Vec::new());
+        self.accept(id, h.first_token, h.first_logprob, h.first_top_logprobs);
     }
 
     /// Appends a sampled token to `id`, streams it, and finishes the request when a

@@ -42,6 +42,7 @@ fn message(layout: &KvLayout, tokens: usize) -> KvMessage {
             prompt,
             first_token: 1,
             first_logprob: None,
+            first_top_logprobs: Vec::new(),
             params: SamplingParams::default(),
             rng_state: 0,
             num_layers: layout.num_layers as u32,

@@ -57,11 +57,15 @@ impl KvTransport for TcpTransport {
                 s.write_all(&frame).await.map_err(|e| e.to_string())?;
                 let kind = s.read_u8().await.map_err(|e| format!("no answer: {e}"))?;
                 match kind {
+                    // Bounded by the reservation the request holds (its prompt's
+                    // blocks), checked from the header before any payload is read.
                     b'K' => KvMessage::read_into(
                         &mut s,
                         engine.compat(),
                         &engine.kv_layout(),
-                        engine.max_kv_payload(),
+                        engine.kv_payload_for(
+                            req.prompt.len().div_ceil(engine.kv_layout().block_size),
+                        ),
                         engine.kv_buffers().take(),
                     )
                     .await

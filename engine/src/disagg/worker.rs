@@ -228,10 +228,15 @@ async fn fetch_kv(
             w.map_or_else(String::new, |w| w.message)
         ));
     }
-    let cap = e.max_kv_payload() as usize + (16 << 20) + 8;
+    // Bounded by the reservation the request holds (its prompt's blocks), not the
+    // whole cache.
+    let max_payload = e.kv_payload_for(b.prompt.len().div_ceil(e.kv_layout().block_size));
+    let cap = max_payload as usize + crate::kv::transfer::MAX_HEADER + 8;
     let announced = resp.content_length().unwrap_or(0) as usize;
     if announced > cap {
-        return Err("the K/V message is larger than this worker's whole cache".into());
+        return Err(format!(
+            "the K/V message ({announced} bytes) is larger than this request's reservation allows ({cap})"
+        ));
     }
     // Sized once from Content-Length: no regrowth copies of a large payload.
     let mut buf = Vec::with_capacity(announced);
@@ -239,12 +244,35 @@ async fn fetch_kv(
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|err| format!("transfer broke off: {err}"))?;
         if buf.len() + chunk.len() > cap {
-            return Err("the K/V message is larger than this worker's whole cache".into());
+            return Err(format!(
+                "the K/V message is larger than this request's reservation allows ({cap} bytes)"
+            ));
         }
         buf.extend_from_slice(&chunk);
     }
-    KvMessage::from_vec(buf, e.compat(), &e.kv_layout(), e.max_kv_payload())
-        .map_err(|err| err.to_string())
+    KvMessage::from_vec(buf, e.compat(), &e.kv_layout(), max_payload).map_err(|err| err.to_string())
+}
+
+/// Takes a pulled K/V message only for the request it was asked for: the same
+/// request id, prompt and sampling parameters (the sender's are what decoding then
+/// uses). Block hashes, which key the prefix cache other requests share, are computed
+/// here from the prompt, never taken from the wire.
+fn check_matches(msg: &mut KvMessage, b: &GenerateBody, block_size: usize) -> Result<(), String> {
+    let h = &msg.header;
+    if h.request_id != b.request_id {
+        return Err(format!(
+            "K/V for request {:?}, asked for {:?}",
+            h.request_id, b.request_id
+        ));
+    }
+    if h.prompt != b.prompt {
+        return Err("K/V for another prompt".into());
+    }
+    if h.params != b.params {
+        return Err("K/V carries other sampling parameters than the request's".into());
+    }
+    msg.header.block_hashes = crate::kv::block_hashes(&b.prompt, block_size);
+    Ok(())
 }
 
 /// Decode role: reserve blocks, pull the K/V (or prefill here), decode, stream NDJSON.
@@ -286,6 +314,8 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             } else {
                 fetch_kv(&st, &e, url, &b).await
             };
+            let bs = e.kv_layout().block_size;
+            let pulled = pulled.and_then(|mut msg| check_matches(&mut msg, &b, bs).map(|()| msg));
             match pulled {
                 Ok(msg) => e.resume_into(res, msg),
                 Err(why) => {

@@ -26,7 +26,7 @@ use crate::sampling::SamplingParams;
 pub const MAGIC: &[u8; 4] = b"PHKV";
 /// Bumped whenever the header or payload layout changes.
 pub const FORMAT_VERSION: u32 = 1;
-const MAX_HEADER: usize = 16 << 20;
+pub const MAX_HEADER: usize = 16 << 20;
 
 /// Why a message was refused.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +58,9 @@ pub struct KvHeader {
     pub block_hashes: Vec<BlockHash>,
     pub first_token: u32,
     pub first_logprob: Option<f32>,
+    /// The first token's top alternatives, when the request asked for logprobs.
+    #[serde(default)]
+    pub first_top_logprobs: Vec<(u32, f32)>,
     pub params: SamplingParams,
     pub rng_state: u64,
     pub num_layers: u32,
@@ -347,6 +350,7 @@ mod tests {
             prompt,
             first_token: 9,
             first_logprob: None,
+            first_top_logprobs: Vec::new(),
             params: SamplingParams::default(),
             rng_state: 1,
             num_layers: 2,
