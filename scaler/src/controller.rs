@@ -489,7 +489,7 @@ impl Tick<'_> {
                 let steps = standbys::plan(replicas, ready, &mine, due);
                 if !steps.is_empty() {
                     tracing::info!(model = %m.cfg.name, pool, replicas, ready, serving, ?steps, "standbys");
-                    standbys::apply(self.client, pool, &steps, self.timeout).await;
+                    standbys::apply(self.client, agent_pool, &steps, self.timeout).await;
                 }
             }
             if let (true, Some(client), Some(deploy)) = (self.direct, self.kube, &p.deployment)

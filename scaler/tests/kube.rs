@@ -391,3 +391,64 @@ async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() 
     );
     let _ = stop.send(());
 }
+
+#[tokio::test]
+async fn standbys_are_promoted_for_a_held_request_under_the_agents_pool_names() {
+    // A request held at the gateway while decode is at zero: the scaler promotes a
+    // parked standby on the agent its pod selector finds — under the agent's name for
+    // the pool (`dec` here), which is what the agent's API knows.
+    let calls: Arc<Mutex<Vec<String>>> = Arc::default();
+    let agent = {
+        let calls = Arc::clone(&calls);
+        let app = Router::new()
+            .route(
+                "/standbys",
+                get(|| async {
+                    axum::Json(json!({"dec": {"count": 1, "parked": 1, "serving": []}}))
+                }),
+            )
+            .route(
+                "/standbys/{pool}/{verb}",
+                axum::routing::post(move |Path((pool, verb)): Path<(String, String)>| {
+                    let calls = Arc::clone(&calls);
+                    async move {
+                        calls.lock().unwrap().push(format!("{verb} {pool}"));
+                        axum::Json(
+                            json!({"url": "http://127.0.0.1:1", "port": 1, "promote_ms": 1.0}),
+                        )
+                    }
+                }),
+            );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        port
+    };
+    let gateway = {
+        let app = Router::new().route(
+            "/metrics",
+            get(|| async { "preheat:gateway_pending_requests 1\n" }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        format!("http://{addr}/metrics")
+    };
+    let state = Shared::default();
+    state.lock().unwrap().pods = vec![pod("agent-1", "127.0.0.1", true)];
+    let url = fake_api(state.clone()).await;
+    let yaml = format!(
+        "interval_s: 0.1\nwindow_s: 2\nkubernetes: {{namespace: llm, api_url: \"{url}\"}}\nmodels:\n  - name: m\n    gateway: [\"{gateway}\"]\n    standbys: {{agent_selector: 'app=agent', agent_port: {agent}, prefill_pool: pre, decode_pool: dec}}\n    prefill: {{endpoints: [], min_replicas: 0}}\n    decode: {{endpoints: [], min_replicas: 0}}\n"
+    );
+    let (_grpc, stop) = start_scaler(yaml).await;
+    eventually("a decode standby promoted", || {
+        calls.lock().unwrap().iter().any(|c| c == "promote dec")
+    })
+    .await;
+    let seen = calls.lock().unwrap().clone();
+    assert!(
+        seen.iter().all(|c| c.ends_with(" dec")),
+        "only the agent's pool names are used: {seen:?}"
+    );
+    let _ = stop.send(());
+}
