@@ -191,3 +191,63 @@ async fn refusals_leak_nothing() {
     drop(h);
     wait_kv_empty(&d).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections() {
+    use preheat_engine::disagg::transport::{MAX_KV_CONNECTIONS, serve_tcp};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    let cell = Arc::new(std::sync::OnceLock::new());
+    let _ = cell.set(engine("llama-tiny", 64, Role::Prefill));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(serve_tcp(l, Arc::clone(&cell)));
+    // Closed by the server: a read sees EOF (or a reset) within `secs`.
+    let closed_within = async |s: &mut TcpStream, secs: u64| {
+        let mut b = [0u8; 64];
+        match tokio::time::timeout(Duration::from_secs(secs), s.read(&mut b)).await {
+            Ok(Ok(0) | Err(_)) => true,
+            Ok(Ok(_)) => false,
+            Err(_) => false,
+        }
+    };
+    // An oversized request frame is refused before anything of its size is allocated.
+    let mut big = TcpStream::connect(addr).await.unwrap();
+    big.write_all(&(1u32 << 30).to_le_bytes()).await.unwrap();
+    assert!(
+        closed_within(&mut big, 2).await,
+        "a 1 GiB frame was not refused"
+    );
+    // Slots held by peers that send nothing: the next connection is closed at once.
+    let t0 = Instant::now();
+    let mut stalled = Vec::new();
+    for _ in 0..MAX_KV_CONNECTIONS {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&[1, 0]).await.unwrap(); // half a length prefix, then silence
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut over = TcpStream::connect(addr).await.unwrap();
+    assert!(closed_within(&mut over, 2).await, "no connection cap");
+    // The stalled peers are cut off after the request read timeout (10 s)...
+    for s in &mut stalled {
+        assert!(
+            closed_within(s, 15).await,
+            "a stalled peer kept its connection"
+        );
+    }
+    assert!(t0.elapsed() >= Duration::from_secs(9), "{:?}", t0.elapsed());
+    // ...and the port serves again.
+    use preheat_engine::disagg::transport::{KvTransport, TcpTransport};
+    let req = preheat_engine::disagg::protocol::PrefillBody {
+        request_id: "after-the-flood".into(),
+        prompt: vec![1, 2, 3],
+        params: greedy(1),
+    };
+    let decode = engine("llama-tiny", 64, Role::Decode);
+    let t = TcpTransport {
+        timeout: Duration::from_secs(30),
+    };
+    let got = t.pull(&format!("tcp://{addr}"), &req, &decode).await;
+    assert!(got.is_ok(), "{got:?}");
+}

@@ -18,7 +18,17 @@ use crate::EngineError;
 use crate::engine::{Engine, GenerateRequest};
 use crate::kv::transfer::KvMessage;
 
-const MAX_REQUEST: usize = 64 << 20;
+/// Largest request frame: a prompt's token ids and bounded sampling parameters as
+/// JSON (a 128k-token prompt is under 1 MiB).
+const MAX_REQUEST: usize = 8 << 20;
+/// A peer has this long to send its whole request frame (a stalled or slow-loris
+/// peer holds a connection slot no longer).
+const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A peer has this long to take the K/V (held in memory until it does).
+const ANSWER_WRITE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Transfers served at once; further connections are closed at once (the decode
+/// worker then prefills elsewhere or itself).
+pub const MAX_KV_CONNECTIONS: usize = 64;
 
 /// Pulls one sequence's K/V from a prefill endpoint.
 pub trait KvTransport: Send + Sync {
@@ -92,12 +102,21 @@ impl KvTransport for TcpTransport {
 
 async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
-    let n = s.read_u32_le().await? as usize;
-    if n > MAX_REQUEST {
-        return Err(std::io::Error::other("oversized request frame"));
-    }
-    let mut b = vec![0u8; n];
-    s.read_exact(&mut b).await?;
+    let read = async {
+        let n = s.read_u32_le().await? as usize;
+        // Refused before anything of its size is allocated.
+        if n > MAX_REQUEST {
+            return Err(std::io::Error::other(format!(
+                "oversized request frame ({n} bytes)"
+            )));
+        }
+        let mut b = vec![0u8; n];
+        s.read_exact(&mut b).await?;
+        Ok(b)
+    };
+    let b = tokio::time::timeout(REQUEST_READ_TIMEOUT, read)
+        .await
+        .map_err(|_| std::io::Error::other("no whole request frame within 10 s"))??;
     let result = async {
         let req: PrefillBody =
             serde_json::from_slice(&b).map_err(|e| EngineError::invalid(e.to_string(), "body"))?;
@@ -117,8 +136,13 @@ async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std:
     .await;
     match result {
         Ok(m) => {
-            s.write_u8(b'K').await?;
-            m.write_to(&mut s).await.map_err(std::io::Error::other)?;
+            let write = async {
+                s.write_u8(b'K').await?;
+                m.write_to(&mut s).await.map_err(std::io::Error::other)
+            };
+            tokio::time::timeout(ANSWER_WRITE_TIMEOUT, write)
+                .await
+                .map_err(|_| std::io::Error::other("the peer did not take the K/V in time"))??;
         }
         Err(err) => {
             let body = serde_json::to_vec(&WireError::from_engine(&err, false))?;
@@ -133,12 +157,19 @@ async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std:
 
 /// Prefill side: answers transfers on `listener` until the task is dropped.
 pub async fn serve_tcp(listener: tokio::net::TcpListener, engine: Arc<OnceLock<Engine>>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_KV_CONNECTIONS));
     loop {
         let Ok((s, peer)) = listener.accept().await else {
             continue;
         };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::warn!(%peer, "KV port at its connection limit; connection closed");
+            drop(s);
+            continue;
+        };
         let engine = Arc::clone(&engine);
         tokio::spawn(async move {
+            let _slot = slot;
             if let Err(e) = answer(&engine, s).await {
                 tracing::warn!(%peer, error = %e, "KV transfer to a decode worker failed");
             }
