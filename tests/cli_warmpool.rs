@@ -214,70 +214,13 @@ while True:
     threading.Thread(target=serve, args=(c,), daemon=True).start()
 "#;
 
-/// A private CA and a certificate for 127.0.0.1 signed by it, made with `openssl`.
-fn private_ca(dir: &Path) -> Option<()> {
-    let run = |args: &[&str]| {
-        std::process::Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    let ok = run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=preheat test CA",
-    ]) && run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "leaf.key",
-        "-out",
-        "leaf.csr",
-        "-subj",
-        "/CN=127.0.0.1",
-    ]) && run(&[
-        "x509",
-        "-req",
-        "-in",
-        "leaf.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "leaf.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-    ]);
-    preheat_testkit::present_or_skip(ok, "openssl", "apt-get install openssl").then_some(())
-}
-
 #[test]
 fn regression_https_sources_failed_for_lack_of_tls() {
     // The bug: reqwest was built without TLS, so every https:// source the README
     // shows failed. A snapshot served over TLS by a private CA: staged when that CA is
     // trusted (SSL_CERT_FILE, as operators add private CAs), refused by name when not.
     let tmp = tempfile::tempdir().unwrap();
-    if private_ca(tmp.path()).is_none() {
-        return;
-    }
+    preheat_testkit::make_certs(tmp.path());
     let models = tmp.path().join("models");
     std::fs::create_dir_all(&models).unwrap();
     let snap = harness::synth_tiny(&models, "tiny", 3);
@@ -285,8 +228,8 @@ fn regression_https_sources_failed_for_lack_of_tls() {
     std::fs::write(tmp.path().join("proxy.py"), TLS_PROXY).unwrap();
     let mut proxy = std::process::Command::new("python3")
         .arg(tmp.path().join("proxy.py"))
-        .arg(tmp.path().join("leaf.pem"))
-        .arg(tmp.path().join("leaf.key"))
+        .arg(tmp.path().join("srv.pem"))
+        .arg(tmp.path().join("srv.key"))
         .arg(plain.trim_start_matches("http://"))
         .stdout(std::process::Stdio::piped())
         .spawn()

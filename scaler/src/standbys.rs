@@ -92,39 +92,40 @@ pub fn plan(want: u32, ready: u32, agents: &[(String, AgentPool)], retire_due: b
         .map(|(_, a)| u32::try_from(a.serving.len()).unwrap_or(u32::MAX))
         .sum();
     let have = ready.saturating_add(serving);
-    let mut steps = Vec::new();
     if want > have {
-        let mut left: Vec<(&str, u32)> =
-            agents.iter().map(|(u, a)| (u.as_str(), a.parked)).collect();
-        for _ in 0..want - have {
-            let Some(best) = left
-                .iter_mut()
-                .filter(|(_, n)| *n > 0)
-                .min_by_key(|(_, n)| std::cmp::Reverse(*n))
-            else {
-                break;
-            };
-            best.1 -= 1;
-            steps.push(Step::Promote(best.0.to_owned()));
-        }
+        let parked = agents.iter().map(|(u, a)| (u.as_str(), a.parked as usize));
+        spread(parked, (want - have) as usize)
+            .into_iter()
+            .map(Step::Promote)
+            .collect()
     } else if retire_due && have > want && serving > 0 {
-        let mut left: Vec<(&str, usize)> = agents
-            .iter()
-            .map(|(u, a)| (u.as_str(), a.serving.len()))
-            .collect();
-        for _ in 0..(have - want).min(serving) {
-            let Some(best) = left
-                .iter_mut()
-                .filter(|(_, n)| *n > 0)
-                .min_by_key(|(_, n)| std::cmp::Reverse(*n))
-            else {
-                break;
-            };
-            best.1 -= 1;
-            steps.push(Step::Retire(best.0.to_owned()));
-        }
+        let serving_at = agents.iter().map(|(u, a)| (u.as_str(), a.serving.len()));
+        spread(serving_at, (have - want).min(serving) as usize)
+            .into_iter()
+            .map(Step::Retire)
+            .collect()
+    } else {
+        Vec::new()
     }
-    steps
+}
+
+/// Up to `n` agents, one at a time from the one with the most left (`counts`), ties to
+/// the first: steps spread over agents instead of piling onto one.
+fn spread<'a>(counts: impl Iterator<Item = (&'a str, usize)>, n: usize) -> Vec<String> {
+    let mut left: Vec<(&str, usize)> = counts.collect();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let Some(best) = left
+            .iter_mut()
+            .filter(|(_, k)| *k > 0)
+            .min_by_key(|(_, k)| std::cmp::Reverse(*k))
+        else {
+            break;
+        };
+        best.1 -= 1;
+        out.push(best.0.to_owned());
+    }
+    out
 }
 
 /// Whether standbys may be retired now: the pool has had more than it wants, with

@@ -2,8 +2,6 @@
 //! trigger sets `caCert`/`tlsClientCert`: certificates made with the `openssl` CLI.
 
 use std::collections::HashMap;
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use preheat_scaler::config::Config;
@@ -11,87 +9,6 @@ use preheat_scaler::profile::Profile;
 use preheat_scaler::proto::ScaledObjectRef;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl CLI (the CI script installs it)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA, a server certificate for localhost/127.0.0.1 and a client certificate.
-fn make_certs(dir: &Path) {
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
-    let ca: Vec<&str> = ["req", "-x509"]
-        .into_iter()
-        .chain(ec)
-        .chain([
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-subj",
-            "/CN=preheat-test-ca",
-            "-days",
-            "1",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign",
-        ])
-        .collect();
-    openssl(dir, &ca);
-    std::fs::write(
-        dir.join("srv.ext"),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
-    )
-    .unwrap();
-    std::fs::write(dir.join("cli.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
-    for (name, cn) in [("srv", "localhost"), ("cli", "keda")] {
-        let key = format!("{name}.key");
-        let csr = format!("{name}.csr");
-        let subj = format!("/CN={cn}");
-        let req: Vec<&str> = ["req"]
-            .into_iter()
-            .chain(ec)
-            .chain(["-keyout", &key, "-out", &csr, "-subj", &subj])
-            .collect();
-        openssl(dir, &req);
-        let (pem, ext) = (format!("{name}.pem"), format!("{name}.ext"));
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.pem",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                &pem,
-                "-days",
-                "1",
-                "-extfile",
-                &ext,
-            ],
-        );
-    }
-}
 
 fn sref() -> ScaledObjectRef {
     ScaledObjectRef {
@@ -123,7 +40,7 @@ async fn call(endpoint: &str, tls: Option<ClientTlsConfig>) -> Result<bool, Stri
 #[tokio::test]
 async fn mutual_tls_admits_only_clients_with_a_certificate_from_the_ca() {
     let dir = tempfile::tempdir().unwrap();
-    make_certs(dir.path());
+    preheat_testkit::make_certs(dir.path());
     let port = preheat_testkit::free_port();
     let d = dir.path().display();
     let cfg = Config::load(

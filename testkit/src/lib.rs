@@ -167,6 +167,89 @@ pub fn serve_files_on(dir: &Path, host: &str) -> String {
     base
 }
 
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl CLI (the CI script installs it)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Test certificates made with the `openssl` CLI in `dir`: a CA (`ca.pem`), a
+/// server certificate for localhost and 127.0.0.1 (`srv.pem`, `srv.key`) and a client
+/// certificate (`cli.pem`, `cli.key`), all signed by the CA.
+pub fn make_certs(dir: &Path) {
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let ca: Vec<&str> = ["req", "-x509"]
+        .into_iter()
+        .chain(ec)
+        .chain([
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-subj",
+            "/CN=preheat-test-ca",
+            "-days",
+            "1",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign",
+        ])
+        .collect();
+    openssl(dir, &ca);
+    std::fs::write(
+        dir.join("srv.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("cli.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for (name, cn) in [("srv", "localhost"), ("cli", "keda")] {
+        let key = format!("{name}.key");
+        let csr = format!("{name}.csr");
+        let subj = format!("/CN={cn}");
+        let req: Vec<&str> = ["req"]
+            .into_iter()
+            .chain(ec)
+            .chain(["-keyout", &key, "-out", &csr, "-subj", &subj])
+            .collect();
+        openssl(dir, &req);
+        let (pem, ext) = (format!("{name}.pem"), format!("{name}.ext"));
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "1",
+                "-extfile",
+                &ext,
+            ],
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
