@@ -51,6 +51,18 @@ fn spec(dir: &Path, count: u32, command: Vec<String>) -> StandbySpec {
     }
 }
 
+/// The stand-in replica's command: it writes `drained` to `dir/marker` (placeholders
+/// substituted) when it has drained.
+fn replica(dir: &Path, marker: &str) -> Vec<String> {
+    let d = dir.display();
+    vec![
+        "python3".to_owned(),
+        format!("{d}/replica.py"),
+        "{port}".to_owned(),
+        format!("{d}/{marker}"),
+    ]
+}
+
 async fn until_ready(pool: &mut StandbyPool, n: usize) {
     let t0 = Instant::now();
     while pool.ready() < n {
@@ -68,15 +80,7 @@ async fn regression_agent_shutdown_killed_serving_promoted_standbys() {
     // The bug: stopping the agent SIGKILLed standbys that had been promoted and were
     // serving, losing their in-flight requests.
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let command = [
-        "python3",
-        &format!("{d}/replica.py"),
-        "{port}",
-        &format!("{d}/drained-{{port}}"),
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let command = replica(dir.path(), "drained-{port}");
     let mut pool = StandbyPool::new(spec(dir.path(), 2, command), Path::new("/unused"));
     until_ready(&mut pool, 2).await;
     let promoted = pool.promote().await.unwrap().expect("a ready standby");
@@ -141,15 +145,7 @@ async fn standbys_that_die_at_start_are_replaced_with_growing_pauses_then_report
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retired_standby_leaves_the_serving_list_before_it_drains() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let command = [
-        "python3",
-        &format!("{d}/replica.py"),
-        "{port}",
-        &format!("{d}/drained-{{port}}-{{host}}"),
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let command = replica(dir.path(), "drained-{port}-{host}");
     let mut pool =
         StandbyPool::new(spec(dir.path(), 1, command), Path::new("/unused")).with_host("10.9.8.7");
     until_ready(&mut pool, 1).await;
