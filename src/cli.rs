@@ -60,6 +60,8 @@ pub enum WarmpoolCmd {
         /// `$(POD_IP):PORT`, never every interface).
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
+        #[command(flatten)]
+        token: ClusterTokenArgs,
     },
     /// Stage one snapshot into a directory: parallel, resumable, verified, published
     /// atomically. Exit 0 only when a verified snapshot is in place.
@@ -94,6 +96,10 @@ pub struct UpArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Where workers register with the gateway (internal, behind this run's cluster
+    /// token; default: a free loopback port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub gateway_internal: String,
     /// The scaler's KEDA external-scaler gRPC address.
     #[arg(long, default_value = "127.0.0.1:9090")]
     pub scaler_listen: String,
@@ -294,6 +300,16 @@ pub struct GatewayArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Port of worker registration (only where workers register; default --port + 1),
+    /// on --host, behind the cluster token. The OpenAI port answers 404 to /internal/.
+    #[arg(long)]
+    pub internal_port: Option<u16>,
+    #[command(flatten)]
+    pub token: ClusterTokenArgs,
+    /// Clients' API keys, one per line (reloaded when the file changes): `/v1/*` then
+    /// asks for `Authorization: Bearer <key>`.
+    #[arg(long, env = "PREHEAT_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
     /// Seconds a request waits for a decode worker when none is registered; then
     /// 503 with Retry-After.
     #[arg(long, default_value_t = 300)]
@@ -391,6 +407,38 @@ pub struct ServeArgs {
     /// kernel cache on the node).
     #[arg(long, env = "PREHEAT_KERNEL_CACHE")]
     pub kernel_cache: Option<PathBuf>,
+    #[command(flatten)]
+    pub token: ClusterTokenArgs,
+    /// `engine serve`: clients' API keys, one per line (reloaded when the file
+    /// changes); `/v1/*` then asks for `Authorization: Bearer <key>`.
+    #[arg(long, env = "PREHEAT_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    /// `engine serve --standby`: port of the control routes (`/internal/state`,
+    /// `/internal/promote`, behind the cluster token); without it promote with SIGUSR1.
+    #[arg(long)]
+    pub internal_port: Option<u16>,
+}
+
+/// The deployment's cluster token, which every request between preheat's own
+/// processes carries.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterTokenArgs {
+    /// File holding the cluster token (a mounted Secret; `preheat up` writes one per
+    /// run). Without it internal endpoints accept anyone, as the process warns.
+    #[arg(long, env = "PREHEAT_CLUSTER_TOKEN_FILE")]
+    pub cluster_token_file: Option<PathBuf>,
+}
+
+impl ClusterTokenArgs {
+    /// The token, read and checked.
+    pub fn load(&self) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
+        match &self.cluster_token_file {
+            Some(p) => Ok(Some(std::sync::Arc::new(
+                preheat_edge::ClusterToken::from_file(p)?,
+            ))),
+            None => Ok(None),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -406,6 +454,8 @@ pub enum ScalerCmd {
         /// Capacity profile JSON (default: the documented GPU-class profile).
         #[arg(long)]
         profile: Option<PathBuf>,
+        #[command(flatten)]
+        token: ClusterTokenArgs,
     },
 }
 

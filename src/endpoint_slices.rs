@@ -51,11 +51,12 @@ impl EndpointSlices {
         namespace: &str,
         services: &[(WorkerRole, String)],
         agents: Option<&str>,
+        token: Option<Arc<preheat_edge::ClusterToken>>,
     ) -> Arc<Self> {
         let standbys = Arc::new(Mutex::new(Vec::new()));
         if let Some(service) = agents {
             let store = slice_store(client.clone(), namespace, service);
-            tokio::spawn(poll_agents(store, Arc::clone(&standbys)));
+            tokio::spawn(poll_agents(store, Arc::clone(&standbys), token));
         }
         let pools = services
             .iter()
@@ -95,8 +96,23 @@ fn slice_store(client: kube::Client, namespace: &str, service: &str) -> Store<En
 /// Reads every Ready agent's serving standbys into `out`, every [`AGENT_POLL`]. An
 /// agent that does not answer lists nothing: the gateway stops sending new requests
 /// to standbys it cannot vouch for (in-flight ones finish).
-async fn poll_agents(agents: Store<EndpointSlice>, out: Arc<Mutex<Vec<(WorkerRole, String)>>>) {
-    let client = reqwest::Client::new();
+async fn poll_agents(
+    agents: Store<EndpointSlice>,
+    out: Arc<Mutex<Vec<(WorkerRole, String)>>>,
+    token: Option<Arc<preheat_edge::ClusterToken>>,
+) {
+    // The agents' API asks for the cluster token; this client goes nowhere else.
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(t) = &token
+        && let Ok(mut v) = reqwest::header::HeaderValue::from_str(&t.bearer())
+    {
+        v.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, v);
+    }
+    let client = reqwest::Client::builder()
+        .default_headers(headers)
+        .build()
+        .unwrap_or_default();
     loop {
         let bases: Vec<String> = agents.state().iter().flat_map(|s| ready_urls(s)).collect();
         let read = standbys::read_agents(&client, &bases, Duration::from_secs(2)).await;

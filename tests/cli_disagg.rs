@@ -37,7 +37,12 @@ fn worker(role: &str, model: &str, gw: &str) -> (Proc, u16) {
 }
 
 async fn workers(c: &reqwest::Client, gw: &str) -> Vec<Value> {
-    match c.get(format!("{gw}/internal/workers")).send().await {
+    match c
+        .get(format!("{gw}/internal/workers"))
+        .header("authorization", harness::bearer())
+        .send()
+        .await
+    {
         Ok(r) => r
             .json::<Value>()
             .await
@@ -125,17 +130,22 @@ fn rt() -> tokio::runtime::Runtime {
 fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
     let gport = free_port();
     let gw = format!("http://127.0.0.1:{gport}");
+    // Workers register on the gateway's internal port (behind the cluster token).
+    let giport = free_port();
+    let gwi = format!("http://127.0.0.1:{giport}");
     let _gateway = spawn(&[
         "engine",
         "gateway",
         "--port",
         &gport.to_string(),
+        "--internal-port",
+        &giport.to_string(),
         "--disagg-min-tokens",
         "1",
     ]);
-    let (mut prefill_a, _) = worker("prefill", "llama-tiny", &gw);
-    let (mut prefill_b, _) = worker("prefill", "llama-tiny", &gw);
-    let (mut decode, dport) = worker("decode", "llama-tiny", &gw);
+    let (mut prefill_a, _) = worker("prefill", "llama-tiny", &gwi);
+    let (mut prefill_b, _) = worker("prefill", "llama-tiny", &gwi);
+    let (mut decode, dport) = worker("decode", "llama-tiny", &gwi);
     let sport = free_port();
     let tiny = model_fixture("llama-tiny");
     let _serve = spawn(&[
@@ -153,7 +163,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         serde_json::from_slice(&std::fs::read(tiny.join("reference.json")).unwrap()).unwrap();
     rt().block_on(async {
         let c = reqwest::Client::new();
-        wait_for("three workers", 60, async || workers(&c, &gw).await.len() == 3).await;
+        wait_for("three workers", 60, async || workers(&c, &gwi).await.len() == 3).await;
         wait_for("serve healthy", 60, async || {
             c.get(format!("{serve}/health")).send().await.is_ok_and(|r| r.status() == 200)
         })
@@ -186,7 +196,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         .await;
 
         // A worker of another model is refused at registration, with a clear reason.
-        let (mut other, _) = worker("decode", "qwen2-tiny", &gw);
+        let (mut other, _) = worker("decode", "qwen2-tiny", &gwi);
         let t0 = Instant::now();
         let status = loop {
             if let Some(s) = other.0.try_wait().unwrap() {
@@ -199,7 +209,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         let mut err = String::new();
         std::io::Read::read_to_string(other.0.stderr.as_mut().unwrap(), &mut err).unwrap();
         assert!(err.contains("refused") && err.contains("compatibility hash"), "{err}");
-        assert_eq!(workers(&c, &gw).await.len(), 3);
+        assert_eq!(workers(&c, &gwi).await.len(), 3);
 
         // A dead prefill worker: its requests are retried on the other one; with both
         // dead (before the gateway notices), the decode worker prefills itself.
@@ -235,7 +245,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         assert!(body.contains("\"error\""), "no error event: {body}");
         assert!(killed.elapsed() < Duration::from_secs(5));
         wait_for("decode worker dropped", 5, async || {
-            !workers(&c, &gw).await.iter().any(|w| w["role"] == "decode")
+            !workers(&c, &gwi).await.iter().any(|w| w["role"] == "decode")
         })
         .await;
     });
@@ -245,11 +255,21 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
 fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
     let gport = free_port();
     let gw = format!("http://127.0.0.1:{gport}");
-    let _gateway = spawn(&["engine", "gateway", "--port", &gport.to_string()]);
-    let (mut decode, _) = worker("decode", "llama-tiny", &gw);
+    // Workers register on the gateway's internal port (behind the cluster token).
+    let giport = free_port();
+    let gwi = format!("http://127.0.0.1:{giport}");
+    let _gateway = spawn(&[
+        "engine",
+        "gateway",
+        "--port",
+        &gport.to_string(),
+        "--internal-port",
+        &giport.to_string(),
+    ]);
+    let (mut decode, _) = worker("decode", "llama-tiny", &gwi);
     rt().block_on(async {
         let c = reqwest::Client::new();
-        wait_for("decode registered", 60, async || workers(&c, &gw).await.len() == 1).await;
+        wait_for("decode registered", 60, async || workers(&c, &gwi).await.len() == 1).await;
         // Enough concurrent work that some is still running when SIGTERM lands.
         let mut streams = Vec::new();
         for i in 0..16u32 {
@@ -271,7 +291,7 @@ fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
         let st = Command::new("kill").args(["-TERM", &decode.0.id().to_string()]).status().unwrap();
         assert!(st.success());
         // Out of the rotation at once...
-        wait_for("deregistered", 5, async || workers(&c, &gw).await.is_empty()).await;
+        wait_for("deregistered", 5, async || workers(&c, &gwi).await.is_empty()).await;
         // ...while every stream it held completes normally.
         for (i, mut s) in streams.into_iter().enumerate() {
             let mut body = std::mem::take(&mut firsts[i]);
@@ -302,27 +322,32 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
     // request is still answered.
     let gport = free_port();
     let gw = format!("http://127.0.0.1:{gport}");
+    // Workers register on the gateway's internal port (behind the cluster token).
+    let giport = free_port();
+    let gwi = format!("http://127.0.0.1:{giport}");
     let _gateway = spawn(&[
         "engine",
         "gateway",
         "--port",
         &gport.to_string(),
+        "--internal-port",
+        &giport.to_string(),
         "--worker-timeout-secs",
         "30",
     ]);
-    let (a, _) = worker("decode", "llama-tiny", &gw);
-    let (b, _) = worker("decode", "llama-tiny", &gw);
+    let (a, _) = worker("decode", "llama-tiny", &gwi);
+    let (b, _) = worker("decode", "llama-tiny", &gwi);
     rt().block_on(async {
         let c = reqwest::Client::new();
         wait_for("two decode workers", 60, async || {
-            workers(&c, &gw).await.len() == 2
+            workers(&c, &gwi).await.len() == 2
         })
         .await;
         let (mut victim, _other) = (a, b);
         victim.0.kill().unwrap();
         let _ = victim.0.wait();
         assert_eq!(
-            workers(&c, &gw).await.len(),
+            workers(&c, &gwi).await.len(),
             2,
             "the gateway has not noticed yet"
         );
@@ -338,12 +363,12 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
                 assert_eq!(v["usage"]["completion_tokens"], 500, "request {n}: {v}");
                 n += 1;
             }
-            if workers(&c, &gw).await.len() == 1 {
+            if workers(&c, &gwi).await.len() == 1 {
                 break;
             }
         }
         assert_eq!(
-            workers(&c, &gw).await.len(),
+            workers(&c, &gwi).await.len(),
             1,
             "the dead worker was never tried in {n} requests: the scenario proves nothing"
         );

@@ -15,8 +15,10 @@ fn tiny_snapshot(dir: &std::path::Path) -> std::path::PathBuf {
     harness::synth_tiny(dir, "tiny", 0)
 }
 
-fn gateway(model: &str, hold_secs: u64) -> (KillOnDrop, String) {
+/// A gateway: its process, its public URL and its internal (registration) URL.
+fn gateway(model: &str, hold_secs: u64) -> (KillOnDrop, String, String) {
     let port = free_port();
+    let internal = free_port();
     let p = harness::spawn(
         &[
             "engine",
@@ -27,12 +29,18 @@ fn gateway(model: &str, hold_secs: u64) -> (KillOnDrop, String) {
             "tiny",
             "--port",
             &port.to_string(),
+            "--internal-port",
+            &internal.to_string(),
             "--hold-timeout-secs",
             &hold_secs.to_string(),
         ],
         Stdio::inherit(),
     );
-    (p, format!("http://127.0.0.1:{port}"))
+    (
+        p,
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.1:{internal}"),
+    )
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -71,7 +79,7 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
     // was ever held and the pools stayed at zero.
     let dir = tempfile::tempdir().unwrap();
     let snap = tiny_snapshot(dir.path());
-    let (_gw, base) = gateway(snap.to_str().unwrap(), 2);
+    let (_gw, base, _internal) = gateway(snap.to_str().unwrap(), 2);
     let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
     harness::wait_healthy(port, 60);
     rt().block_on(async {
@@ -134,7 +142,7 @@ fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_h
     let snap = tiny_snapshot(dir.path());
     harness::pack(&snap, 1);
     let url = format!("{}/tiny.phpack", serve_files(dir.path()));
-    let (_gw, base) = gateway(&url, 120);
+    let (_gw, base, internal) = gateway(&url, 120);
     let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
     harness::wait_healthy(port, 60);
     rt().block_on(async {
@@ -153,7 +161,7 @@ fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_h
         }
         // A decode worker of the same snapshot registers: the gateway's model, read
         // from the card alone, must be the worker's (same KV compatibility hash).
-        let _worker = decode_worker(&snap, free_port(), Some(&base));
+        let _worker = decode_worker(&snap, free_port(), Some(&internal));
         let r = req.await.unwrap().unwrap();
         assert_eq!(r.status(), 200);
         let body: Value = r.json().await.unwrap();

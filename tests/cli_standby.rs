@@ -26,14 +26,21 @@ fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// GET with this run's cluster token (internal endpoints ask for it; public ones
+/// ignore it).
 fn get(url: &str) -> Option<(u16, String)> {
-    let r = reqwest::blocking::get(url).ok()?;
+    let r = reqwest::blocking::Client::new()
+        .get(url)
+        .header("authorization", harness::bearer())
+        .send()
+        .ok()?;
     Some((r.status().as_u16(), r.text().ok()?))
 }
 
 fn post(url: &str, body: &Value) -> (u16, Value) {
     let r = reqwest::blocking::Client::new()
         .post(url)
+        .header("authorization", harness::bearer())
         .json(body)
         .timeout(Duration::from_secs(60))
         .send()
@@ -52,6 +59,9 @@ fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
 fn colocated_standby_serves_only_after_promotion() {
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
+    // The control routes live on the internal port only, behind the cluster token.
+    let iport = free_port();
+    let ibase = format!("http://127.0.0.1:{iport}");
     let m = model_fixture("llama-tiny");
     let _s = spawn(&[
         "engine",
@@ -60,13 +70,25 @@ fn colocated_standby_serves_only_after_promotion() {
         m.to_str().unwrap(),
         "--port",
         &port.to_string(),
+        "--internal-port",
+        &iport.to_string(),
         "--kv-cache-mib",
         "16",
         "--standby",
     ]);
     wait_for("parked", 60, || {
-        get(&format!("{base}/internal/state")).is_some_and(|(_, b)| b.contains("standby"))
+        get(&format!("{ibase}/internal/state")).is_some_and(|(_, b)| b.contains("standby"))
     });
+    assert_eq!(
+        get(&format!("{base}/internal/state")).unwrap().0,
+        404,
+        "no /internal/ on the public port"
+    );
+    let anonymous = reqwest::blocking::Client::new()
+        .post(format!("{ibase}/internal/promote"))
+        .send()
+        .unwrap();
+    assert_eq!(anonymous.status(), 401, "promotion without the token");
     assert_eq!(
         get(&format!("{base}/health")).unwrap().0,
         503,
@@ -84,7 +106,7 @@ fn colocated_standby_serves_only_after_promotion() {
         .is_some(),
         "load phases are reported while parked:\n{metrics}"
     );
-    let (st, v) = post(&format!("{base}/internal/promote"), &json!({}));
+    let (st, v) = post(&format!("{ibase}/internal/promote"), &json!({}));
     assert_eq!(st, 200, "{v}");
     assert!(v["promote_ms"].as_f64().unwrap() < 100.0, "{v}");
     assert_eq!(get(&format!("{base}/health")).unwrap().0, 200);
@@ -99,7 +121,10 @@ fn colocated_standby_serves_only_after_promotion() {
         );
     }
     // Promoting twice is a clear refusal, not a second engine.
-    assert_eq!(post(&format!("{base}/internal/promote"), &json!({})).0, 409);
+    assert_eq!(
+        post(&format!("{ibase}/internal/promote"), &json!({})).0,
+        409
+    );
 }
 
 #[test]
@@ -117,14 +142,24 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     ]);
     let gport = free_port();
     let gw = format!("http://127.0.0.1:{gport}");
-    let _gateway = spawn(&["engine", "gateway", "--port", &gport.to_string()]);
+    // Workers register on the gateway's internal port (behind the cluster token).
+    let giport = free_port();
+    let gwi = format!("http://127.0.0.1:{giport}");
+    let _gateway = spawn(&[
+        "engine",
+        "gateway",
+        "--port",
+        &gport.to_string(),
+        "--internal-port",
+        &giport.to_string(),
+    ]);
     let aport = free_port();
     let agent_url = format!("http://127.0.0.1:{aport}");
     let exe = env!("CARGO_BIN_EXE_preheat");
     let pool = |role: &str, base: u16| {
         json!({"pool": role, "model": "llama-tiny", "count": 1, "base_port": base,
                "command": [exe, "engine", role, "--model", "{model_path}", "--port", "{port}",
-                           "--kv-cache-mib", "16", "--gateway", gw, "--standby"],
+                           "--kv-cache-mib", "16", "--gateway", gwi, "--standby"],
                "unlist_delay_s": 0.5})
     };
     let cfg = json!({
@@ -159,13 +194,13 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         models[0]["resident_bytes"].as_u64().unwrap() > 0,
         "{models}"
     );
-    let workers = |gw: &str| -> usize {
-        get(&format!("{gw}/internal/workers"))
+    let workers = |gwi: &str| -> usize {
+        get(&format!("{gwi}/internal/workers"))
             .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
             .and_then(|v| v["workers"].as_array().map(Vec::len))
             .unwrap_or(0)
     };
-    assert_eq!(workers(&gw), 0, "parked standbys are not registered");
+    assert_eq!(workers(&gwi), 0, "parked standbys are not registered");
     let mut promoted = Vec::new();
     for p in ["prefill", "decode"] {
         let (st, v) = post(&format!("{agent_url}/standbys/{p}/promote"), &json!({}));
@@ -173,7 +208,7 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         assert!(v["promote_ms"].as_f64().unwrap() < 1000.0, "{v}");
         promoted.push(v["url"].as_str().unwrap().to_owned());
     }
-    assert_eq!(workers(&gw), 2, "promoted standbys serve at once");
+    assert_eq!(workers(&gwi), 2, "promoted standbys serve at once");
     let (st, v) = post(
         &format!("{gw}/v1/completions"),
         &json!({"prompt": "hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": true}),
@@ -194,7 +229,7 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     wait_for("replacements parked", 120, || {
         parked("prefill") && parked("decode")
     });
-    assert_eq!(workers(&gw), 2);
+    assert_eq!(workers(&gwi), 2);
     // The list gateways and the scaler read: the promoted standbys' ports.
     let listed = || -> Value {
         serde_json::from_str(&get(&format!("{agent_url}/standbys")).unwrap().1).unwrap()
@@ -218,8 +253,8 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     let (st, v) = post(&format!("{agent_url}/standbys/decode/retire"), &json!({}));
     assert_eq!(st, 200, "{v}");
     assert_eq!(listed()["decode"]["serving"], json!([]));
-    assert_eq!(workers(&gw), 2, "still serving through the unlist delay");
-    wait_for("the retired standby drained", 60, || workers(&gw) == 1);
+    assert_eq!(workers(&gwi), 2, "still serving through the unlist delay");
+    wait_for("the retired standby drained", 60, || workers(&gwi) == 1);
     assert_eq!(
         post(&format!("{agent_url}/standbys/decode/retire"), &json!({})).0,
         409,
@@ -242,7 +277,7 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     let mut agent = agent;
     agent.0.kill().unwrap();
     agent.0.wait().unwrap();
-    wait_for("standbys stopped with the agent", 30, || workers(&gw) == 0);
+    wait_for("standbys stopped with the agent", 30, || workers(&gwi) == 0);
     let mine = format!("{}.*--standby", tmp.path().display());
     wait_for("no standby outlives the agent", 30, || {
         std::process::Command::new("pgrep")

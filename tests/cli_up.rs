@@ -44,9 +44,11 @@ impl Drop for Up {
 }
 
 /// Registered (prefill, decode) workers.
-async fn workers(c: &reqwest::Client, gw: &str) -> (usize, usize) {
+async fn workers(c: &reqwest::Client, gwi: &str, token: &std::path::Path) -> (usize, usize) {
+    let token = std::fs::read_to_string(token).unwrap();
     let v: Value = c
-        .get(format!("{gw}/internal/workers"))
+        .get(format!("{gwi}/internal/workers"))
+        .bearer_auth(token.trim())
         .send()
         .await
         .unwrap()
@@ -76,13 +78,15 @@ fn long_request(
 
 #[test]
 fn up_scales_from_zero_under_load_and_back_to_zero() {
-    let (gport, sport) = (free_port(), free_port());
+    let (gport, giport, sport) = (free_port(), free_port(), free_port());
     let cache = tempfile::tempdir().unwrap();
     let _up = Up(Command::new(env!("CARGO_BIN_EXE_preheat"))
         .args([
             "up",
             "--port",
             &gport.to_string(),
+            "--gateway-internal",
+            &format!("127.0.0.1:{giport}"),
             "--scaler-listen",
             &format!("127.0.0.1:{sport}"),
         ])
@@ -109,6 +113,9 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         .spawn()
         .unwrap());
     let gw = format!("http://127.0.0.1:{gport}");
+    // Registration is internal, behind the token `up` writes for this run.
+    let gwi = format!("http://127.0.0.1:{giport}");
+    let token_file = cache.path().join("cluster-token");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -151,7 +158,7 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
             );
         }
         let c = reqwest::Client::new();
-        assert_eq!(workers(&c, &gw).await, (0, 0));
+        assert_eq!(workers(&c, &gwi, &token_file).await, (0, 0));
         // First request at zero: pushed active within 1 s, and answered.
         let sent = Instant::now();
         let first = tokio::spawn({
@@ -183,7 +190,7 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
                 t0.elapsed() < Duration::from_secs(60),
                 "the burst did not scale decode up"
             );
-            most_decode = most_decode.max(workers(&c, &gw).await.1);
+            most_decode = most_decode.max(workers(&c, &gwi, &token_file).await.1);
             // Keep the load on until the pool grows.
             if burst.iter().filter(|b| !b.is_finished()).count() < 6 {
                 let n = burst.len();
@@ -196,7 +203,7 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         }
         // Idle again: back to zero.
         let t0 = Instant::now();
-        while workers(&c, &gw).await != (0, 0) {
+        while workers(&c, &gwi, &token_file).await != (0, 0) {
             assert!(
                 t0.elapsed() < Duration::from_secs(60),
                 "pools never returned to zero"

@@ -28,6 +28,10 @@ pub mod names {
     pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
     /// Gateway: requests held while no worker of a pool is available.
     pub const GATEWAY_PENDING: &str = "preheat:gateway_pending_requests";
+    /// Workers in a gateway's rotation, by `role` (prefill, decode).
+    pub const GATEWAY_WORKERS: &str = "preheat:gateway_workers";
+    /// OpenAI API requests accepted, by API key (a short hash of it).
+    pub const API_KEY_REQUESTS: &str = preheat_edge::api_keys::REQUESTS_METRIC;
 }
 
 /// Which part of a disaggregated deployment a process plays.

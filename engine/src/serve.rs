@@ -13,7 +13,9 @@ use crate::engine::{Engine, EngineConfig};
 use crate::metrics::{EngineMetrics, Role};
 use crate::model::open_model;
 use crate::scheduler::SchedulerConfig;
-use crate::server::{ApiState, DEFAULT_MAX_BODY, drain, router, shutdown_signal};
+use crate::server::{
+    ApiState, DEFAULT_MAX_BODY, control_router, drain, public_router, shutdown_signal,
+};
 use crate::tokenizer::Tokenizer;
 use crate::{EngineError, Result};
 
@@ -43,6 +45,14 @@ pub struct ServeOptions {
     /// Where compiled GPU kernels are kept across restarts (the warm-pool agent's
     /// kernel-cache directory on the node).
     pub kernel_cache: Option<PathBuf>,
+    /// The deployment's cluster token: internal routes (and, for workers, the KV port)
+    /// ask for it; requests to our other processes carry it.
+    pub cluster_token: Option<Arc<preheat_edge::ClusterToken>>,
+    /// Keys the OpenAI API asks for (`engine serve`; the gateway has its own).
+    pub api_keys: Option<Arc<preheat_edge::ApiKeys>>,
+    /// `engine serve`: where a standby's control routes (`/internal/state`,
+    /// `/internal/promote`) listen; never on the public port.
+    pub internal_addr: Option<SocketAddr>,
 }
 
 /// Where the model runs.
@@ -86,6 +96,9 @@ impl ServeOptions {
             standby: false,
             device: Device::Auto,
             kernel_cache: None,
+            cluster_token: None,
+            api_keys: None,
+            internal_addr: None,
         }
     }
 }
@@ -260,7 +273,7 @@ pub async fn serve_on(
     opts: ServeOptions,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let state = ApiState::new(opts.max_body_bytes);
+    let state = ApiState::new(opts.max_body_bytes).with_api_keys(opts.api_keys.clone());
     let local = listener
         .local_addr()
         .map_err(|e| EngineError::Unavailable(e.to_string()))?;
@@ -273,7 +286,7 @@ pub async fn serve_on(
                 if opts.standby {
                     e.metrics.mark_startup("parked");
                     tracing::info!(
-                        "parked as a standby: POST /internal/promote (or SIGUSR1) to serve"
+                        "parked as a standby: POST /internal/promote on the internal port (or SIGUSR1) to serve"
                     );
                     state.park(e);
                 } else {
@@ -285,6 +298,22 @@ pub async fn serve_on(
             })
         })
     };
+    #[cfg(unix)]
+    if opts.standby {
+        // Promotion without the network: the agent (or an operator) signals the process.
+        let state = state.clone();
+        if let Ok(mut usr1) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+        {
+            tokio::spawn(async move {
+                while usr1.recv().await.is_some() {
+                    if let Some(secs) = state.promote() {
+                        tracing::info!(promote_ms = secs * 1e3, "promoted by SIGUSR1");
+                    }
+                }
+            });
+        }
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let drain_state = state.clone();
     let grace = opts.drain_grace;
@@ -294,10 +323,26 @@ pub async fn serve_on(
         drain(&drain_state, grace).await;
         let _ = stop_tx.send(());
     });
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+    let control = match opts.internal_addr {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| EngineError::Unavailable(format!("binding {addr}: {e}")))?;
+            let app = control_router(state.clone(), opts.cluster_token.clone());
+            Some(tokio::spawn(async move { axum::serve(l, app).await }))
+        }
+        None => None,
+    };
+    let server = axum::serve(listener, public_router(state)).with_graceful_shutdown(async move {
         let _ = stop_rx.await;
     });
-    let server = tokio::spawn(async move { server.await });
+    let server = tokio::spawn(async move {
+        let r = server.await;
+        if let Some(c) = control {
+            c.abort();
+        }
+        r
+    });
     match loader.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {

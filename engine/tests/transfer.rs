@@ -194,25 +194,59 @@ async fn refusals_leak_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections() {
+    use preheat_edge::ClusterToken;
     use preheat_engine::disagg::transport::{MAX_KV_CONNECTIONS, serve_tcp};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
+    let token = Arc::new(ClusterToken::new(b"kv-port-test-token-0123456789abcdef"));
     let cell = Arc::new(std::sync::OnceLock::new());
     let _ = cell.set(engine("llama-tiny", 64, Role::Prefill));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    tokio::spawn(serve_tcp(l, Arc::clone(&cell)));
+    tokio::spawn(serve_tcp(l, Arc::clone(&cell), Some(Arc::clone(&token))));
     // Closed by the server: a read sees EOF (or a reset) within `secs`.
     let closed_within = async |s: &mut TcpStream, secs: u64| {
         let mut b = [0u8; 64];
-        match tokio::time::timeout(Duration::from_secs(secs), s.read(&mut b)).await {
-            Ok(Ok(0) | Err(_)) => true,
-            Ok(Ok(_)) => false,
-            Err(_) => false,
+        loop {
+            match tokio::time::timeout(Duration::from_secs(secs), s.read(&mut b)).await {
+                Ok(Ok(0) | Err(_)) => return true,
+                Ok(Ok(_)) => {} // the handshake's answer: read on
+                Err(_) => return false,
+            }
         }
     };
-    // An oversized request frame is refused before anything of its size is allocated.
-    let mut big = TcpStream::connect(addr).await.unwrap();
+    // A peer without the token is refused before a request byte is read: no
+    // handshake (a bare length prefix), or a handshake with a wrong proof.
+    let mut bare = TcpStream::connect(addr).await.unwrap();
+    bare.write_all(&[0u8; 20]).await.unwrap();
+    assert!(
+        closed_within(&mut bare, 2).await,
+        "a peer without a handshake was served"
+    );
+    let handshake = async |t: &ClusterToken| {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let mine = [7u8; 16];
+        let mut hello = b"PHK1".to_vec();
+        hello.extend_from_slice(&mine);
+        s.write_all(&hello).await.unwrap();
+        let mut answer = [0u8; 48];
+        s.read_exact(&mut answer).await.unwrap();
+        let theirs = answer[..16].to_vec();
+        s.write_all(&t.prove("kv-client", &[&theirs, &mine]))
+            .await
+            .unwrap();
+        s
+    };
+    let forger = ClusterToken::new(b"not-the-token-0123456789abcdef-xx");
+    let mut wrong = handshake(&forger).await;
+    wrong.write_all(&(16u32).to_le_bytes()).await.unwrap();
+    assert!(
+        closed_within(&mut wrong, 2).await,
+        "a wrong proof was accepted"
+    );
+    // An oversized request frame, even authenticated, is refused before anything of its
+    // size is allocated.
+    let mut big = handshake(&token).await;
     big.write_all(&(1u32 << 30).to_le_bytes()).await.unwrap();
     assert!(
         closed_within(&mut big, 2).await,
@@ -223,7 +257,7 @@ async fn the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections()
     let mut stalled = Vec::new();
     for _ in 0..MAX_KV_CONNECTIONS {
         let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(&[1, 0]).await.unwrap(); // half a length prefix, then silence
+        s.write_all(b"PH").await.unwrap(); // half a hello, then silence
         stalled.push(s);
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -237,7 +271,8 @@ async fn the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections()
         );
     }
     assert!(t0.elapsed() >= Duration::from_secs(9), "{:?}", t0.elapsed());
-    // ...and the port serves again.
+    // ...and the port serves again, to a peer with the token only; a pull with another
+    // token learns the server is not ours before sending the request.
     use preheat_engine::disagg::transport::{KvTransport, TcpTransport};
     let req = preheat_engine::disagg::protocol::PrefillBody {
         request_id: "after-the-flood".into(),
@@ -247,6 +282,16 @@ async fn the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections()
     let decode = engine("llama-tiny", 64, Role::Decode);
     let t = TcpTransport {
         timeout: Duration::from_secs(30),
+        token: Some(Arc::new(forger)),
+    };
+    let got = t.pull(&format!("tcp://{addr}"), &req, &decode).await;
+    assert!(
+        got.as_ref().is_err_and(|e| e.contains("could not prove")),
+        "{got:?}"
+    );
+    let t = TcpTransport {
+        timeout: Duration::from_secs(30),
+        token: Some(token),
     };
     let got = t.pull(&format!("tcp://{addr}"), &req, &decode).await;
     assert!(got.is_ok(), "{got:?}");

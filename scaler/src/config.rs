@@ -41,6 +41,9 @@ pub struct Config {
     pub prometheus_scrape_interval_s: f64,
     /// TLS on the gRPC endpoint (KEDA's `tlsCertFile`/`caCert` trigger settings).
     pub tls: Option<TlsSettings>,
+    /// File holding the deployment's cluster token, which the warm-pool agents' API
+    /// asks for (`--cluster-token-file` / `$PREHEAT_CLUSTER_TOKEN_FILE` override it).
+    pub cluster_token_file: Option<PathBuf>,
     pub models: Vec<ModelConfig>,
 }
 
@@ -96,6 +99,7 @@ impl Default for Config {
             prometheus_url: None,
             prometheus_scrape_interval_s: 15.0,
             tls: None,
+            cluster_token_file: None,
             models: Vec::new(),
         }
     }

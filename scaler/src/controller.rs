@@ -65,6 +65,8 @@ pub struct Controller {
     profile: Profile,
     kube: Option<kube::Client>,
     shared: std::collections::HashMap<(String, Pool), SharedEndpoints>,
+    /// The cluster token the warm-pool agents' API asks for.
+    agent_token: Option<Arc<preheat_edge::ClusterToken>>,
 }
 
 impl std::fmt::Debug for Controller {
@@ -91,7 +93,15 @@ impl Controller {
             profile,
             kube,
             shared: std::collections::HashMap::new(),
+            agent_token: None,
         }
+    }
+
+    /// Calls the warm-pool agents with the cluster token.
+    #[must_use]
+    pub fn with_agent_token(mut self, token: Option<Arc<preheat_edge::ClusterToken>>) -> Self {
+        self.agent_token = token;
+        self
     }
 
     /// Reads `model`'s `pool` endpoints from `list` (kept current by the caller)
@@ -135,6 +145,20 @@ impl Controller {
 
     pub async fn run(self) {
         let client = reqwest::Client::new();
+        // The token goes to the agents alone, never to scrape targets or Prometheus.
+        let agents_client = {
+            let mut headers = reqwest::header::HeaderMap::new();
+            if let Some(t) = &self.agent_token
+                && let Ok(mut v) = reqwest::header::HeaderValue::from_str(&t.bearer())
+            {
+                v.set_sensitive(true);
+                headers.insert(reqwest::header::AUTHORIZATION, v);
+            }
+            reqwest::Client::builder()
+                .default_headers(headers)
+                .build()
+                .unwrap_or_else(|_| client.clone())
+        };
         let prom = self.cfg.prometheus_url.as_deref().map(|u| {
             PromSource::new(client.clone(), u, self.cfg.window_s, self.cfg.interval_s)
                 .with_scrape_interval(self.cfg.prometheus_scrape_interval_s)
@@ -192,6 +216,7 @@ impl Controller {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ctx = Tick {
             client: &client,
+            agents_client: &agents_client,
             prom: prom.as_ref(),
             timeout: Duration::from_secs_f64(self.cfg.scrape_timeout_s),
             store: &self.store,
@@ -212,6 +237,8 @@ impl Controller {
 /// What one tick needs besides the pools.
 struct Tick<'a> {
     client: &'a reqwest::Client,
+    /// Carries the cluster token: for the warm-pool agents only.
+    agents_client: &'a reqwest::Client,
     prom: Option<&'a PromSource>,
     timeout: Duration,
     store: &'a DecisionStore,
@@ -382,7 +409,7 @@ impl Tick<'_> {
         let agents = match &m.agents {
             Some((set, _)) => {
                 let bases: Vec<String> = set.view().ready.into_values().collect();
-                standbys::read_agents(self.client, &bases, self.timeout).await
+                standbys::read_agents(self.agents_client, &bases, self.timeout).await
             }
             None => Vec::new(),
         };
@@ -489,7 +516,7 @@ impl Tick<'_> {
                 let steps = standbys::plan(replicas, ready, &mine, due);
                 if !steps.is_empty() {
                     tracing::info!(model = %m.cfg.name, pool, replicas, ready, serving, ?steps, "standbys");
-                    standbys::apply(self.client, agent_pool, &steps, self.timeout).await;
+                    standbys::apply(self.agents_client, agent_pool, &steps, self.timeout).await;
                 }
             }
             if let (true, Some(client), Some(deploy)) = (self.direct, self.kube, &p.deployment)

@@ -150,11 +150,19 @@ pub async fn run_with(
     } else {
         None
     };
+    let agent_token = match &cfg.cluster_token_file {
+        Some(p) => Some(Arc::new(
+            preheat_edge::ClusterToken::from_file(p)
+                .map_err(|e| crate::error::ScalerError::Config(vec![e.to_string()]))?,
+        )),
+        None => None,
+    };
     let store = DecisionStore::new(models.clone());
     let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
     let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, models = ?models, profile = %profile.source, "scaler listening");
-    let mut ctl = Controller::new(cfg, profile, Arc::clone(&store), kube);
+    let mut ctl =
+        Controller::new(cfg, profile, Arc::clone(&store), kube).with_agent_token(agent_token);
     for (model, pool, list) in shared {
         ctl = ctl.with_shared(&model, pool, list);
     }

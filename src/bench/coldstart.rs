@@ -54,6 +54,8 @@ struct Start {
 struct Replica {
     child: std::process::Child,
     base: String,
+    /// The control routes' listener (`/internal/state`, `/internal/promote`).
+    internal: String,
 }
 
 impl Drop for Replica {
@@ -63,14 +65,31 @@ impl Drop for Replica {
     }
 }
 
+/// A cluster token for the replicas this bench starts (their control routes ask
+/// for it), written once per run.
+fn bench_token() -> anyhow::Result<&'static (preheat_edge::ClusterToken, std::path::PathBuf)> {
+    static TOKEN: std::sync::OnceLock<(preheat_edge::ClusterToken, std::path::PathBuf)> =
+        std::sync::OnceLock::new();
+    if let Some(t) = TOKEN.get() {
+        return Ok(t);
+    }
+    let path = std::env::temp_dir().join(format!("preheat-bench-token-{}", std::process::id()));
+    let t = preheat_edge::ClusterToken::generate_to(&path)?;
+    Ok(TOKEN.get_or_init(|| (t, path)))
+}
+
 fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Replica> {
     let port = free_port()?;
+    let internal = free_port()?;
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args(["engine", "serve", "--model"])
         .arg(model)
+        .env(preheat_edge::token::TOKEN_FILE_ENV, &bench_token()?.1)
         .args([
             "--port",
             &port.to_string(),
+            "--internal-port",
+            &internal.to_string(),
             "--kv-cache-mib",
             &kv_mib.to_string(),
         ])
@@ -84,6 +103,7 @@ fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Rep
     Ok(Replica {
         child: cmd.spawn().context("starting a replica")?,
         base: format!("http://127.0.0.1:{port}"),
+        internal: format!("http://127.0.0.1:{internal}"),
     })
 }
 
@@ -100,7 +120,8 @@ fn wait_until(
             bail!("the replica exited ({status}) before serving");
         }
         let ok = if standby {
-            c.get(format!("{}/internal/state", r.base))
+            c.get(format!("{}/internal/state", r.internal))
+                .header("authorization", bench_token()?.0.bearer())
                 .send()
                 .ok()
                 .and_then(|x| x.text().ok())
@@ -193,7 +214,10 @@ fn measure_standby(
     let mut r = spawn_serve(snapshot, true, kv_mib)?;
     wait_until(c, &mut r, true, Duration::from_secs(900))?;
     let t0 = Instant::now();
-    let p = c.post(format!("{}/internal/promote", r.base)).send()?;
+    let p = c
+        .post(format!("{}/internal/promote", r.internal))
+        .header("authorization", bench_token()?.0.bearer())
+        .send()?;
     let promote_ms = t0.elapsed().as_secs_f64() * 1e3;
     if !p.status().is_success() {
         bail!("promotion failed: HTTP {}", p.status());

@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::cli::BenchServeArgs;
 use crate::commands::{outln, print_json};
+use preheat_engine::metrics::names::GATEWAY_WORKERS;
 
 /// One request to send.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -248,23 +249,30 @@ async fn one(
 
 type ReplicaLog = std::sync::Arc<std::sync::Mutex<Vec<(f64, u32, u32)>>>;
 
-/// One look at a preheat gateway's worker list; `None` from other servers.
+/// One look at a preheat gateway's rotation (its public `/metrics`); `None` from
+/// other servers.
 async fn sample_replicas(
     client: &reqwest::Client,
     url: &str,
     t0: tokio::time::Instant,
 ) -> Option<(f64, u32, u32)> {
     let r = client
-        .get(format!("{url}/internal/workers"))
+        .get(format!("{url}/metrics"))
         .timeout(Duration::from_secs(2))
         .send()
         .await
         .ok()
         .filter(|r| r.status().is_success())?;
-    let v: serde_json::Value = r.json().await.ok()?;
-    let list = v["workers"].as_array()?;
-    let n = |role: &str| list.iter().filter(|w| w["role"] == role).count() as u32;
-    Some((t0.elapsed().as_secs_f64(), n("prefill"), n("decode")))
+    let text = r.text().await.ok()?;
+    // `preheat:gateway_workers{…role="decode"…} 2`: only a preheat gateway has it.
+    let n = |role: &str| {
+        let label = format!("role=\"{role}\"");
+        text.lines()
+            .find(|l| l.starts_with(GATEWAY_WORKERS) && l.contains(&label))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|v| v as u32)
+    };
+    Some((t0.elapsed().as_secs_f64(), n("prefill")?, n("decode")?))
 }
 
 /// Samples the worker list twice a second into `out` until aborted; stops at the

@@ -84,7 +84,38 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         ))?),
         None => None,
     };
+    let discovering = a.discover_namespace.is_some();
+    let internal_addr = if discovering {
+        if a.internal_port.is_some() {
+            anyhow::bail!(
+                "--internal-port is for workers that register; a discovering gateway (--discover-namespace) takes no registrations"
+            );
+        }
+        None
+    } else {
+        let port = match a.internal_port {
+            Some(p) => p,
+            None => a
+                .port
+                .checked_add(1)
+                .context("--port + 1 overflows; give --internal-port")?,
+        };
+        let mut errs = Vec::new();
+        let addr = socket_addr(&a.host, port, &mut errs);
+        if !errs.is_empty() {
+            anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
+        }
+        addr
+    };
+    let api_keys = a
+        .api_keys_file
+        .as_deref()
+        .map(preheat_edge::ApiKeys::load)
+        .transpose()?
+        .map(std::sync::Arc::new);
     let mut opts = gateway::GatewayOptions {
+        cluster_token: a.token.load()?,
+        api_keys,
         worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
         hold_timeout: Duration::from_secs(a.hold_timeout_secs),
         disagg_min_tokens: a.disagg_min_tokens,
@@ -107,13 +138,22 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
                         (WorkerRole::Decode, decode.clone()),
                     ],
                     a.standby_agents_service.as_deref(),
+                    opts.cluster_token.clone(),
                 );
             opts.discovery = Some(source);
         }
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
-        gateway::run(l, opts, shutdown_signal()).await?;
+        let internal = match internal_addr {
+            Some(ia) => Some(
+                tokio::net::TcpListener::bind(ia)
+                    .await
+                    .with_context(|| format!("binding {ia} (--internal-port)"))?,
+            ),
+            None => None,
+        };
+        gateway::run(l, internal, opts, shutdown_signal()).await?;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -160,6 +200,17 @@ async fn gateway_model(
 }
 
 fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
+    // Refused by name rather than ignored: a worker has one, internal, listener.
+    if a.serve.api_keys_file.is_some() {
+        anyhow::bail!(
+            "--api-keys-file is for `engine serve` and `engine gateway`: workers take no client traffic (their port is internal, behind the cluster token)"
+        );
+    }
+    if a.serve.internal_port.is_some() {
+        anyhow::bail!(
+            "--internal-port is for `engine serve`: a worker's one port is already internal"
+        );
+    }
     let mut serve = serve_options(&a.serve)?;
     if let Some(g) = &a.gateway
         && !(g.starts_with("http://") || g.starts_with("https://"))
@@ -347,5 +398,17 @@ pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
     o.device = Device::parse(&a.device).context("checked by clap")?;
     o.kernel_cache = a.kernel_cache.clone();
     o.started = crate::process_started();
+    o.cluster_token = a.token.load()?;
+    o.api_keys = a
+        .api_keys_file
+        .as_deref()
+        .map(preheat_edge::ApiKeys::load)
+        .transpose()?
+        .map(std::sync::Arc::new);
+    if let Some(p) = a.internal_port {
+        let mut ia = o.addr;
+        ia.set_port(p);
+        o.internal_addr = Some(ia);
+    }
     Ok(o)
 }

@@ -13,8 +13,12 @@ pub fn run(cmd: ScalerCmd) -> anyhow::Result<ExitCode> {
             config,
             overrides,
             profile,
+            token,
         } => {
             let mut cfg = Config::load(config.as_deref(), &overrides)?;
+            if token.cluster_token_file.is_some() {
+                cfg.cluster_token_file = token.cluster_token_file;
+            }
             if profile.is_some() {
                 cfg.profile = profile;
             }

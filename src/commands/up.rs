@@ -49,6 +49,7 @@ pub fn parse_duration(s: &str) -> Option<f64> {
 
 struct Options {
     gateway: SocketAddr,
+    gateway_internal: SocketAddr,
     scaler: SocketAddr,
     idle_grace_s: f64,
     limits: [(u32, u32); 2],
@@ -63,6 +64,13 @@ struct Options {
 fn options(a: &UpArgs) -> anyhow::Result<Options> {
     let mut errs = Vec::new();
     let gateway = super::engine::socket_addr(&a.host, a.port, &mut errs);
+    let gateway_internal = a.gateway_internal.parse::<SocketAddr>().ok();
+    if gateway_internal.is_none() {
+        errs.push(format!(
+            "--gateway-internal {:?} is not an address",
+            a.gateway_internal
+        ));
+    }
     let scaler = a.scaler_listen.parse::<SocketAddr>().ok();
     if scaler.is_none() {
         errs.push(format!(
@@ -100,6 +108,7 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
     }
     Ok(Options {
         gateway: gateway.context("checked")?,
+        gateway_internal: gateway_internal.context("checked")?,
         scaler: scaler.context("checked")?,
         idle_grace_s: idle.context("checked")?,
         limits: [(a.prefill_min, a.prefill_max), (a.decode_min, a.decode_max)],
@@ -231,6 +240,8 @@ struct PoolState {
     endpoints: SharedEndpoints,
     standby: StandbyPool,
     backoff: RestartBackoff,
+    /// This run's cluster token, named in each worker's environment.
+    token_file: PathBuf,
 }
 
 /// A loopback port free now (bound and released).
@@ -259,6 +270,7 @@ impl PoolState {
         preheat_warmpool::standby::die_with_parent(&mut cmd);
         let (k, v) = preheat_warmpool::standby::spawned_at_now();
         cmd.env(k, v)
+            .env(preheat_edge::token::TOKEN_FILE_ENV, &self.token_file)
             .kill_on_drop(true)
             .args(["engine", self.role, "--model"])
             .arg(snap)
@@ -446,6 +458,12 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    // One cluster token per run: every internal request between the processes below
+    // carries it.
+    let token_file = o.cache.join("cluster-token");
+    let token = Arc::new(preheat_edge::ClusterToken::generate_to(&token_file)?);
+    let mut agent_cfg = agent_cfg;
+    agent_cfg.cluster_token = Some((Arc::clone(&token), token_file.clone()));
     let fatal = rt.block_on(async {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -467,14 +485,20 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             .await
             .with_context(|| format!("binding {}", o.gateway))?;
         let gw_url = format!("http://{}", gl.local_addr()?);
+        // Workers register on the gateway's internal port, behind the token.
+        let gil = tokio::net::TcpListener::bind(o.gateway_internal)
+            .await
+            .with_context(|| format!("binding {} (--gateway-internal)", o.gateway_internal))?;
+        let gw_internal = format!("http://{}", gil.local_addr()?);
         let outage = Arc::new(gateway::Outage::default());
         let gopts = GatewayOptions {
             model: Some(info),
             hold_timeout: Duration::from_secs(600),
             outage: Arc::clone(&outage),
+            cluster_token: Some(Arc::clone(&token)),
             ..GatewayOptions::default()
         };
-        let gw_task = tokio::spawn(gateway::run(gl, gopts, stopped(stop_rx.clone())));
+        let gw_task = tokio::spawn(gateway::run(gl, Some(gil), gopts, stopped(stop_rx.clone())));
         let exe = std::env::current_exe()?.to_string_lossy().into_owned();
         let standby_spec = |role: &str| -> anyhow::Result<StandbySpec> {
             Ok(StandbySpec {
@@ -487,7 +511,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 base_port: free_port()?,
                 command: [
                     exe.as_str(), "engine", role, "--model", "{model_path}", "--host", "127.0.0.1",
-                    "--port", "{port}", "--gateway", &gw_url, "--kv-cache-mib",
+                    "--port", "{port}", "--gateway", &gw_internal, "--kv-cache-mib",
                     &o.kv_cache_mib.to_string(), "--served-model-name", MODEL, "--standby",
                 ]
                 .map(str::to_owned)
@@ -507,8 +531,11 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                     replicas: Vec::new(),
                     stopping: Vec::new(),
                     endpoints: Arc::new(RwLock::new(Vec::new())),
-                    standby: StandbyPool::new(standby_spec(role)?, &snap).with_log_dir(&logs),
+                    standby: StandbyPool::new(standby_spec(role)?, &snap)
+                        .with_log_dir(&logs)
+                        .with_token(Some((Arc::clone(&token), token_file.clone()))),
                     backoff: RestartBackoff::default(),
+                    token_file: token_file.clone(),
                 })
             })
             .collect::<anyhow::Result<_>>()?;
@@ -549,6 +576,11 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             "  warm pool         {agent_url}/models  (staged {}; {} parked standby per pool)",
             snap.display(),
             o.standbys
+        );
+        println!(
+            "  cluster token     {}  (internal endpoints: -H \"Authorization: Bearer $(cat {})\")",
+            token_file.display(),
+            token_file.display()
         );
         println!(
             "  pools             prefill {}..{}, decode {}..{}, idle grace {} s; worker logs in {}",
@@ -596,7 +628,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                     if !p.backoff.may_start(Instant::now()) {
                         break;
                     }
-                    how.push(p.add(&snap, &gw_url, &logs, o.kv_cache_mib).await?);
+                    how.push(p.add(&snap, &gw_internal, &logs, o.kv_cache_mib).await?);
                 }
                 for _ in want..have {
                     p.stop_newest();

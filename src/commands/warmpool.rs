@@ -18,6 +18,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             config,
             advertise_host,
             listen,
+            token,
         } => {
             let text = std::fs::read_to_string(&config)
                 .with_context(|| format!("reading {}", config.display()))?;
@@ -31,6 +32,9 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             }
             if let Some(l) = listen {
                 cfg.listen = l;
+            }
+            if let (Some(t), Some(p)) = (token.load()?, token.cluster_token_file) {
+                cfg.cluster_token = Some((t, p));
             }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

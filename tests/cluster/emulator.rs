@@ -511,7 +511,7 @@ impl Cluster {
     }
 
     /// The host directory behind a volume: hostPaths per node (shared by that node's
-    /// pods), ConfigMaps as files, emptyDirs per pod.
+    /// pods), ConfigMaps and Secrets as files, emptyDirs per pod.
     fn volume_dir(&self, pod: &str, node: &str, v: &Value) -> PathBuf {
         let root = self.dir.path();
         if let Some(hp) = v["hostPath"]["path"].as_str() {
@@ -529,6 +529,32 @@ impl Cluster {
             for (k, text) in obj["data"].as_object().into_iter().flatten() {
                 std::fs::write(d.join(k), text.as_str().unwrap()).unwrap();
             }
+            return d;
+        }
+        if let Some(name) = v["secret"]["secretName"].as_str() {
+            let obj = self.object("Secret", name);
+            let d = root.join("secrets").join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            for (k, b64) in obj["data"].as_object().into_iter().flatten() {
+                let out = Command::new("base64")
+                    .arg("-d")
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .and_then(|mut c| {
+                        use std::io::Write;
+                        c.stdin
+                            .take()
+                            .unwrap()
+                            .write_all(b64.as_str().unwrap().as_bytes())?;
+                        c.wait_with_output()
+                    })
+                    .unwrap();
+                assert!(out.status.success(), "secret {name}/{k} is not base64");
+                std::fs::write(d.join(k), out.stdout).unwrap();
+            }
+            // Readable by the pod's user (defaultMode 0444), as the kubelet mounts it.
+            let _ = Command::new("chmod").args(["-R", "a+rX"]).arg(&d).status();
             return d;
         }
         if v.get("emptyDir").is_some() {

@@ -45,13 +45,33 @@ where
     serde_json::from_str(&s).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
 }
 
+/// This test run's cluster token file: every process [`spawn`] starts has it, as
+/// every process of a deployment does.
+pub fn token_file() -> &'static std::path::Path {
+    static FILE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a temp dir").keep();
+        let p = dir.join("cluster-token");
+        preheat_edge::ClusterToken::generate_to(&p).expect("a token file");
+        p
+    })
+}
+
+/// `Authorization` value for our own internal endpoints.
+pub fn bearer() -> String {
+    preheat_edge::ClusterToken::from_file(token_file())
+        .expect("the token file")
+        .bearer()
+}
+
 /// Starts `preheat ARGS…` in the background (stdout discarded, quiet logs on
-/// `stderr`); killed when dropped.
+/// `stderr`), with this run's cluster token; killed when dropped.
 pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
     KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_preheat"))
             .args(args)
             .env("RUST_LOG", "warn")
+            .env("PREHEAT_CLUSTER_TOKEN_FILE", token_file())
             .stdout(std::process::Stdio::null())
             .stderr(stderr)
             .spawn()

@@ -229,6 +229,18 @@ pub async fn run(
         .route("/standbys/{pool}/promote", post(promote_route))
         .route("/standbys/{pool}/retire", post(retire_route))
         .with_state(shared.clone());
+    // Only our own processes (the scaler, gateways, operators with the token) call it.
+    let token = shared
+        .cfg
+        .cluster_token
+        .as_ref()
+        .map(|(t, _)| Arc::clone(t));
+    if token.is_none() {
+        tracing::warn!(
+            "no cluster token: the agent's API accepts anyone (give --cluster-token-file)"
+        );
+    }
+    let app = preheat_edge::routes::internal(app, token);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         stop.await;
@@ -355,7 +367,9 @@ async fn refresh(
                 continue;
             };
             let pool = pools.entry(spec.pool.clone()).or_insert_with(|| {
-                StandbyPool::new(spec.clone(), &path).with_host(&shared.cfg.advertise_host)
+                StandbyPool::new(spec.clone(), &path)
+                    .with_host(&shared.cfg.advertise_host)
+                    .with_token(shared.cfg.cluster_token.clone())
             });
             if let Err(e) = pool.reconcile().await {
                 tracing::warn!(pool = %spec.pool, error = %e, "standbys not reconciled");

@@ -152,6 +152,10 @@ pub struct AgentConfig {
     pub stage: StageOptions,
     pub models: Vec<ModelSpec>,
     pub standbys: Vec<StandbySpec>,
+    /// The deployment's cluster token and the file it came from (not in the YAML: the
+    /// `--cluster-token-file` flag or `$PREHEAT_CLUSTER_TOKEN_FILE`). The API asks for
+    /// it; standbys are started with the file named in their environment.
+    pub cluster_token: Option<(std::sync::Arc<preheat_edge::ClusterToken>, PathBuf)>,
 }
 
 /// `"200GiB"`, `"512MiB"`, `"1.5TB"`, `"4096"` → bytes.
@@ -307,6 +311,7 @@ impl AgentConfig {
             stage,
             models,
             standbys,
+            cluster_token: None,
         })
     }
 }

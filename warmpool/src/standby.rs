@@ -6,7 +6,10 @@
 //! serving list first, then drains, so no gateway sends it a request it would refuse.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use preheat_edge::{ClusterToken, WithClusterToken};
 
 use serde::Serialize;
 use tokio::process::{Child, Command};
@@ -49,6 +52,8 @@ pub struct StandbyPool {
     /// `{host}` in the command: where peers reach the standbys.
     host: String,
     client: reqwest::Client,
+    /// The cluster token standbys ask for (and its file, named in their environment).
+    token: Option<(Arc<ClusterToken>, PathBuf)>,
     /// Where each standby's stderr goes (`<pool>-standby-<port>.log`); inherited when
     /// unset.
     log_dir: Option<PathBuf>,
@@ -67,6 +72,7 @@ impl StandbyPool {
             draining: Vec::new(),
             host: "127.0.0.1".to_owned(),
             client: reqwest::Client::new(),
+            token: None,
             log_dir: None,
             backoff: RestartBackoff::default(),
         }
@@ -117,6 +123,14 @@ impl StandbyPool {
         Some(port)
     }
 
+    /// The cluster token the standbys ask for, and the file they are told to read it
+    /// from.
+    #[must_use]
+    pub fn with_token(mut self, token: Option<(Arc<ClusterToken>, PathBuf)>) -> Self {
+        self.token = token;
+        self
+    }
+
     /// Sends each standby's stderr to a file in `dir`.
     #[must_use]
     pub fn with_log_dir(mut self, dir: &Path) -> Self {
@@ -158,7 +172,8 @@ impl StandbyPool {
                 continue;
             }
             if !p.ready {
-                p.ready = state_of(&self.client, &p.url).await.as_deref() == Some("standby");
+                let token = self.token.as_ref().map(|(t, _)| &**t);
+                p.ready = state_of(&self.client, &p.url, token).await.as_deref() == Some("standby");
                 if p.ready {
                     self.backoff.started_ok();
                 }
@@ -191,6 +206,9 @@ impl StandbyPool {
             die_with_parent(&mut cmd);
             let (k, v) = spawned_at_now();
             cmd.args(rest).kill_on_drop(true).env(k, v);
+            if let Some((_, file)) = &self.token {
+                cmd.env(preheat_edge::token::TOKEN_FILE_ENV, file);
+            }
             let mut log = None;
             if let Some(dir) = &self.log_dir {
                 let path = dir.join(format!("{}-standby-{port}.log", self.spec.pool));
@@ -248,6 +266,7 @@ impl StandbyPool {
         let r = self
             .client
             .post(format!("{}/internal/promote", p.url))
+            .cluster_token(self.token.as_ref().map(|(t, _)| &**t))
             .timeout(Duration::from_secs(10))
             .send()
             .await;
@@ -377,9 +396,14 @@ fn bindable(port: u16) -> bool {
 }
 
 /// The worker's `/internal/state`: `loading`, `standby` or `serving`.
-pub async fn state_of(client: &reqwest::Client, url: &str) -> Option<String> {
+pub async fn state_of(
+    client: &reqwest::Client,
+    url: &str,
+    token: Option<&ClusterToken>,
+) -> Option<String> {
     let r = client
         .get(format!("{url}/internal/state"))
+        .cluster_token(token)
         .timeout(Duration::from_secs(2))
         .send()
         .await

@@ -32,3 +32,21 @@ app.kubernetes.io/component: {{ .component }}
 true
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the cluster token (key `token`). */}}
+{{- define "preheat.tokenSecret" -}}
+{{- default (printf "%s-cluster-token" (include "preheat.fullname" .)) .Values.clusterToken.existingSecret -}}
+{{- end -}}
+
+{{/* Every pod's view of the cluster token: env, mount, volume. */}}
+{{- define "preheat.tokenEnv" -}}
+- name: PREHEAT_CLUSTER_TOKEN_FILE
+  value: /var/run/preheat/cluster-token/token
+{{- end -}}
+{{- define "preheat.tokenMount" -}}
+- {name: cluster-token, mountPath: /var/run/preheat/cluster-token, readOnly: true}
+{{- end -}}
+{{- define "preheat.tokenVolume" -}}
+- name: cluster-token
+  secret: {secretName: {{ include "preheat.tokenSecret" . }}, defaultMode: 0444}
+{{- end -}}

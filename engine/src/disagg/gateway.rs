@@ -22,9 +22,10 @@ use super::router::{PrefixIndex, pick_decode, pick_prefill};
 use crate::engine::{Engine, Event, GenerateRequest, RemoteSubmit};
 use crate::kv::block_hashes;
 use crate::metrics::{EngineMetrics, Role};
-use crate::server::{ApiState, DEFAULT_MAX_BODY, drain, router};
+use crate::server::{ApiState, DEFAULT_MAX_BODY, drain, public_router};
 use crate::tokenizer::Tokenizer;
 use crate::{EngineError, Result};
+use preheat_edge::{ApiKeys, ClusterToken, WithClusterToken};
 use preheat_snapshot::ModelCard;
 
 /// Gateway settings.
@@ -51,6 +52,11 @@ pub struct GatewayOptions {
     /// gateway serves no registration endpoints. Needs `model` (workers are checked
     /// against it before use).
     pub discovery: Option<Arc<dyn WorkerSource>>,
+    /// The deployment's cluster token: registration asks for it, and every request to
+    /// a worker carries it.
+    pub cluster_token: Option<Arc<ClusterToken>>,
+    /// Keys the OpenAI API asks for.
+    pub api_keys: Option<Arc<ApiKeys>>,
 }
 
 /// The workers that may serve now, as a platform lists them (Kubernetes: the pools'
@@ -99,6 +105,8 @@ impl Default for GatewayOptions {
             model: None,
             outage: Arc::default(),
             discovery: None,
+            cluster_token: None,
+            api_keys: None,
         }
     }
 }
@@ -126,6 +134,8 @@ pub struct Gateway {
     opts: GatewayOptions,
     /// `preheat:gateway_pending_requests`: requests waiting for a worker.
     pending: IntGauge,
+    /// `preheat:gateway_workers{role}`: the rotation's size.
+    workers_gauge: prometheus::IntGaugeVec,
     front: OnceLock<()>,
 }
 
@@ -149,6 +159,9 @@ impl Gateway {
         let tok = Tokenizer::from_parts(info.tokenizer)?;
         let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
         let _ = metrics.registry.register(Box::new(self.pending.clone()));
+        let _ = metrics
+            .registry
+            .register(Box::new(self.workers_gauge.clone()));
         {
             let mut g = self.lock();
             g.compat = Some(info.compat.clone());
@@ -167,6 +180,10 @@ impl Gateway {
             tracing::info!(model = %info.model, "gateway serving");
         }
         Ok(())
+    }
+
+    fn token(&self) -> Option<&ClusterToken> {
+        self.opts.cluster_token.as_deref()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
@@ -283,6 +300,7 @@ impl Gateway {
             let sent = self
                 .client
                 .post(format!("{}/internal/generate", decode.url))
+                .cluster_token(self.token())
                 .json(&body)
                 .send();
             let resp = match tokio::time::timeout(self.opts.stream_idle_timeout, sent).await {
@@ -436,6 +454,7 @@ async fn register(State(gw): State<Arc<Gateway>>, Json(r): Json<Registration>) -
             let info: ModelInfo = match async {
                 gw.client
                     .get(format!("{}/internal/model", r.url))
+                    .cluster_token(gw.token())
                     .timeout(Duration::from_secs(30))
                     .send()
                     .await?
@@ -474,7 +493,8 @@ async fn register(State(gw): State<Arc<Gateway>>, Json(r): Json<Registration>) -
     StatusCode::OK.into_response()
 }
 
-async fn heartbeat(State(gw): State<Arc<Gateway>>, Json(h): Json<Heartbeat>) -> Response {
+async fn heartbeat(State(gw): State<Arc<Gateway>>, Json(mut h): Json<Heartbeat>) -> Response {
+    h.blocks.truncate(MAX_PEER_BLOCKS);
     let mut g = gw.lock();
     match g.workers.get_mut(&h.id) {
         Some(e) => {
@@ -564,6 +584,8 @@ const MAX_MODEL_BYTES: usize = 64 << 20;
 const MAX_EVENT_LINE: usize = 1 << 20;
 /// Most bytes of a worker's error body.
 const MAX_ERROR_BYTES: usize = 64 << 10;
+/// Largest registration or heartbeat body (a heartbeat's 65,536 block hashes).
+const MAX_REGISTRY_BODY: usize = 2 << 20;
 /// Prefix-cache block hashes kept per prefill worker.
 const MAX_PEER_BLOCKS: usize = 65_536;
 
@@ -643,6 +665,7 @@ impl Gateway {
         let r = self
             .client
             .get(format!("{url}/internal/load"))
+            .cluster_token(self.token())
             .timeout(Duration::from_secs(2))
             .send()
             .await
@@ -670,6 +693,7 @@ impl Gateway {
         let r = self
             .client
             .get(format!("{url}/internal/model"))
+            .cluster_token(self.token())
             .timeout(Duration::from_secs(10))
             .send()
             .await
@@ -710,19 +734,32 @@ impl Gateway {
     }
 }
 
-/// Runs the gateway on `listener` until `stop` resolves.
+/// Runs the gateway until `stop` resolves: the OpenAI API on `public`, worker
+/// registration (when workers register rather than being discovered) on `internal`,
+/// behind the cluster token.
 pub async fn run(
-    listener: tokio::net::TcpListener,
+    public: tokio::net::TcpListener,
+    internal: Option<tokio::net::TcpListener>,
     opts: GatewayOptions,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let api = ApiState::new(DEFAULT_MAX_BODY);
+    let listener = public;
+    let api = ApiState::new(DEFAULT_MAX_BODY).with_api_keys(opts.api_keys.clone());
     let pending = IntGauge::new(
         crate::metrics::names::GATEWAY_PENDING,
         "Requests held at the gateway waiting for a worker",
     )
     .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let workers_gauge = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            crate::metrics::names::GATEWAY_WORKERS,
+            "Workers in this gateway's rotation, by role",
+        ),
+        &["role"],
+    )
+    .map_err(|e| EngineError::Internal(e.to_string()))?;
     let gw = Arc::new(Gateway {
+        workers_gauge,
         reg: Mutex::new(Registry::default()),
         // A worker that does not accept a connection within seconds is not there.
         client: reqwest::Client::builder()
@@ -738,7 +775,8 @@ pub async fn run(
         gw.install_front(info)?;
     }
     let mut discovery = None;
-    let app = match &opts.discovery {
+    let mut registration = None;
+    match &opts.discovery {
         Some(source) => {
             if opts.model.is_none() {
                 return Err(EngineError::Model(
@@ -754,18 +792,35 @@ pub async fn run(
                     tokio::time::sleep(DISCOVERY_PERIOD).await;
                 }
             }));
-            router(api.clone())
         }
         None => {
-            let internal = axum::Router::new()
+            let Some(internal) = internal else {
+                return Err(EngineError::Unavailable(
+                    "a gateway whose workers register needs an internal listener for them".into(),
+                ));
+            };
+            let routes = axum::Router::new()
                 .route("/internal/register", post(register))
                 .route("/internal/heartbeat", post(heartbeat))
                 .route("/internal/deregister", post(deregister))
                 .route("/internal/workers", axum::routing::get(workers))
+                .route("/health", axum::routing::get(|| async { "ok" }))
+                .layer(axum::extract::DefaultBodyLimit::max(MAX_REGISTRY_BODY))
                 .with_state(Arc::clone(&gw));
-            router(api.clone()).merge(internal)
+            let app = preheat_edge::routes::internal(routes, opts.cluster_token.clone());
+            if opts.cluster_token.is_none() {
+                tracing::warn!(
+                    "no cluster token: worker registration accepts anyone (give --cluster-token-file)"
+                );
+            }
+            registration = Some(tokio::spawn(async move {
+                if let Err(e) = axum::serve(internal, app).await {
+                    tracing::error!(error = %e, "the gateway's internal listener failed");
+                }
+            }));
         }
-    };
+    }
+    let app = public_router(api.clone());
     // Drop workers whose heartbeats stopped.
     let reaper = {
         let gw = Arc::clone(&gw);
@@ -786,6 +841,16 @@ pub async fn run(
                     .collect();
                 for id in dead {
                     gw.drop_worker(&id, "missed heartbeats");
+                }
+                let counts = {
+                    let g = gw.lock();
+                    [WorkerRole::Prefill, WorkerRole::Decode]
+                        .map(|r| (r, g.workers.values().filter(|e| e.reg.role == r).count()))
+                };
+                for (role, n) in counts {
+                    gw.workers_gauge
+                        .with_label_values(&[role.as_str()])
+                        .set(i64::try_from(n).unwrap_or(i64::MAX));
                 }
             }
         })
@@ -809,8 +874,8 @@ pub async fn run(
         })
         .await;
     reaper.abort();
-    if let Some(d) = discovery {
-        d.abort();
+    for t in [discovery, registration].into_iter().flatten() {
+        t.abort();
     }
     r.map_err(|e| EngineError::Unavailable(format!("gateway: {e}")))
 }

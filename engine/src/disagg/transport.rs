@@ -5,6 +5,13 @@
 //!
 //! Frames: decode → prefill `u32 LE length | PrefillBody JSON`; prefill → decode
 //! `b'K' | KV message` or `b'E' | u32 LE length | WireError JSON`.
+//!
+//! With a cluster token, a mutual challenge-response comes first, so that neither
+//! side reads, allocates or sends anything of substance for a peer without the token,
+//! and the token itself never crosses the wire: decode → `b"PHK1" | nonce_d[16]`;
+//! prefill → `nonce_p[16] | HMAC(token, "kv-server", nonce_d, nonce_p)`; decode checks
+//! it, then → `HMAC(token, "kv-client", nonce_p, nonce_d)` and the request frame,
+//! which prefill reads only once that proof checks out.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +19,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use preheat_edge::ClusterToken;
+use preheat_edge::token::nonce;
 
 use super::protocol::{PrefillBody, WireError};
 use crate::EngineError;
@@ -40,10 +50,66 @@ pub trait KvTransport: Send + Sync {
     ) -> Pin<Box<dyn Future<Output = Result<KvMessage, String>> + Send + 'a>>;
 }
 
+/// First bytes of an authenticated transfer.
+const HELLO: &[u8; 4] = b"PHK1";
+
 /// One TCP connection per transfer.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct TcpTransport {
     pub timeout: Duration,
+    /// The deployment's cluster token: the prefill side must prove it holds it before
+    /// anything is sent, and this side proves it in turn.
+    pub token: Option<Arc<ClusterToken>>,
+}
+
+/// Decode side of the handshake: true once the peer proved it holds the token.
+async fn authenticate_peer(
+    s: &mut tokio::net::TcpStream,
+    token: &ClusterToken,
+) -> Result<(), String> {
+    let mine = nonce();
+    let mut hello = HELLO.to_vec();
+    hello.extend_from_slice(&mine);
+    s.write_all(&hello).await.map_err(|e| e.to_string())?;
+    let mut answer = [0u8; 48];
+    s.read_exact(&mut answer).await.map_err(|e| {
+        format!("no handshake answer (is the peer a prefill worker of this deployment?): {e}")
+    })?;
+    let (theirs, proof) = answer.split_at(16);
+    if !token.verify("kv-server", &[&mine, theirs], proof) {
+        return Err("the peer could not prove it holds the cluster token".into());
+    }
+    s.write_all(&token.prove("kv-client", &[theirs, &mine]))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Prefill side of the handshake, before anything of the request is read.
+async fn authenticate_client(
+    s: &mut tokio::net::TcpStream,
+    token: &ClusterToken,
+) -> std::io::Result<()> {
+    let mut hello = [0u8; 20];
+    s.read_exact(&mut hello).await?;
+    if &hello[..4] != HELLO {
+        return Err(std::io::Error::other(
+            "the peer did not authenticate (no cluster-token handshake)",
+        ));
+    }
+    let theirs = &hello[4..];
+    let mine = nonce();
+    let mut answer = mine.to_vec();
+    answer.extend_from_slice(&token.prove("kv-server", &[theirs, &mine]));
+    s.write_all(&answer).await?;
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).await?;
+    if token.verify("kv-client", &[&mine, theirs], &proof) {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(
+            "the peer's cluster-token proof is wrong",
+        ))
+    }
 }
 
 impl KvTransport for TcpTransport {
@@ -60,6 +126,9 @@ impl KvTransport for TcpTransport {
                     .await
                     .map_err(|e| format!("connect {addr}: {e}"))?;
                 s.set_nodelay(true).map_err(|e| e.to_string())?;
+                if let Some(t) = &self.token {
+                    authenticate_peer(&mut s, t).await?;
+                }
                 let body = serde_json::to_vec(req).map_err(|e| e.to_string())?;
                 let mut frame = Vec::with_capacity(4 + body.len());
                 frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -100,9 +169,16 @@ impl KvTransport for TcpTransport {
     }
 }
 
-async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std::io::Result<()> {
+async fn answer(
+    engine: &OnceLock<Engine>,
+    token: Option<&ClusterToken>,
+    mut s: tokio::net::TcpStream,
+) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let read = async {
+        if let Some(t) = token {
+            authenticate_client(&mut s, t).await?;
+        }
         let n = s.read_u32_le().await? as usize;
         // Refused before anything of its size is allocated.
         if n > MAX_REQUEST {
@@ -116,7 +192,7 @@ async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std:
     };
     let b = tokio::time::timeout(REQUEST_READ_TIMEOUT, read)
         .await
-        .map_err(|_| std::io::Error::other("no whole request frame within 10 s"))??;
+        .map_err(|_| std::io::Error::other("no handshake and request frame within 10 s"))??;
     let result = async {
         let req: PrefillBody =
             serde_json::from_slice(&b).map_err(|e| EngineError::invalid(e.to_string(), "body"))?;
@@ -156,7 +232,11 @@ async fn answer(engine: &OnceLock<Engine>, mut s: tokio::net::TcpStream) -> std:
 }
 
 /// Prefill side: answers transfers on `listener` until the task is dropped.
-pub async fn serve_tcp(listener: tokio::net::TcpListener, engine: Arc<OnceLock<Engine>>) {
+pub async fn serve_tcp(
+    listener: tokio::net::TcpListener,
+    engine: Arc<OnceLock<Engine>>,
+    token: Option<Arc<ClusterToken>>,
+) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_KV_CONNECTIONS));
     loop {
         let Ok((s, peer)) = listener.accept().await else {
@@ -168,9 +248,10 @@ pub async fn serve_tcp(listener: tokio::net::TcpListener, engine: Arc<OnceLock<E
             continue;
         };
         let engine = Arc::clone(&engine);
+        let token = token.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            if let Err(e) = answer(&engine, s).await {
+            if let Err(e) = answer(&engine, token.as_deref(), s).await {
                 tracing::warn!(%peer, error = %e, "KV transfer to a decode worker failed");
             }
         });

@@ -24,6 +24,7 @@ use crate::engine::{Engine, Event, GenerateRequest};
 use crate::kv::transfer::KvMessage;
 use crate::serve::{ServeOptions, load_engine};
 use crate::{EngineError, Result};
+use preheat_edge::{ClusterToken, WithClusterToken};
 
 /// Options of a worker process.
 #[derive(Clone, Debug)]
@@ -60,6 +61,7 @@ struct WorkerState {
     transfer_timeout: Duration,
     /// Prefill workers: where others pull K/V from.
     kv: Option<String>,
+    token: Option<Arc<ClusterToken>>,
 }
 
 impl WorkerState {
@@ -211,6 +213,7 @@ async fn fetch_kv(
     let resp = st
         .client
         .post(format!("{url}/internal/prefill"))
+        .cluster_token(st.token.as_deref())
         .json(&PrefillBody {
             request_id: b.request_id.clone(),
             prompt: b.prompt.clone(),
@@ -308,6 +311,7 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 };
                 TcpTransport {
                     timeout: st.transfer_timeout,
+                    token: st.token.clone(),
                 }
                 .pull(url, &req, &e)
                 .await
@@ -373,6 +377,7 @@ async fn membership(
     id: String,
     mut on_registered: Option<tokio::sync::oneshot::Sender<f64>>,
 ) -> Result<()> {
+    let token = opts.serve.cluster_token.as_deref();
     let reg = Registration {
         id: id.clone(),
         role: opts.role,
@@ -389,6 +394,7 @@ async fn membership(
             loop {
                 match client
                     .post(format!("{gateway}/internal/register"))
+                    .cluster_token(token)
                     .json(reg)
                     .timeout(Duration::from_secs(5))
                     .send()
@@ -437,6 +443,7 @@ async fn membership(
         };
         match client
             .post(format!("{gateway}/internal/heartbeat"))
+            .cluster_token(token)
             .json(&hb)
             .timeout(Duration::from_secs(2))
             .send()
@@ -464,7 +471,13 @@ pub async fn run(
         client: client.clone(),
         transfer_timeout: opts.transfer_timeout,
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
+        token: opts.serve.cluster_token.clone(),
     };
+    if st.token.is_none() {
+        tracing::warn!(
+            "no cluster token: this worker's internal endpoints and KV port accept anyone (give --cluster-token-file)"
+        );
+    }
     let app = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -478,6 +491,8 @@ pub async fn run(
             opts.serve.max_body_bytes,
         ))
         .with_state(st.clone());
+    // Everything here is for our own processes: the token on all but probes and metrics.
+    let app = preheat_edge::routes::internal(app, st.token.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -491,7 +506,11 @@ pub async fn run(
             let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
                 EngineError::Unavailable(format!("binding the KV port {addr}: {e}"))
             })?;
-            Some(tokio::spawn(serve_tcp(l, Arc::clone(&st.engine))))
+            Some(tokio::spawn(serve_tcp(
+                l,
+                Arc::clone(&st.engine),
+                st.token.clone(),
+            )))
         }
         _ => None,
     };
@@ -553,6 +572,7 @@ pub async fn run(
     if let Some(gateway) = &opts.gateway {
         let _ = client
             .post(format!("{gateway}/internal/deregister"))
+            .cluster_token(opts.serve.cluster_token.as_deref())
             .json(&serde_json::json!({"id": id}))
             .timeout(Duration::from_secs(2))
             .send()

@@ -32,6 +32,8 @@ pub struct ApiState {
     /// A standby's loaded engine, waiting for promotion.
     parked: Arc<std::sync::Mutex<Option<Engine>>>,
     max_body: usize,
+    /// The API's keys, when it asks for them (their per-key counts join `/metrics`).
+    api_keys: Option<Arc<preheat_edge::ApiKeys>>,
 }
 
 impl ApiState {
@@ -41,7 +43,15 @@ impl ApiState {
             engine: Arc::new(OnceLock::new()),
             parked: Arc::default(),
             max_body,
+            api_keys: None,
         }
+    }
+
+    /// Asks clients of `/v1/*` for one of `keys` (see [`public_router`]).
+    #[must_use]
+    pub fn with_api_keys(mut self, keys: Option<Arc<preheat_edge::ApiKeys>>) -> Self {
+        self.api_keys = keys;
+        self
     }
 
     /// Installs the loaded engine; `/health` turns 200.
@@ -86,17 +96,30 @@ impl ApiState {
     }
 }
 
-/// The API routes.
-pub fn router(state: ApiState) -> Router {
-    Router::new()
+/// The client-facing routes (OpenAI API, `/health`, `/metrics`) as a public listener
+/// serves them: `/internal/` answers 404 and, with API keys, `/v1/*` needs one.
+pub fn public_router(state: ApiState) -> Router {
+    let keys = state.api_keys.clone();
+    let r = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .with_state(state);
+    preheat_edge::routes::public(r, keys)
+}
+
+/// A parked standby's control routes (`/internal/state`, `/internal/promote`) for an
+/// internal listener: the cluster token on all but `/health` and `/metrics`.
+pub fn control_router(state: ApiState, token: Option<Arc<preheat_edge::ClusterToken>>) -> Router {
+    let r = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .route("/internal/state", get(state_route))
         .route("/internal/promote", post(promote_route))
-        .with_state(state)
+        .with_state(state);
+    preheat_edge::routes::internal(r, token)
 }
 
 async fn state_route(State(st): State<ApiState>) -> Response {
@@ -128,7 +151,19 @@ async fn metrics(State(st): State<ApiState>) -> Response {
         // A standby reports its load phases while parked.
         return metrics_of(Some(e));
     }
-    metrics_of(st.engine.get())
+    let mut r = metrics_of(st.engine.get());
+    if let Some(keys) = &st.api_keys
+        && let Ok(more) = prometheus::TextEncoder::new().encode_to_string(&keys.registry().gather())
+    {
+        let body = std::mem::take(r.body_mut());
+        let mut text = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .unwrap_or_default()
+            .to_vec();
+        text.extend_from_slice(more.as_bytes());
+        *r.body_mut() = Body::from(text);
+    }
+    r
 }
 
 /// `/health`: 200 once an engine is loaded, 503 before.
