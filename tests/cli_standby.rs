@@ -260,9 +260,10 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         409,
         "nothing left to retire"
     );
-    // The staged snapshot is served to peers with Range support.
+    // The staged snapshot is served to peers (with the token) with Range support.
     let r = reqwest::blocking::Client::new()
         .get(format!("{agent_url}/snapshots/llama-tiny.preheat"))
+        .header("authorization", harness::bearer())
         .header("range", "bytes=0-7")
         .send()
         .unwrap();
