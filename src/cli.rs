@@ -357,8 +357,10 @@ pub struct WorkerArgs {
     /// http://HOST:PORT).
     #[arg(long)]
     pub advertise: Option<String>,
-    /// Seconds a decode worker waits for a prefill worker's K/V.
-    #[arg(long, default_value_t = 300)]
+    /// Seconds a decode worker waits for a prefill worker's K/V, its blocks reserved;
+    /// then they are released and the gateway retries elsewhere or prefills on the
+    /// decode worker.
+    #[arg(long, default_value_t = 60)]
     pub transfer_timeout_secs: u64,
     /// Prefill workers: port of the TCP KV transport (default: --port + 1).
     #[arg(long)]

@@ -43,8 +43,17 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         let wp = variant.path().join("warmpool.yaml");
         if wp.exists() {
             let text = std::fs::read_to_string(&wp).unwrap();
-            preheat_warmpool::config::AgentConfig::from_yaml(&text, Some("node-1".into()))
-                .unwrap_or_else(|e| panic!("{}: {e}", wp.display()));
+            // As the pod has it: the model source from its Secret, through the env.
+            let env = |k: &str| {
+                (k == "PREHEAT_MODEL_SOURCE")
+                    .then(|| "https://models.example.com/m.phpack".to_owned())
+            };
+            preheat_warmpool::config::AgentConfig::from_yaml_env(
+                &text,
+                Some("node-1".into()),
+                &env,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", wp.display()));
             checked += 1;
         }
     }

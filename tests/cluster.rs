@@ -358,6 +358,13 @@ fn kill_the_scaler(c: &Arc<Cluster>) {
     std::thread::sleep(Duration::from_secs(5));
 }
 
+/// The release's cluster token as an `Authorization` value (the agents' API asks for
+/// it), from the Secret the chart rendered.
+fn cluster_bearer(c: &Cluster) -> String {
+    let token = c.secret("rel-preheat-cluster-token", "token");
+    format!("Bearer {}", String::from_utf8(token).unwrap().trim())
+}
+
 /// Each Ready agent's `GET /standbys`, by agent IP.
 fn agent_standbys(c: &Cluster) -> Vec<(String, Value)> {
     c.ready(WARMPOOL)
@@ -365,6 +372,7 @@ fn agent_standbys(c: &Cluster) -> Vec<(String, Value)> {
         .filter_map(|ip| {
             let v = client()
                 .get(format!("http://{ip}:9400/standbys"))
+                .header("authorization", cluster_bearer(c))
                 .timeout(Duration::from_secs(2))
                 .send()
                 .ok()?

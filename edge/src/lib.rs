@@ -11,8 +11,10 @@
 //! - [`routes`]: the two kinds of listener. A public one (OpenAI API, `/health`,
 //!   `/metrics`) answers 404 to any `/internal/` path; an internal one asks for the
 //!   token on everything but `/health` and `/metrics` (probes and Prometheus).
+//! - [`listener::serve`]: every listener's connection cap and header/body deadlines.
 
 pub mod api_keys;
+pub mod listener;
 pub mod routes;
 pub mod token;
 

@@ -329,13 +329,23 @@ pub async fn serve_on(
                 .await
                 .map_err(|e| EngineError::Unavailable(format!("binding {addr}: {e}")))?;
             let app = control_router(state.clone(), opts.cluster_token.clone());
-            Some(tokio::spawn(async move { axum::serve(l, app).await }))
+            Some(tokio::spawn(preheat_edge::listener::serve(
+                l,
+                app,
+                preheat_edge::listener::Limits::INTERNAL,
+                std::future::pending(),
+            )))
         }
         None => None,
     };
-    let server = axum::serve(listener, public_router(state)).with_graceful_shutdown(async move {
-        let _ = stop_rx.await;
-    });
+    let server = preheat_edge::listener::serve(
+        listener,
+        public_router(state),
+        preheat_edge::listener::Limits::PUBLIC,
+        async move {
+            let _ = stop_rx.await;
+        },
+    );
     let server = tokio::spawn(async move {
         let r = server.await;
         if let Some(c) = control {

@@ -189,11 +189,15 @@ pub async fn run_with(
     });
     let mut rx_http = rx.clone();
     let http = tokio::spawn(async move {
-        axum::serve(http_listener, app)
-            .with_graceful_shutdown(async move {
+        preheat_edge::listener::serve(
+            http_listener,
+            app,
+            preheat_edge::listener::Limits::INTERNAL,
+            async move {
                 let _ = rx_http.wait_for(|v| *v).await;
-            })
-            .await
+            },
+        )
+        .await
     });
     let mut rx_grpc = rx;
     let mut builder = tonic::transport::Server::builder();

@@ -57,6 +57,18 @@ pub(crate) fn socket_addr(
     addr
 }
 
+/// The deployment's cluster token, which also keys this process's prefix-cache hashes
+/// (the gateway's router and the workers must agree, and outsiders must not know them).
+pub(crate) fn deployment_token(
+    a: &crate::cli::ClusterTokenArgs,
+) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
+    let t = a.load()?;
+    if let Some(t) = &t {
+        preheat_engine::kv::set_prefix_key(t.derive_u64("prefix-cache"));
+    }
+    Ok(t)
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -114,7 +126,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         .transpose()?
         .map(std::sync::Arc::new);
     let mut opts = gateway::GatewayOptions {
-        cluster_token: a.token.load()?,
+        cluster_token: deployment_token(&a.token)?,
         api_keys,
         worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
         hold_timeout: Duration::from_secs(a.hold_timeout_secs),
@@ -398,7 +410,7 @@ pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
     o.device = Device::parse(&a.device).context("checked by clap")?;
     o.kernel_cache = a.kernel_cache.clone();
     o.started = crate::process_started();
-    o.cluster_token = a.token.load()?;
+    o.cluster_token = deployment_token(&a.token)?;
     o.api_keys = a
         .api_keys_file
         .as_deref()

@@ -7,6 +7,7 @@ metric names must be ones the scaler exposes), plus the chart's own promises (le
 scale to zero, consistent names). Exit 0 when all hold; prints every problem."""
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -73,6 +74,66 @@ def deep_merge(base, over):
         else:
             out[k] = v
     return out
+
+
+def check_security(variant, merged, by_kind):
+    """Every pod: seccomp RuntimeDefault, read-only roots, no capabilities beyond
+    IPC_LOCK, the cluster token mounted and named; a model source from a Secret never
+    appears in a spec or ConfigMap; the token Secret kept across upgrades."""
+    token_secret = merged["clusterToken"]["existingSecret"] or "rel-preheat-cluster-token"
+    secrets = {o["metadata"]["name"]: o for o in by_kind.get("Secret", [])}
+    if not merged["clusterToken"]["existingSecret"]:
+        s = secrets.get(token_secret)
+        if not s or not s.get("data", {}).get("token"):
+            fail(variant, "no cluster token Secret")
+        elif s["metadata"].get("annotations", {}).get("helm.sh/resource-policy") != "keep":
+            fail(variant, "the cluster token Secret is not kept across upgrades")
+    elif token_secret in secrets:
+        fail(variant, "a cluster token Secret is rendered although clusterToken.existingSecret is set")
+    for kind in ["Deployment", "DaemonSet"]:
+        for d in by_kind.get(kind, []):
+            name = d["metadata"]["name"]
+            pod = d["spec"]["template"]["spec"]
+            if pod.get("securityContext", {}).get("seccompProfile", {}).get("type") != "RuntimeDefault":
+                fail(variant, f"{name}: no seccompProfile RuntimeDefault")
+            vols = {v["name"]: v for v in pod.get("volumes", [])}
+            if vols.get("cluster-token", {}).get("secret", {}).get("secretName") != token_secret:
+                fail(variant, f"{name}: the cluster token Secret is not mounted")
+            for c in pod["containers"] + pod.get("initContainers", []):
+                sc = c.get("securityContext", {})
+                if not sc.get("readOnlyRootFilesystem") or sc.get("allowPrivilegeEscalation") is not False:
+                    fail(variant, f"{name}/{c['name']}: root filesystem writable or privilege escalation allowed")
+                if sc.get("capabilities", {}).get("drop") != ["ALL"] or set(sc.get("capabilities", {}).get("add", [])) - {"IPC_LOCK"}:
+                    fail(variant, f"{name}/{c['name']}: capabilities not dropped")
+            for c in pod["containers"]:
+                env = {e["name"]: e for e in c.get("env", [])}
+                if env.get("PREHEAT_CLUSTER_TOKEN_FILE", {}).get("value") != "/var/run/preheat/cluster-token/token":
+                    fail(variant, f"{name}/{c['name']}: PREHEAT_CLUSTER_TOKEN_FILE not set")
+                if not any(m["name"] == "cluster-token" and m.get("readOnly") for m in c.get("volumeMounts", [])):
+                    fail(variant, f"{name}/{c['name']}: the token is not mounted read-only")
+    if merged["model"]["sourceSecret"]["name"]:
+        source = merged["model"]["source"]
+        for kind in ["Deployment", "DaemonSet", "ConfigMap"]:
+            for o in by_kind.get(kind, []):
+                if source and source in json.dumps(o):
+                    fail(variant, f'{kind}/{o["metadata"]["name"]} shows model.source although it comes from a Secret')
+    keys = merged["gateway"]["apiKeys"]["existingSecret"]
+    gw = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-gateway"]
+    if gw:
+        env = {e["name"] for e in gw[0]["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+        if bool(keys) != ("PREHEAT_API_KEYS_FILE" in env):
+            fail(variant, "gateway.apiKeys.existingSecret and PREHEAT_API_KEYS_FILE disagree")
+    if merged["networkPolicy"]["enabled"]:
+        policies = {o["metadata"]["name"] for o in by_kind.get("NetworkPolicy", [])}
+        for want in ["rel-preheat-prefill", "rel-preheat-decode", "rel-preheat-scaler"]:
+            if want not in policies:
+                fail(variant, f"no NetworkPolicy {want}")
+        for o in by_kind.get("NetworkPolicy", []):
+            if o["metadata"]["name"] == "rel-preheat-prefill":
+                kv = [r for r in o["spec"]["ingress"] if any(p["port"] == merged["prefill"]["kvPort"] for p in r.get("ports", []))]
+                comps = sorted(f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for r in kv for f in r["from"])
+                if comps != ["decode", "warmpool"]:
+                    fail(variant, f"the prefill KV port is open to {comps}, want decode workers and the agents' standbys only")
 
 
 def check_variant(variant, values, defaults, schema, dump):
@@ -152,6 +213,7 @@ def check_variant(variant, values, defaults, schema, dump):
     sc_dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-scaler"]
     if sc_dep and sc_dep[0]["spec"].get("strategy", {}).get("type") != "Recreate":
         fail(variant, "the scaler's rollout can run two scalers at once (strategy is not Recreate)")
+    check_security(variant, merged, by_kind)
     # Workers: probes sized for loading, drain covered by the grace period, warm affinity.
     for d in by_kind.get("Deployment", []):
         pod = d["spec"]["template"]["spec"]
@@ -164,8 +226,9 @@ def check_variant(variant, values, defaults, schema, dump):
             # zero) and drains held requests and streams on a rollout.
             c = pod["containers"][0]
             args = c.get("args", [])
-            if f'--model={merged["model"]["source"]}' not in args:
-                fail(variant, "gateway: not started with --model=<model.source>")
+            want_model = "$(PREHEAT_MODEL_SOURCE)" if merged["model"]["sourceSecret"]["name"] else merged["model"]["source"]
+            if f'--model={want_model}' not in args:
+                fail(variant, f"gateway: not started with --model={want_model}")
             if f'--block-size={merged["kvBlockSize"]}' not in args:
                 fail(variant, "gateway: --block-size does not follow kvBlockSize")
             drain = merged["gateway"]["drainGraceSeconds"]

@@ -201,6 +201,16 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no {kind} {name}"))
     }
 
+    /// A key of a rendered Secret, decoded.
+    pub fn secret(&self, name: &str, key: &str) -> Vec<u8> {
+        let obj = self.object("Secret", name);
+        base64_decode(
+            obj["data"][key]
+                .as_str()
+                .unwrap_or_else(|| panic!("no {key} in {name}")),
+        )
+    }
+
     pub fn scale(&self, deployment: &str) -> i64 {
         self.state.lock().unwrap().scale[deployment]
     }
@@ -536,22 +546,7 @@ impl Cluster {
             let d = root.join("secrets").join(name);
             std::fs::create_dir_all(&d).unwrap();
             for (k, b64) in obj["data"].as_object().into_iter().flatten() {
-                let out = Command::new("base64")
-                    .arg("-d")
-                    .stdin(std::process::Stdio::piped())
-                    .stdout(std::process::Stdio::piped())
-                    .spawn()
-                    .and_then(|mut c| {
-                        use std::io::Write;
-                        c.stdin
-                            .take()
-                            .unwrap()
-                            .write_all(b64.as_str().unwrap().as_bytes())?;
-                        c.wait_with_output()
-                    })
-                    .unwrap();
-                assert!(out.status.success(), "secret {name}/{k} is not base64");
-                std::fs::write(d.join(k), out.stdout).unwrap();
+                std::fs::write(d.join(k), base64_decode(b64.as_str().unwrap())).unwrap();
             }
             // Readable by the pod's user (defaultMode 0444), as the kubelet mounts it.
             let _ = Command::new("chmod").args(["-R", "a+rX"]).arg(&d).status();
@@ -943,4 +938,21 @@ pub fn render(values: &Value) -> Vec<Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A Secret's value (`base64 -d`, coreutils).
+fn base64_decode(b64: &str) -> Vec<u8> {
+    let out = Command::new("base64")
+        .arg("-d")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(b64.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    assert!(out.status.success(), "not base64: {b64}");
+    out.stdout
 }

@@ -248,11 +248,15 @@ pub async fn run(
     });
     let mut srv_stop = stop_rx.clone();
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
+        preheat_edge::listener::serve(
+            listener,
+            app,
+            preheat_edge::listener::Limits::INTERNAL,
+            async move {
                 let _ = srv_stop.wait_for(|s| *s).await;
-            })
-            .await
+            },
+        )
+        .await
     });
     let hot = Arc::new(Mutex::new(HotSet::new(
         shared.cfg.memory_budget,

@@ -68,7 +68,12 @@ struct RawStage {
 #[serde(deny_unknown_fields)]
 struct RawModel {
     name: String,
+    /// A path or URL; or, with `source_env`, read from that environment variable (a
+    /// Secret's key: a URL with credentials stays out of the ConfigMap).
+    #[serde(default)]
     source: String,
+    #[serde(default)]
+    source_env: Option<String>,
     #[serde(default)]
     hot: bool,
 }
@@ -191,6 +196,15 @@ impl AgentConfig {
     /// Parses and validates YAML; `node_name_env` stands for `$NODE_NAME` (the
     /// downward API) when the file names no node.
     pub fn from_yaml(text: &str, node_name_env: Option<String>) -> Result<Self> {
+        Self::from_yaml_env(text, node_name_env, &|k| std::env::var(k).ok())
+    }
+
+    /// [`AgentConfig::from_yaml`] reading `source_env` variables through `env`.
+    pub fn from_yaml_env(
+        text: &str,
+        node_name_env: Option<String>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
         let raw: Raw =
             serde_yaml::from_str(text).map_err(|e| Error::Config(vec![e.to_string()]))?;
         let mut errs = Vec::new();
@@ -251,12 +265,29 @@ impl AgentConfig {
             if models.iter().any(|o: &ModelSpec| o.name == m.name) {
                 errs.push(format!("models[{i}]: {:?} appears twice", m.name));
             }
-            if m.source.trim().is_empty() {
-                errs.push(format!("models[{i}].source is empty"));
-            }
+            let source = match (&m.source_env, m.source.trim().is_empty()) {
+                (Some(var), true) => match env(var) {
+                    Some(v) if !v.trim().is_empty() => v,
+                    _ => {
+                        errs.push(format!(
+                            "models[{i}].source_env: ${var} is not set (or empty)"
+                        ));
+                        String::new()
+                    }
+                },
+                (Some(_), false) => {
+                    errs.push(format!("models[{i}]: give source or source_env, not both"));
+                    String::new()
+                }
+                (None, true) => {
+                    errs.push(format!("models[{i}].source is empty"));
+                    String::new()
+                }
+                (None, false) => m.source.clone(),
+            };
             models.push(ModelSpec {
                 name: m.name,
-                source: Source::parse(&m.source),
+                source: Source::parse(&source),
                 hot: m.hot,
             });
         }
@@ -375,5 +406,24 @@ standbys:
         assert_eq!(c.models[0].source, Source::Http("http://h/m.phpack".into()));
         assert!(c.models[0].hot);
         assert!(AgentConfig::from_yaml("bogus_key: 1", None).is_err());
+    }
+
+    #[test]
+    fn a_source_from_the_environment_stays_out_of_the_file() {
+        let var = "PREHEAT_TEST_SOURCE_FROM_A_SECRET";
+        let y = format!("dir: /d\nmodels:\n  - {{ name: m, source_env: {var} }}\n");
+        let Err(Error::Config(errs)) = AgentConfig::from_yaml_env(&y, None, &|_| None) else {
+            panic!("an unset variable must fail")
+        };
+        assert!(errs.iter().any(|e| e.contains(var)), "{errs:?}");
+        let env = |k: &str| (k == var).then(|| "https://user:secret@h/m.phpack".to_owned());
+        let c = AgentConfig::from_yaml_env(&y, None, &env).unwrap();
+        assert_eq!(
+            c.models[0].source,
+            Source::Http("https://user:secret@h/m.phpack".into())
+        );
+        assert!(!format!("{:?}", c.models[0].source).contains("secret"));
+        let both = format!("dir: /d\nmodels:\n  - {{ name: m, source: /x, source_env: {var} }}\n");
+        assert!(AgentConfig::from_yaml_env(&both, None, &env).is_err());
     }
 }

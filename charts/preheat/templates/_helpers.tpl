@@ -50,3 +50,34 @@ true
 - name: cluster-token
   secret: {secretName: {{ include "preheat.tokenSecret" . }}, defaultMode: 0444}
 {{- end -}}
+
+{{- /* Peers by component, in this release. */}}
+{{- define "preheat.peer" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/instance: {{ .root.Release.Name }}
+      app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The model source as an argument: from a Secret (through $PREHEAT_MODEL_SOURCE,
+     which Kubernetes expands in args) or the plain value. */}}
+{{- define "preheat.modelSourceArg" -}}
+{{- if .Values.model.sourceSecret.name -}}
+$(PREHEAT_MODEL_SOURCE)
+{{- else -}}
+{{ .Values.model.source }}
+{{- end -}}
+{{- end -}}
+{{- define "preheat.modelSourceEnv" -}}
+{{- if .Values.model.sourceSecret.name }}
+- name: PREHEAT_MODEL_SOURCE
+  valueFrom:
+    secretKeyRef: {name: {{ .Values.model.sourceSecret.name }}, key: {{ .Values.model.sourceSecret.key }}}
+{{- end }}
+{{- end -}}
+{{/* "true" when the source is a file on the nodes (mounted into the gateway). */}}
+{{- define "preheat.localSource" -}}
+{{- if and (not .Values.model.sourceSecret.name) (not (regexMatch "^https?://" .Values.model.source)) -}}
+true
+{{- end -}}
+{{- end -}}

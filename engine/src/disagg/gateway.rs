@@ -814,7 +814,11 @@ pub async fn run(
                 );
             }
             registration = Some(tokio::spawn(async move {
-                if let Err(e) = axum::serve(internal, app).await {
+                let limits = preheat_edge::listener::Limits::INTERNAL;
+                if let Err(e) =
+                    preheat_edge::listener::serve(internal, app, limits, std::future::pending())
+                        .await
+                {
                     tracing::error!(error = %e, "the gateway's internal listener failed");
                 }
             }));
@@ -868,11 +872,15 @@ pub async fn run(
         drain(&api, grace).await;
         let _ = stop_tx.send(());
     });
-    let r = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
+    let r = preheat_edge::listener::serve(
+        listener,
+        app,
+        preheat_edge::listener::Limits::PUBLIC,
+        async move {
             let _ = stop_rx.await;
-        })
-        .await;
+        },
+    )
+    .await;
     reaper.abort();
     for t in [discovery, registration].into_iter().flatten() {
         t.abort();

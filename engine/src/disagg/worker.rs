@@ -297,6 +297,20 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             params: b.params.clone(),
         }),
         Some(url) => {
+            // With a cluster token, K/V comes only over the KV port, whose handshake
+            // proves the peer holds the token before the prompt is sent: an HTTP URL
+            // would get the token itself.
+            if st.token.is_some() && !url.starts_with("tcp://") {
+                return wire_error(
+                    &EngineError::invalid(
+                        format!(
+                            "prefill address {url:?}: only tcp:// (the KV port) is accepted where a cluster token is set"
+                        ),
+                        "prefill",
+                    ),
+                    false,
+                );
+            }
             let blocks = b.prompt.len().div_ceil(e.kv_layout().block_size);
             // Room first: nothing flows unless it can land.
             let res = match e.reserve(blocks).await {
@@ -495,11 +509,15 @@ pub async fn run(
     let app = preheat_edge::routes::internal(app, st.token.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
+        preheat_edge::listener::serve(
+            listener,
+            app,
+            preheat_edge::listener::Limits::INTERNAL,
+            async move {
                 let _ = stop_rx.await;
-            })
-            .await
+            },
+        )
+        .await
     });
     let kv_server = match &opts.kv_listener {
         Some((addr, _)) if opts.role == WorkerRole::Prefill => {

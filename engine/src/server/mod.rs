@@ -211,6 +211,17 @@ async fn parse_body<T: serde::de::DeserializeOwned>(body: Body, limit: usize) ->
         .map_err(|e| EngineError::invalid(format!("invalid JSON body: {e}"), "body"))
 }
 
+/// Runs template rendering and tokenisation on the blocking pool: megabytes of text
+/// take milliseconds of CPU that would otherwise stall every connection sharing this
+/// runtime thread.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| EngineError::Internal(format!("tokenizer task: {e}")))?
+}
+
 fn check_model(e: &Engine, model: Option<&str>) -> Result<()> {
     match model {
         Some(m) if m != e.model_name => Err(EngineError::UnknownModel(m.to_owned())),
@@ -237,10 +248,16 @@ async fn completions(
     if req.echo {
         return Err(EngineError::invalid("echo is not supported", "echo").into());
     }
+    // The cheap checks first: nothing is tokenised for a request refused anyway.
+    let params = openai::sampling(&req.common, req.logprobs, 16)?;
+    let tok = Arc::clone(&e.tokenizer);
     let prompt = match req.prompt {
-        Prompt::Text(t) => e.tokenizer.encode(&t)?,
+        Prompt::Text(t) => off_runtime(move || tok.encode(&t)).await?,
         Prompt::Tokens(ids) => ids,
-        Prompt::Texts(v) if v.len() == 1 => e.tokenizer.encode(&v[0])?,
+        Prompt::Texts(mut v) if v.len() == 1 => {
+            let t = v.pop().unwrap_or_default();
+            off_runtime(move || tok.encode(&t)).await?
+        }
         Prompt::TokenLists(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
         _ => {
             return Err(EngineError::invalid(
@@ -250,7 +267,6 @@ async fn completions(
             .into());
         }
     };
-    let params = openai::sampling(&req.common, req.logprobs, 16)?;
     let style = Style::new(false, params.logprobs.is_some(), &req.common);
     Ok(generate(e, prompt, params, style, req.common.stream).await?)
 }
@@ -262,17 +278,23 @@ async fn chat_completions(
     let req: ChatRequest = parse_body(body, st.max_body).await?;
     let e = st.engine()?;
     check_model(e, req.common.model.as_deref())?;
-    let messages = openai::to_messages(&req.messages)?;
-    let text = e
-        .tokenizer
-        .apply_chat_template(&messages, req.add_generation_prompt)?;
-    // The template already placed BOS where the model wants it.
-    let prompt = e.tokenizer.encode_no_bos(&text)?;
     let top = if req.logprobs {
         Some(req.top_logprobs.unwrap_or(0))
     } else {
         None
     };
+    // The cheap checks first: nothing is rendered or tokenised for a request refused
+    // anyway (the real default for max_tokens needs the prompt's length, below).
+    openai::sampling(&req.common, top, 1)?;
+    let messages = openai::to_messages(&req.messages)?;
+    let tok = Arc::clone(&e.tokenizer);
+    let add_generation_prompt = req.add_generation_prompt;
+    let prompt = off_runtime(move || {
+        let text = tok.apply_chat_template(&messages, add_generation_prompt)?;
+        // The template already placed BOS where the model wants it.
+        tok.encode_no_bos(&text)
+    })
+    .await?;
     let default_max = e.max_model_len.saturating_sub(prompt.len()).max(1);
     let params = openai::sampling(&req.common, top, default_max)?;
     let style = Style::new(true, req.logprobs, &req.common);
