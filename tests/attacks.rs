@@ -10,7 +10,9 @@
 //! connection cap (`the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections`,
 //! engine/tests/transfer.rs), credentials in a source URL
 //! (`regression_credentials_in_a_source_url_reached_errors_and_logs`, cli_warmpool),
-//! every sampling bound (`every_bound_is_refused_by_its_field`, engine).
+//! every sampling bound (`every_bound_is_refused_by_its_field`, engine), the connection
+//! cap and body deadline (`slow_peers_are_cut_off_and_connections_capped`, edge), planted
+//! kernels (`a_keyed_cache_takes_only_entries_signed_for_their_id`, snapshot).
 
 mod harness;
 
@@ -382,5 +384,38 @@ fn path_traversal_on_snapshots_is_refused_even_with_the_token() {
             let body = r.text().unwrap();
             assert!(!body.contains("root:"), "{file}: {body}");
         }
+    });
+}
+
+#[test]
+fn slow_loris_connections_are_cut_off_at_the_header_deadline() {
+    use std::io::{Read, Write};
+    while_serving(|d| {
+        // Every listener: the gateway's two, a worker's, the agent's.
+        let targets = [&d.public, &d.internal, &d.decode, &d.agent];
+        let t0 = Instant::now();
+        let mut conns: Vec<std::net::TcpStream> = targets
+            .iter()
+            .map(|base| {
+                let addr = base.trim_start_matches("http://");
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                    .unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                s
+            })
+            .collect();
+        for (s, base) in conns.iter_mut().zip(targets) {
+            let mut b = [0u8; 256];
+            // EOF, a reset or a 408 before the read timeout: cut off, not waited on.
+            let n = s.read(&mut b).unwrap_or(0);
+            assert!(
+                n == 0 || String::from_utf8_lossy(&b[..n]).starts_with("HTTP/1.1 408"),
+                "{base}: {}",
+                String::from_utf8_lossy(&b[..n])
+            );
+        }
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(15), "{took:?}");
     });
 }

@@ -11,6 +11,9 @@ use crate::EdgeError;
 /// Environment variable naming the token file, for processes started without the
 /// flag (standbys inherit it from their agent).
 pub const TOKEN_FILE_ENV: &str = "PREHEAT_CLUSTER_TOKEN_FILE";
+/// What the kernel-cache key is derived for ([`ClusterToken::prove`] with no parts):
+/// the agent signs entries with it, workers check them.
+pub const KERNEL_CACHE_LABEL: &str = "kernel-cache";
 /// Shortest token accepted: 16 bytes of a random secret as hex.
 const MIN_LEN: usize = 32;
 

@@ -169,6 +169,10 @@ fn gpu_backend(
         &CudaOptions {
             device: 0,
             kernel_cache: opts.kernel_cache.clone(),
+            kernel_cache_key: opts
+                .cluster_token
+                .as_ref()
+                .map(|t| t.prove(preheat_edge::token::KERNEL_CACHE_LABEL, &[])),
             graphs: true,
             max_batch_tokens: opts.scheduler.max_batched_tokens,
         },

@@ -65,6 +65,7 @@ fn check(name: &str) {
     let opts = CudaOptions {
         device: 0,
         kernel_cache: Some(dir.path().to_owned()),
+        kernel_cache_key: None,
         graphs: true,
         max_batch_tokens: 64,
     };
@@ -148,6 +149,8 @@ fn a_restart_restores_kernels_from_the_cache() {
     let opts = CudaOptions {
         device: 0,
         kernel_cache: Some(dir.path().to_owned()),
+        // Signed, as in a deployment: the restart loads only what was signed.
+        kernel_cache_key: Some([7; 32]),
         graphs: false,
         max_batch_tokens: 16,
     };

@@ -8,12 +8,19 @@
 //!
 //! Each entry is one file: `PHKC` magic, XXH3-64 of the payload, payload. A corrupt
 //! entry is removed and reported as a miss, never handed to a driver.
+//!
+//! Keyed ([`KernelCache::with_key`], the key derived from the deployment's cluster
+//! token): `PHKS` magic, HMAC-SHA256 of the entry's id and payload, payload. A keyed
+//! cache takes only entries signed with its key for their own id: whoever can write the
+//! node's directory without the token (another pod with a hostPath, a planted file)
+//! cannot get GPU code loaded, nor move a genuine entry under another key.
 
 use std::path::{Path, PathBuf};
 
 use crate::{Checksum, Error, Result, Snapshot};
 
 const MAGIC: &[u8; 4] = b"PHKC";
+const SIGNED: &[u8; 4] = b"PHKS";
 
 /// What a compiled kernel image is valid for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -59,13 +66,53 @@ fn clean(s: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct KernelCache {
     root: PathBuf,
+    key: Option<ring::hmac::Key>,
 }
 
 impl KernelCache {
     pub fn open(root: impl Into<PathBuf>) -> Result<Self> {
         let root = root.into();
-        std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
-        Ok(KernelCache { root })
+        if !root.is_dir() {
+            std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
+        }
+        Ok(KernelCache { root, key: None })
+    }
+
+    /// Signs what it stores with `key` and takes only entries signed with it.
+    #[must_use]
+    pub fn with_key(mut self, key: &[u8]) -> Self {
+        self.key = Some(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
+        self
+    }
+
+    fn tag(key: &ring::hmac::Key, id: &str, image: &[u8]) -> ring::hmac::Tag {
+        let msg = [&(id.len() as u32).to_le_bytes()[..], id.as_bytes(), image].concat();
+        ring::hmac::sign(key, &msg)
+    }
+
+    /// The payload of a stored entry, if it is intact (and, keyed, signed for `id`).
+    fn check<'a>(&self, id: &str, b: &'a [u8]) -> Option<&'a [u8]> {
+        match &self.key {
+            None => (b.len() >= 12
+                && &b[..4] == MAGIC
+                && Checksum::of(&b[12..]).0
+                    == u64::from_le_bytes(b[4..12].try_into().expect("8 bytes")))
+            .then(|| &b[12..]),
+            Some(key) => {
+                if b.len() < 36 || &b[..4] != SIGNED {
+                    return None;
+                }
+                let msg = [
+                    &(id.len() as u32).to_le_bytes()[..],
+                    id.as_bytes(),
+                    &b[36..],
+                ]
+                .concat();
+                // Compared in constant time.
+                let ok = ring::hmac::verify(key, &msg, &b[4..36]).is_ok();
+                ok.then(|| &b[36..])
+            }
+        }
     }
 
     fn path(&self, id: &str) -> PathBuf {
@@ -80,16 +127,16 @@ impl KernelCache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(&p, e)),
         };
-        let ok = b.len() >= 12
-            && &b[..4] == MAGIC
-            && Checksum::of(&b[12..]).0
-                == u64::from_le_bytes(b[4..12].try_into().expect("8 bytes"));
-        if !ok {
-            tracing::warn!(path = %p.display(), "corrupt kernel-cache entry removed");
-            let _ = std::fs::remove_file(&p);
-            return Ok(None);
+        match self.check(id, &b) {
+            Some(image) => Ok(Some(image.to_vec())),
+            None => {
+                // (A reader on a read-only mount cannot remove it; it still never
+                // loads it.)
+                tracing::warn!(path = %p.display(), signed = self.key.is_some(), "corrupt or unsigned kernel-cache entry ignored and removed");
+                let _ = std::fs::remove_file(&p);
+                Ok(None)
+            }
         }
-        Ok(Some(b[12..].to_vec()))
     }
 
     /// Stores `image` under `id` atomically (temp file, fsync, rename).
@@ -99,8 +146,11 @@ impl KernelCache {
             tempfile::NamedTempFile::new_in(&self.root).map_err(|e| Error::io(&self.root, e))?;
         use std::io::Write;
         let f = tmp.as_file_mut();
-        f.write_all(MAGIC)
-            .and_then(|()| f.write_all(&Checksum::of(image).0.to_le_bytes()))
+        let head = match &self.key {
+            Some(key) => [&SIGNED[..], Self::tag(key, id, image).as_ref()].concat(),
+            None => [&MAGIC[..], &Checksum::of(image).0.to_le_bytes()[..]].concat(),
+        };
+        f.write_all(&head)
             .and_then(|()| f.write_all(image))
             .and_then(|()| f.sync_all())
             .and_then(|()| crate::writer::shareable(f))
@@ -182,5 +232,41 @@ mod tests {
         std::fs::write(&p, b).unwrap();
         assert_eq!(c2.get(&id).unwrap(), None);
         assert!(!p.exists(), "corrupt entries are removed");
+    }
+
+    #[test]
+    fn a_keyed_cache_takes_only_entries_signed_for_their_id() {
+        let d = tempfile::tempdir().unwrap();
+        let agent = KernelCache::open(d.path())
+            .unwrap()
+            .with_key(b"deployment key");
+        let worker = KernelCache::open(d.path())
+            .unwrap()
+            .with_key(b"deployment key");
+        agent.put("a--cuda--sm_90--550", b"genuine image").unwrap();
+        assert_eq!(
+            worker.get("a--cuda--sm_90--550").unwrap().as_deref(),
+            Some(&b"genuine image"[..])
+        );
+        // Planted without the key: an unsigned entry, one signed with another key, a
+        // genuine entry copied under another id. None is ever handed out.
+        KernelCache::open(d.path())
+            .unwrap()
+            .put("planted", b"evil")
+            .unwrap();
+        KernelCache::open(d.path())
+            .unwrap()
+            .with_key(b"another key")
+            .put("forged", b"evil")
+            .unwrap();
+        std::fs::copy(
+            d.path().join("a--cuda--sm_90--550.kcache"),
+            d.path().join("b--cuda--sm_90--550.kcache"),
+        )
+        .unwrap();
+        for id in ["planted", "forged", "b--cuda--sm_90--550"] {
+            assert_eq!(worker.get(id).unwrap(), None, "{id}");
+        }
+        assert!(worker.get("a--cuda--sm_90--550").unwrap().is_some());
     }
 }

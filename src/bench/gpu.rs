@@ -75,6 +75,7 @@ mod on_gpu {
                 &CudaOptions {
                     device: 0,
                     kernel_cache: Some(cache.clone()),
+                    kernel_cache_key: None,
                     graphs: true,
                     max_batch_tokens: 256,
                 },

@@ -158,6 +158,14 @@ def check_variant(variant, values, defaults, schema, dump):
                 jsonschema.validate(o, schema)
             except jsonschema.ValidationError as e:
                 fail(variant, f"{name} fails KEDA's schema: {e.message} at {list(e.absolute_path)}")
+        elif o["kind"] == "TriggerAuthentication":
+            # No schema shipped here: the fields KEDA's external scaler reads.
+            refs = o["spec"].get("secretTargetRef", [])
+            params = sorted(r["parameter"] for r in refs)
+            if params not in (["caCert"], ["caCert", "tlsClientCert", "tlsClientKey"]):
+                fail(variant, f"{name}: parameters {params}")
+            if any(not r.get("name") or not r.get("key") for r in refs):
+                fail(variant, f"{name}: a secretTargetRef without name or key")
         elif o["kind"] == "ServiceMonitor":
             if not o["spec"].get("endpoints"):
                 fail(variant, f"{name} has no endpoints")
@@ -214,6 +222,15 @@ def check_variant(variant, values, defaults, schema, dump):
     if sc_dep and sc_dep[0]["spec"].get("strategy", {}).get("type") != "Recreate":
         fail(variant, "the scaler's rollout can run two scalers at once (strategy is not Recreate)")
     check_security(variant, merged, by_kind)
+    tls = merged["scaler"]["tls"]
+    if tls["secret"] and merged["scaler"]["mode"] == "keda":
+        auth = names("TriggerAuthentication")
+        for so in by_kind.get("ScaledObject", []):
+            refs = [t.get("authenticationRef", {}).get("name") for t in so["spec"]["triggers"]]
+            if any(r not in auth for r in refs):
+                fail(variant, f'{so["metadata"]["name"]}: TLS scaler without a TriggerAuthentication')
+    if tls["clientSecret"] and not tls["secret"]:
+        fail(variant, "scaler.tls.clientSecret without scaler.tls.secret")
     # Workers: probes sized for loading, drain covered by the grace period, warm affinity.
     for d in by_kind.get("Deployment", []):
         pod = d["spec"]["template"]["spec"]

@@ -636,7 +636,10 @@ impl Cluster {
             v
         };
         for (name, kind, probe, ip) in due {
-            let port = self.port_of(&name, &probe["httpGet"]["port"]);
+            // A pod deleted since the list was taken is not probed.
+            let Some(port) = self.port_of(&name, &probe["httpGet"]["port"]) else {
+                continue;
+            };
             let path = probe["httpGet"]["path"].as_str().unwrap_or("/");
             let ok = http_ok(&format!("http://{ip}:{port}{path}"));
             let period = probe["periodSeconds"].as_u64().unwrap_or(10);
@@ -678,20 +681,22 @@ impl Cluster {
         }
     }
 
-    /// A probe's port: a number, or the name of one of the container's ports.
-    fn port_of(&self, pod: &str, port: &Value) -> u64 {
+    /// A probe's port: a number, or the name of one of the container's ports; `None`
+    /// once the pod is gone.
+    fn port_of(&self, pod: &str, port: &Value) -> Option<u64> {
         if let Some(n) = port.as_u64() {
-            return n;
+            return Some(n);
         }
         let s = self.state.lock().unwrap();
-        let spec = &s.pods[pod].spec;
-        spec["containers"][0]["ports"]
+        let spec = &s.pods.get(pod)?.spec;
+        let n = spec["containers"][0]["ports"]
             .as_array()
             .into_iter()
             .flatten()
             .find(|p| p["name"] == *port)
             .and_then(|p| p["containerPort"].as_u64())
-            .unwrap_or_else(|| panic!("{pod}: no port {port}"))
+            .unwrap_or_else(|| panic!("{pod}: no port {port}"));
+        Some(n)
     }
 
     /// The logs of a pod's container (for failure messages).

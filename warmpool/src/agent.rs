@@ -202,7 +202,12 @@ pub async fn run(
         .kernel_cache_dir
         .as_ref()
         .map(KernelCache::open)
-        .transpose()?;
+        .transpose()?
+        .map(|c| match &cfg.cluster_token {
+            // Signed: workers load only what the agent put there.
+            Some((t, _)) => c.with_key(&t.prove(preheat_edge::token::KERNEL_CACHE_LABEL, &[])),
+            None => c,
+        });
     let metrics = Arc::new(AgentMetrics::new());
     metrics
         .disk_budget

@@ -99,6 +99,9 @@ pub struct CudaOptions {
     pub device: usize,
     /// Where compiled kernels are kept across restarts.
     pub kernel_cache: Option<std::path::PathBuf>,
+    /// The deployment's kernel-cache key (from the cluster token): only entries signed
+    /// with it are loaded.
+    pub kernel_cache_key: Option<[u8; 32]>,
     /// Capture decode graphs at start (otherwise every step launches kernels).
     pub graphs: bool,
     /// Most tokens one forward pass carries (prefill chunk); larger batches reallocate
@@ -257,7 +260,10 @@ impl CudaBackend {
         let t = Instant::now();
         let cache = match &opts.kernel_cache {
             Some(dir) => match KernelCache::open(dir) {
-                Ok(c) => Some(c),
+                Ok(c) => Some(match &opts.kernel_cache_key {
+                    Some(k) => c.with_key(k),
+                    None => c,
+                }),
                 Err(e) => {
                     tracing::warn!(error = %e, "kernel cache unusable; compiling");
                     None
