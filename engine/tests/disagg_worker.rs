@@ -244,3 +244,109 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
     let _ = stop_tx.send(());
     w.await.unwrap().unwrap();
 }
+
+/// A KV peer that takes the connection and then never answers (a stalled or hostile
+/// prefill endpoint). With the deployment's token, a decode worker gives up after its
+/// transfer timeout, reports a prefill failure (the gateway then prefills elsewhere or
+/// locally) and has released the reservation; an `http://` prefill address, which would
+/// be sent the token itself, is refused by name.
+#[tokio::test]
+async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
+    use std::sync::Arc;
+    let token = Arc::new(preheat_edge::ClusterToken::new(
+        b"stalled-peer-test-token-0123456789abcdef",
+    ));
+    let stall = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stall_addr = stall.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = stall.accept().await {
+            held.push(s); // read nothing, answer nothing
+        }
+    });
+    let model = preheat_testkit::model_fixture("llama-tiny");
+    let (dl, decode) = listen().await;
+    let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
+    serve.kv_cache_bytes = 8 << 20;
+    serve.role = Role::Decode;
+    serve.cluster_token = Some(Arc::clone(&token));
+    let opts = WorkerOptions {
+        serve,
+        role: WorkerRole::Decode,
+        gateway: None,
+        advertise: decode.clone(),
+        heartbeat: Duration::from_millis(200),
+        transfer_timeout: Duration::from_secs(2),
+        kv_listener: None,
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let w = tokio::spawn(worker::run(dl, opts, async {
+        let _ = stop_rx.await;
+    }));
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    while !c
+        .get(format!("{decode}/health"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let generate = |prefill: Option<String>| {
+        c.post(format!("{decode}/internal/generate"))
+            .header("authorization", token.bearer())
+            .json(&GenerateBody {
+                request_id: "r".into(),
+                prompt: (1..100).collect(),
+                params: SamplingParams {
+                    temperature: 0.0,
+                    max_tokens: 3,
+                    ignore_eos: true,
+                    ..SamplingParams::default()
+                },
+                prefill,
+            })
+            .send()
+    };
+    let r = generate(Some("http://127.0.0.1:9/internal/prefill".into()))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e: WireError = r.json().await.unwrap();
+    assert!(e.message.contains("tcp://"), "{e:?}");
+    let t0 = Instant::now();
+    let r = generate(Some(format!("tcp://{stall_addr}"))).await.unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(r.status(), 502);
+    let e: WireError = r.json().await.unwrap();
+    assert!(e.prefill_failed, "{e:?}");
+    assert!(waited < Duration::from_secs(6), "{waited:?}");
+    // The reservation is back: a local request runs and usage returns to zero.
+    let t0 = Instant::now();
+    loop {
+        let r = generate(None).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.text().await.unwrap().contains("\"finished\""));
+        let m = c
+            .get(format!("{decode}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if kv_usage(&m) == 0.0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "blocks leaked: {}",
+            kv_usage(&m)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop_tx.send(());
+    w.await.unwrap().unwrap();
+}
