@@ -66,8 +66,9 @@ pub enum WarmpoolCmd {
     /// Stage one snapshot into a directory: parallel, resumable, verified, published
     /// atomically. Exit 0 only when a verified snapshot is in place.
     Stage {
-        /// A path or http(s) URL of a snapshot or packed snapshot.
-        #[arg(long)]
+        /// A path or http(s) URL of a snapshot or packed snapshot (or
+        /// `$PREHEAT_MODEL_SOURCE`, so a URL with credentials stays out of argv).
+        #[arg(long, env = "PREHEAT_MODEL_SOURCE", hide_env_values = true)]
         source: String,
         #[arg(long)]
         dir: PathBuf,
@@ -287,8 +288,9 @@ pub struct GatewayArgs {
     /// snapshot or packed snapshot as a path or http(s) URL (Range reads), or a
     /// Hugging Face directory or .gguf file (converted, as workers do). With it the
     /// gateway is ready at once and holds requests while both pools are at zero;
-    /// without it, the first worker to register sets the model.
-    #[arg(long)]
+    /// without it, the first worker to register sets the model. Also
+    /// `$PREHEAT_MODEL_SOURCE`, so a URL with credentials stays out of argv.
+    #[arg(long, env = "PREHEAT_MODEL_SOURCE", hide_env_values = true)]
     pub model: Option<String>,
     /// Name clients use in the `model` field (default: the file name).
     #[arg(long)]

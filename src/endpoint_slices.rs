@@ -102,17 +102,7 @@ async fn poll_agents(
     token: Option<Arc<preheat_edge::ClusterToken>>,
 ) {
     // The agents' API asks for the cluster token; this client goes nowhere else.
-    let mut headers = reqwest::header::HeaderMap::new();
-    if let Some(t) = &token
-        && let Ok(mut v) = reqwest::header::HeaderValue::from_str(&t.bearer())
-    {
-        v.set_sensitive(true);
-        headers.insert(reqwest::header::AUTHORIZATION, v);
-    }
-    let client = reqwest::Client::builder()
-        .default_headers(headers)
-        .build()
-        .unwrap_or_default();
+    let client = preheat_edge::client::internal_with_token(token.as_deref());
     loop {
         let bases: Vec<String> = agents.state().iter().flat_map(|s| ready_urls(s)).collect();
         let read = standbys::read_agents(&client, &bases, Duration::from_secs(2)).await;

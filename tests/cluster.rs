@@ -92,6 +92,11 @@ struct Run {
 /// Installs the chart with `extra` values on a fresh two-node cluster and waits for
 /// every gateway replica to be Ready.
 fn install(extra: Value, subnet: u8) -> Option<Run> {
+    install_with(extra, subnet, Vec::new())
+}
+
+/// [`install`], with objects the operator created beforehand (Secrets the values name).
+fn install_with(extra: Value, subnet: u8, before: Vec<Value>) -> Option<Run> {
     let tag = image()?;
     let lock = ONE_AT_A_TIME
         .lock()
@@ -107,7 +112,7 @@ fn install(extra: Value, subnet: u8) -> Option<Run> {
     let store = preheat_testkit::serve_files_on(model.path(), &host);
     let values = emulator::values(tag, &format!("{store}/tiny.phpack"), extra);
     let objects = emulator::render(&values);
-    c.apply(objects.clone());
+    c.apply(before.into_iter().chain(objects.clone()).collect());
     let c = Arc::new(c);
     let teardown = Teardown(Arc::clone(&c));
     c.start();
@@ -567,4 +572,88 @@ fn i_direct_mode_serves_from_zero_and_a_scaler_restart_shrinks_nothing() {
         "the scaler woke decode itself: {set:?}"
     );
     disrupt_under_load(&run, "a restart in direct mode", kill_the_scaler);
+}
+
+#[test]
+fn j_keda_reaches_the_scaler_over_mutual_tls_and_nobody_else_does() {
+    // The Secrets an operator (or cert-manager) makes: the scaler's certificate with
+    // its CA, and KEDA's client certificate.
+    let certs = tempfile::tempdir().unwrap();
+    preheat_testkit::make_certs(certs.path());
+    let pem = |f: &str| std::fs::read(certs.path().join(f)).unwrap();
+    let (ca, srv, srv_key, cli, cli_key) = (
+        pem("ca.pem"),
+        pem("srv.pem"),
+        pem("srv.key"),
+        pem("cli.pem"),
+        pem("cli.key"),
+    );
+    let before = vec![
+        emulator::secret_object(
+            "rel-preheat-scaler-tls",
+            &[("tls.crt", &srv), ("tls.key", &srv_key), ("ca.crt", &ca)],
+        ),
+        emulator::secret_object(
+            "keda-client-tls",
+            &[("tls.crt", &cli), ("tls.key", &cli_key)],
+        ),
+    ];
+    let values = json!({"scaler": {"tls": {
+        "secret": "rel-preheat-scaler-tls", "clientSecret": "keda-client-tls"
+    }}});
+    let Some(run) = install_with(values, 222, before) else {
+        return;
+    };
+    // KEDA, through the TriggerAuthentication, wakes the pools for the first request.
+    let (status, body) = complete(&run.gateway, 4);
+    assert_eq!(status, 200, "{body}");
+    // Anyone else is refused: plain gRPC, and TLS without a client certificate.
+    let scaler = emulator::expose(&run.c, SCALER, 9090);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let sref = preheat_scaler::proto::ScaledObjectRef {
+        name: "x".into(),
+        namespace: "llm".into(),
+        scaler_metadata: [
+            ("pool".to_owned(), "decode".to_owned()),
+            ("model".to_owned(), "tiny".to_owned()),
+        ]
+        .into_iter()
+        .collect(),
+    };
+    rt.block_on(async {
+        use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+        let plain = async {
+            let ch = Endpoint::from_shared(format!("http://{scaler}"))?
+                .connect()
+                .await?;
+            Ok::<_, Box<dyn std::error::Error>>(
+                ExternalScalerClient::new(ch)
+                    .is_active(sref.clone())
+                    .await?,
+            )
+        };
+        assert!(plain.await.is_err(), "plain gRPC reached a TLS scaler");
+        let anonymous = async {
+            let tls = ClientTlsConfig::new()
+                .domain_name("localhost")
+                .ca_certificate(Certificate::from_pem(&ca));
+            let ch = Endpoint::from_shared(format!("https://{scaler}"))?
+                .tls_config(tls)?
+                .connect()
+                .await?;
+            Ok::<_, Box<dyn std::error::Error>>(
+                ExternalScalerClient::new(ch)
+                    .is_active(sref.clone())
+                    .await?,
+            )
+        };
+        assert!(
+            anonymous.await.is_err(),
+            "a client without a certificate was served"
+        );
+    });
 }

@@ -65,13 +65,6 @@ fn read(path: &Path) -> Result<HashMap<Vec<u8>, String>, EdgeError> {
             )
         })
         .collect();
-    if keys.is_empty() {
-        // Refused rather than taken as "nobody may call": an empty Secret is a mistake.
-        return Err(EdgeError::Empty {
-            what: "the API keys",
-            path: shown,
-        });
-    }
     Ok(keys)
 }
 
@@ -79,6 +72,14 @@ impl ApiKeys {
     /// Reads the keys in `path` (blank lines and `#` comments skipped).
     pub fn load(path: &Path) -> Result<Self, EdgeError> {
         let keys = read(path)?;
+        if keys.is_empty() {
+            // Refused at start rather than taken as "nobody may call": a process
+            // started with an empty file is a mistake. (Emptied later, it revokes all.)
+            return Err(EdgeError::Empty {
+                what: "the API keys",
+                path: path.display().to_string(),
+            });
+        }
         let requests = IntCounterVec::new(
             Opts::new(
                 REQUESTS_METRIC,
@@ -110,8 +111,9 @@ impl ApiKeys {
         &self.registry
     }
 
-    /// Picks up a changed file; a file that cannot be read keeps the keys in force (a
-    /// half-written Secret must not lock every client out).
+    /// Picks up a changed file: an emptied one revokes every key; one that cannot be
+    /// read keeps the keys in force (a Secret being swapped must not lock every client
+    /// out).
     fn refresh(&self) {
         let due = self
             .loaded
@@ -134,6 +136,9 @@ impl ApiKeys {
         }
         match read(&self.path) {
             Ok(keys) => {
+                if keys.is_empty() {
+                    tracing::warn!(path = %self.path.display(), "the API keys file is empty: every key is revoked");
+                }
                 tracing::info!(path = %self.path.display(), keys = keys.len(), "API keys reloaded");
                 l.keys = keys;
                 l.stamp = now;
@@ -186,10 +191,15 @@ mod tests {
         std::thread::sleep(RECHECK + Duration::from_millis(50));
         assert!(k.check(Some(b"Bearer sk-gamma")).is_some());
         assert!(k.check(Some(b"Bearer sk-beta")).is_none());
-        // A broken file keeps the keys in force.
-        std::fs::write(&p, "\n").unwrap();
+        // An unreadable file keeps the keys in force...
+        std::fs::remove_file(&p).unwrap();
         std::thread::sleep(RECHECK + Duration::from_millis(50));
         assert!(k.check(Some(b"Bearer sk-gamma")).is_some());
+        // ...an emptied one revokes them all (a leaked key is taken out by emptying it).
+        std::fs::write(&p, "# revoked\n").unwrap();
+        std::thread::sleep(RECHECK + Duration::from_millis(50));
+        assert!(k.check(Some(b"Bearer sk-gamma")).is_none());
+        assert!(k.check(Some(b"Bearer sk-alpha")).is_none());
         let text = prometheus::TextEncoder::new()
             .encode_to_string(&k.registry().gather())
             .unwrap();

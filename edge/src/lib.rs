@@ -14,6 +14,7 @@
 //! - [`listener::serve`]: every listener's connection cap and header/body deadlines.
 
 pub mod api_keys;
+pub mod client;
 pub mod listener;
 pub mod routes;
 pub mod token;
@@ -40,6 +41,10 @@ pub enum EdgeError {
         len: usize,
         min: usize,
     },
+    #[error(
+        "the cluster token in {path} has bytes other than printable ASCII (it travels in an HTTP header; e.g. `openssl rand -hex 32`)"
+    )]
+    NotPrintable { path: String },
     #[error("writing {path}: {source}")]
     Write {
         path: String,

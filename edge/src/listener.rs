@@ -21,8 +21,12 @@ pub struct Limits {
     /// Time to send a request's headers (and, on a kept-alive connection, to start
     /// the next request).
     pub header_timeout: Duration,
-    /// Time to send a request's whole body once its headers arrived.
+    /// Time to send a request's whole body once its headers arrived (an absolute
+    /// deadline, not an idle timer: a byte every few seconds does not extend it).
     pub body_timeout: Duration,
+    /// Longest a response write may wait on a peer that does not read (a stalled
+    /// stream reader holds its slot no longer).
+    pub write_stall: Duration,
 }
 
 impl Limits {
@@ -31,13 +35,142 @@ impl Limits {
         max_connections: 4096,
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(30),
+        write_stall: Duration::from_secs(60),
     };
     /// A listener for our own processes: fewer peers.
     pub const INTERNAL: Limits = Limits {
         max_connections: 1024,
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(30),
+        write_stall: Duration::from_secs(60),
     };
+}
+
+/// After the stop, open connections (long streams the caller's drain did not wait
+/// for) get this long before the listener returns anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// A request body that fails once its deadline (from when the headers arrived) has
+/// passed: a handler reading it gets an error, however the bytes trickle. Nothing is
+/// read until a handler reads it, so a refused request (401 at the gate) never is.
+struct DeadlineBody {
+    inner: axum::body::Body,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            return std::task::Poll::Ready(Some(Err(axum::Error::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "request body not sent in time",
+            )))));
+        }
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+async fn body_deadline(
+    axum::extract::State(limit): axum::extract::State<Duration>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let req = req.map(|inner| {
+        axum::body::Body::new(DeadlineBody {
+            inner,
+            deadline: Box::pin(tokio::time::sleep(limit)),
+        })
+    });
+    next.run(req).await
+}
+
+/// A connection whose writes fail once the peer has not taken a byte for `limit`.
+struct StallGuard<S> {
+    inner: S,
+    limit: Duration,
+    stalled_since: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> StallGuard<S> {
+    fn check(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        let limit = self.limit;
+        let sleep = self
+            .stalled_since
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match sleep.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the peer stopped reading",
+            ))),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for StallGuard<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallGuard<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match std::pin::Pin::new(&mut self.inner).poll_write(cx, buf) {
+            std::task::Poll::Pending => match self.check(cx) {
+                std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
+                _ => std::task::Poll::Pending,
+            },
+            done => {
+                self.stalled_since = None;
+                done
+            }
+        }
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match std::pin::Pin::new(&mut self.inner).poll_flush(cx) {
+            std::task::Poll::Pending => match self.check(cx) {
+                std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
+                _ => std::task::Poll::Pending,
+            },
+            done => {
+                self.stalled_since = None;
+                done
+            }
+        }
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Serves `app` on `listener` until `stop` resolves, then waits for open requests to
@@ -48,8 +181,9 @@ pub async fn serve(
     limits: Limits,
     stop: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    let app = app.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+    let app = app.layer(axum::middleware::from_fn_with_state(
         limits.body_timeout,
+        body_deadline,
     ));
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     let graceful = GracefulShutdown::new();
@@ -79,10 +213,15 @@ pub async fn serve(
         refused_logged = false;
         let _ = stream.set_nodelay(true);
         let svc = TowerToHyperService::new(app.clone());
+        let io = StallGuard {
+            inner: stream,
+            limit: limits.write_stall,
+            stalled_since: None,
+        };
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
-            .serve_connection(TokioIo::new(stream), svc);
+            .serve_connection(TokioIo::new(io), svc);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _slot = slot;
@@ -91,7 +230,17 @@ pub async fn serve(
             }
         });
     }
-    graceful.shutdown().await;
+    // New connections are refused from here on (not left in the backlog unserved).
+    drop(listener);
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "connections still open {} s after the stop; closing",
+            SHUTDOWN_GRACE.as_secs()
+        );
+    }
     Ok(())
 }
 
@@ -120,6 +269,7 @@ mod tests {
             max_connections: 2,
             header_timeout: Duration::from_millis(300),
             body_timeout: Duration::from_millis(300),
+            write_stall: Duration::from_millis(300),
         };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(serve(l, app, limits, async {
@@ -131,12 +281,22 @@ mod tests {
             .write_all(b"POST / HTTP/1.1\r\nHost: x\r\n")
             .await
             .unwrap();
-        // A body that never finishes: answered with an error, not waited on forever.
+        // A body that trickles (a byte every 100 ms, never idle for the deadline):
+        // refused at the deadline, not waited on forever.
         let mut slow_body = tokio::net::TcpStream::connect(addr).await.unwrap();
         slow_body
             .write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
             .await
             .unwrap();
+        let (mut rd, mut wr) = slow_body.into_split();
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if wr.write_all(b"x").await.is_err() {
+                    break;
+                }
+            }
+        });
         // Both slots taken: a third connection is closed at once.
         tokio::time::sleep(Duration::from_millis(50)).await;
         let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -148,16 +308,15 @@ mod tests {
             closed_within(&mut loris, Duration::from_secs(3)).await,
             "slow headers kept"
         );
-        let mut answer = Vec::new();
-        let _ =
-            tokio::time::timeout(Duration::from_secs(3), slow_body.read_to_end(&mut answer)).await;
-        let answer = String::from_utf8_lossy(&answer);
-        assert!(
-            answer.starts_with("HTTP/1.1 408")
-                || answer.starts_with("HTTP/1.1 400")
-                || answer.is_empty(),
-            "{answer}"
-        );
+        let mut answer = vec![0u8; 64];
+        let t0 = std::time::Instant::now();
+        let n = tokio::time::timeout(Duration::from_secs(3), rd.read(&mut answer))
+            .await
+            .expect("the trickled body was waited on past its deadline")
+            .unwrap_or(0);
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 4"), "{answer}");
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
         // The slots are free again: a normal request is served.
         let mut ok = tokio::net::TcpStream::connect(addr).await.unwrap();
         ok.write_all(

@@ -93,11 +93,28 @@ async fn internal_gate(
             .get(header::AUTHORIZATION)
             .map(|v| v.as_bytes());
         if !token.accepts(auth) {
-            tracing::warn!(path = %req.uri().path(), "internal request without the cluster token refused");
+            refused_log(req.uri().path());
             return unauthorized();
         }
     }
     next.run(req).await
+}
+
+/// Logs a refusal at most once a second (a flood of them must not flood the log),
+/// the path escaped (a caller picks it).
+fn refused_log(path: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST.swap(now, Ordering::Relaxed) == now {
+        SUPPRESSED.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let more = SUPPRESSED.swap(0, Ordering::Relaxed);
+    tracing::warn!(path = ?path, refused_since_last_log = more, "internal request without the cluster token refused");
 }
 
 /// The 401 of an internal listener.

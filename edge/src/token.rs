@@ -49,6 +49,10 @@ impl ClusterToken {
             source,
         })?;
         let t = Self::new(&raw);
+        if !t.secret.iter().all(|b| b.is_ascii_graphic()) {
+            // It travels in an HTTP header: binary bytes would not survive.
+            return Err(EdgeError::NotPrintable { path: shown });
+        }
         match t.secret.len() {
             0 => Err(EdgeError::Empty {
                 what: "the cluster token",
@@ -83,8 +87,14 @@ impl ClusterToken {
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         let write = || -> std::io::Result<()> {
             use std::io::Write;
+            // A fresh file of our own (never one planted there, never through a link),
+            // readable by its owner only.
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
             let mut o = std::fs::OpenOptions::new();
-            o.write(true).create(true).truncate(true);
+            o.write(true).create_new(true);
             #[cfg(unix)]
             std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
             o.open(path)?.write_all(hex.as_bytes())
@@ -184,6 +194,11 @@ mod tests {
         assert!(matches!(
             ClusterToken::from_file(&p),
             Err(EdgeError::Empty { .. })
+        ));
+        std::fs::write(&p, b"\x00\x01binary-token-0123456789abcdef0123456789").unwrap();
+        assert!(matches!(
+            ClusterToken::from_file(&p),
+            Err(EdgeError::NotPrintable { .. })
         ));
         std::fs::write(&p, "short").unwrap();
         let e = ClusterToken::from_file(&p).unwrap_err().to_string();

@@ -146,19 +146,7 @@ impl Controller {
     pub async fn run(self) {
         let client = reqwest::Client::new();
         // The token goes to the agents alone, never to scrape targets or Prometheus.
-        let agents_client = {
-            let mut headers = reqwest::header::HeaderMap::new();
-            if let Some(t) = &self.agent_token
-                && let Ok(mut v) = reqwest::header::HeaderValue::from_str(&t.bearer())
-            {
-                v.set_sensitive(true);
-                headers.insert(reqwest::header::AUTHORIZATION, v);
-            }
-            reqwest::Client::builder()
-                .default_headers(headers)
-                .build()
-                .unwrap_or_else(|_| client.clone())
-        };
+        let agents_client = preheat_edge::client::internal_with_token(self.agent_token.as_deref());
         let prom = self.cfg.prometheus_url.as_deref().map(|u| {
             PromSource::new(client.clone(), u, self.cfg.window_s, self.cfg.interval_s)
                 .with_scrape_interval(self.cfg.prometheus_scrape_interval_s)

@@ -200,7 +200,14 @@ pub async fn run_with(
         .await
     });
     let mut rx_grpc = rx;
-    let mut builder = tonic::transport::Server::builder();
+    // KEDA holds one stream per ScaledObject plus its polls: bounded per connection,
+    // and dead peers found by keep-alives instead of holding their streams forever.
+    let mut builder = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(256)
+        .max_concurrent_streams(1024)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+        .tcp_keepalive(Some(std::time::Duration::from_secs(60)));
     if let Some(t) = &cfg_tls {
         builder = builder
             .tls_config(tls_config(t)?)

@@ -129,6 +129,8 @@ def check_security(variant, merged, by_kind):
             if want not in policies:
                 fail(variant, f"no NetworkPolicy {want}")
         for o in by_kind.get("NetworkPolicy", []):
+            if any(not r.get("from") for r in o["spec"].get("ingress", [])):
+                fail(variant, f'NetworkPolicy/{o["metadata"]["name"]} has a rule open to everyone')
             if o["metadata"]["name"] == "rel-preheat-prefill":
                 kv = [r for r in o["spec"]["ingress"] if any(p["port"] == merged["prefill"]["kvPort"] for p in r.get("ports", []))]
                 comps = sorted(f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for r in kv for f in r["from"])
@@ -243,9 +245,13 @@ def check_variant(variant, values, defaults, schema, dump):
             # zero) and drains held requests and streams on a rollout.
             c = pod["containers"][0]
             args = c.get("args", [])
-            want_model = "$(PREHEAT_MODEL_SOURCE)" if merged["model"]["sourceSecret"]["name"] else merged["model"]["source"]
-            if f'--model={want_model}' not in args:
-                fail(variant, f"gateway: not started with --model={want_model}")
+            if merged["model"]["sourceSecret"]["name"]:
+                env = {e["name"]: e for e in c.get("env", [])}
+                ref = env.get("PREHEAT_MODEL_SOURCE", {}).get("valueFrom", {}).get("secretKeyRef", {})
+                if ref.get("name") != merged["model"]["sourceSecret"]["name"] or any(a.startswith("--model") for a in args):
+                    fail(variant, "gateway: the model source is not taken from its Secret through the environment")
+            elif f'--model={merged["model"]["source"]}' not in args:
+                fail(variant, "gateway: not started with --model=<model.source>")
             if f'--block-size={merged["kvBlockSize"]}' not in args:
                 fail(variant, "gateway: --block-size does not follow kvBlockSize")
             drain = merged["gateway"]["drainGraceSeconds"]

@@ -945,6 +945,32 @@ pub fn render(values: &Value) -> Vec<Value> {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// A Secret as an operator (or cert-manager) would create it beside the release.
+pub fn secret_object(name: &str, data: &[(&str, &[u8])]) -> Value {
+    let data: serde_json::Map<String, Value> = data
+        .iter()
+        .map(|(k, v)| {
+            let out = Command::new("base64")
+                .arg("-w0")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .and_then(|mut c| {
+                    use std::io::Write;
+                    c.stdin.take().unwrap().write_all(v)?;
+                    c.wait_with_output()
+                })
+                .unwrap();
+            (
+                (*k).to_owned(),
+                Value::String(String::from_utf8(out.stdout).unwrap()),
+            )
+        })
+        .collect();
+    serde_json::json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                       "metadata": {"name": name}, "data": data})
+}
+
 /// A Secret's value (`base64 -d`, coreutils).
 fn base64_decode(b64: &str) -> Vec<u8> {
     let out = Command::new("base64")

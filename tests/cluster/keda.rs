@@ -21,6 +21,58 @@ use tokio_stream::StreamExt;
 
 use super::emulator::{Cluster, set_scale};
 
+/// How KEDA reaches the scaler: plain gRPC, or TLS with what the ScaledObject's
+/// TriggerAuthentication names (`caCert`, and `tlsClientCert`/`tlsClientKey` for
+/// mutual TLS), read from the Secrets as KEDA reads them.
+#[derive(Clone)]
+struct Conn {
+    url: String,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+}
+
+impl Conn {
+    fn of(c: &Cluster, so: &Value, scaler: &str) -> Conn {
+        let Some(auth) = so["spec"]["triggers"][0]["authenticationRef"]["name"].as_str() else {
+            return Conn {
+                url: format!("http://{scaler}"),
+                tls: None,
+            };
+        };
+        let ta = c.object("TriggerAuthentication", auth);
+        let mut got: HashMap<String, Vec<u8>> = HashMap::new();
+        for r in ta["spec"]["secretTargetRef"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let v = c.secret(r["name"].as_str().unwrap(), r["key"].as_str().unwrap());
+            got.insert(r["parameter"].as_str().unwrap().to_owned(), v);
+        }
+        // The test certificate names localhost (KEDA would check the scalerAddress
+        // host, `<release>-preheat-scaler.<namespace>.svc`, against a real one).
+        let mut tls = tonic::transport::ClientTlsConfig::new()
+            .domain_name("localhost")
+            .ca_certificate(tonic::transport::Certificate::from_pem(&got["caCert"]));
+        if let (Some(cert), Some(key)) = (got.get("tlsClientCert"), got.get("tlsClientKey")) {
+            tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        Conn {
+            url: format!("https://{scaler}"),
+            tls: Some(tls),
+        }
+    }
+
+    async fn connect(
+        &self,
+    ) -> Result<ExternalScalerClient<tonic::transport::Channel>, tonic::transport::Error> {
+        let mut ep = tonic::transport::Endpoint::from_shared(self.url.clone())?;
+        if let Some(t) = &self.tls {
+            ep = ep.tls_config(t.clone())?;
+        }
+        Ok(ExternalScalerClient::new(ep.connect().await?))
+    }
+}
+
 struct Spec {
     target: String,
     min: i64,
@@ -109,7 +161,7 @@ impl Spec {
 /// Drives `so` until the cluster goes; `scaler` is the scaler Service's gRPC address.
 pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
     let spec = Arc::new(Spec::of(so));
-    let url = format!("http://{scaler}");
+    let url = Conn::of(c, so, scaler);
     let last_push = Arc::new(std::sync::Mutex::new(Instant::now()));
     // External push: the stream held open, reconnected after a pause when it ends.
     {
@@ -122,7 +174,7 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
         let rt = c.rt.clone();
         rt.spawn(async move {
             while !c.stopped() {
-                if let Ok(mut client) = ExternalScalerClient::connect(url.clone()).await
+                if let Ok(mut client) = url.connect().await
                     && let Ok(r) = client.stream_is_active(spec.sref.clone()).await
                 {
                     let mut s = r.into_inner();
@@ -149,7 +201,7 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
         let mut events: VecDeque<(Instant, i64)> = VecDeque::new();
         while !c.stopped() {
             tokio::time::sleep(spec.polling).await;
-            let mut client = ExternalScalerClient::connect(url.clone()).await.ok();
+            let mut client = url.connect().await.ok();
             let is_active = match &mut client {
                 Some(cl) => cl
                     .is_active(spec.sref.clone())

@@ -71,7 +71,7 @@ impl StandbyPool {
             promoted: Vec::new(),
             draining: Vec::new(),
             host: "127.0.0.1".to_owned(),
-            client: reqwest::Client::new(),
+            client: preheat_edge::client::internal().build().unwrap_or_default(),
             token: None,
             log_dir: None,
             backoff: RestartBackoff::default(),

@@ -59,15 +59,8 @@ true
       app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* The model source as an argument: from a Secret (through $PREHEAT_MODEL_SOURCE,
-     which Kubernetes expands in args) or the plain value. */}}
-{{- define "preheat.modelSourceArg" -}}
-{{- if .Values.model.sourceSecret.name -}}
-$(PREHEAT_MODEL_SOURCE)
-{{- else -}}
-{{ .Values.model.source }}
-{{- end -}}
-{{- end -}}
+{{/* The model source from a Secret, as $PREHEAT_MODEL_SOURCE (read by the
+     gateway's --model and the staging step's --source, never in argv). */}}
 {{- define "preheat.modelSourceEnv" -}}
 {{- if .Values.model.sourceSecret.name }}
 - name: PREHEAT_MODEL_SOURCE

@@ -207,6 +207,14 @@ impl Gateway {
             .workers
             .values()
             .filter(|e| e.reg.role == role && !exclude.contains(&e.reg.id))
+            // With a token, K/V moves only over a KV port (whose handshake keeps the
+            // token off the wire); a prefill worker without one is not picked, and its
+            // requests are prefilled on the decode worker.
+            .filter(|e| {
+                role != WorkerRole::Prefill
+                    || self.opts.cluster_token.is_none()
+                    || e.reg.kv.as_deref().is_some_and(|k| k.starts_with("tcp://"))
+            })
             .collect();
         let i = match role {
             WorkerRole::Decode => pick_decode(&cands.iter().map(|e| &e.load).collect::<Vec<_>>())?,
@@ -762,8 +770,7 @@ pub async fn run(
         workers_gauge,
         reg: Mutex::new(Registry::default()),
         // A worker that does not accept a connection within seconds is not there.
-        client: reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
+        client: preheat_edge::client::internal()
             .build()
             .map_err(|e| EngineError::Internal(e.to_string()))?,
         api: api.clone(),

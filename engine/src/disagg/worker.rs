@@ -476,7 +476,9 @@ pub async fn run(
     opts: WorkerOptions,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let client = reqwest::Client::new();
+    let client = preheat_edge::client::internal()
+        .build()
+        .map_err(|e| EngineError::Internal(e.to_string()))?;
     let st = WorkerState {
         engine: Arc::new(OnceLock::new()),
         phase: Arc::new(std::sync::Mutex::new("loading")),
