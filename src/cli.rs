@@ -63,6 +63,17 @@ pub enum WarmpoolCmd {
         #[command(flatten)]
         token: ClusterTokenArgs,
     },
+    /// Give the node's cache directories (created when missing) to the user the agent
+    /// and workers run as: the chart's one root step, with only CAP_CHOWN.
+    Own {
+        /// Directories, chowned recursively (links themselves, never their targets).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long, default_value_t = 65532)]
+        uid: u32,
+        #[arg(long, default_value_t = 65532)]
+        gid: u32,
+    },
     /// Stage one snapshot into a directory: parallel, resumable, verified, published
     /// atomically. Exit 0 only when a verified snapshot is in place.
     Stage {

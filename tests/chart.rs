@@ -43,7 +43,11 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         let scaler = variant.path().join("scaler.yaml");
         let text = std::fs::read_to_string(&scaler).unwrap();
         let mounted = format!("{}/", tls.path().display());
-        std::fs::write(&scaler, text.replace("/etc/preheat/tls/", &mounted)).unwrap();
+        std::fs::write(
+            &scaler,
+            text.replace("/var/run/preheat/scaler-tls/", &mounted),
+        )
+        .unwrap();
         let cfg = preheat_scaler::config::Config::load(Some(&scaler), &[])
             .unwrap_or_else(|e| panic!("{}: {e}", scaler.display()));
         assert_eq!(cfg.models.len(), 1);

@@ -49,6 +49,17 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             })?;
             Ok(ExitCode::SUCCESS)
         }
+        WarmpoolCmd::Own { dirs, uid, gid } => {
+            let mut changed = 0;
+            for d in &dirs {
+                changed += preheat_warmpool::ownership::own_tree(d, uid, gid)?;
+            }
+            outln!(
+                "{changed} entries given to {uid}:{gid} under {} directories",
+                dirs.len()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         WarmpoolCmd::Stage {
             source,
             dir,

@@ -76,6 +76,23 @@ def deep_merge(base, over):
     return out
 
 
+def check_own_then_non_root(variant, who, pod):
+    """The only root step: `own` first, with CAP_CHOWN alone; every other init step runs
+    as the pod's non-root user."""
+    inits = pod.get("initContainers", [])
+    if not inits or inits[0]["name"] != "own" or inits[0]["args"][:2] != ["warmpool", "own"]:
+        fail(variant, f"{who}: the node directory is not given to the non-root user first")
+        return
+    sc = inits[0]["securityContext"]
+    if sc.get("runAsUser") != 0 or sc.get("capabilities", {}).get("add") != ["CHOWN"]:
+        fail(variant, f"{who}: `own` is not root with CAP_CHOWN alone")
+    psc = pod.get("securityContext", {})
+    for ic in inits[1:]:
+        user = ic.get("securityContext", {}).get("runAsUser", psc.get("runAsUser", 0))
+        if user == 0:
+            fail(variant, f"{who}: init {ic['name']} runs as root")
+
+
 def check_security(variant, merged, by_kind):
     """Every pod: seccomp RuntimeDefault, read-only roots, no capabilities beyond
     IPC_LOCK, the cluster token mounted and named; a model source from a Secret never
@@ -103,8 +120,18 @@ def check_security(variant, merged, by_kind):
                 sc = c.get("securityContext", {})
                 if not sc.get("readOnlyRootFilesystem") or sc.get("allowPrivilegeEscalation") is not False:
                     fail(variant, f"{name}/{c['name']}: root filesystem writable or privilege escalation allowed")
-                if sc.get("capabilities", {}).get("drop") != ["ALL"] or set(sc.get("capabilities", {}).get("add", [])) - {"IPC_LOCK"}:
+                # IPC_LOCK for the agent's mlock, CHOWN for the `own` step; nothing else.
+                allowed = {"CHOWN"} if c["name"] == "own" else {"IPC_LOCK"}
+                if sc.get("capabilities", {}).get("drop") != ["ALL"] or set(sc.get("capabilities", {}).get("add", [])) - allowed:
                     fail(variant, f"{name}/{c['name']}: capabilities not dropped")
+            for c in pod["containers"] + pod.get("initContainers", []):
+                # A mount inside another (read-only) one cannot get its mount point
+                # (the cluster run found the scaler's TLS under its ConfigMap).
+                paths = [m["mountPath"].rstrip("/") for m in c.get("volumeMounts", [])]
+                for a in paths:
+                    for b in paths:
+                        if b.startswith(a + "/"):
+                            fail(variant, f"{name}/{c['name']}: {b} is mounted inside {a}")
             for c in pod["containers"]:
                 env = {e["name"]: e for e in c.get("env", [])}
                 if env.get("PREHEAT_CLUSTER_TOKEN_FILE", {}).get("value") != "/var/run/preheat/cluster-token/token":
@@ -265,16 +292,14 @@ def check_variant(variant, values, defaults, schema, dump):
             c = pod["containers"][0]
             p = merged[role]
             # The image runs as 65532; workers only read the node's snapshots and stay
-            # non-root, the staging step writes the root-owned node directory as root.
+            # non-root, the staging step too once `own` (root, CAP_CHOWN alone) gave it the
+            # node directory.
             if f'--block-size={merged["kvBlockSize"]}' not in c.get("args", []):
                 fail(variant, f"{role}: --block-size does not follow kvBlockSize")
             psc = pod.get("securityContext", {})
             if not psc.get("runAsNonRoot") or psc.get("runAsUser", 0) == 0:
                 fail(variant, f"{role}: workers do not run as a non-root user")
-            for ic in pod.get("initContainers", []):
-                sc = ic.get("securityContext", {})
-                if sc.get("runAsUser") != 0 or sc.get("runAsNonRoot") is not False:
-                    fail(variant, f"{role}: init {ic['name']} cannot write the node directory (root needed, non-root policy not lifted)")
+            check_own_then_non_root(variant, role, pod)
             if "startupProbe" not in c:
                 fail(variant, f"{role}: no startupProbe")
             else:
@@ -323,9 +348,14 @@ def check_variant(variant, values, defaults, schema, dump):
     elif by_kind.get("ScaledObject"):
         fail(variant, "ScaledObjects rendered in direct mode")
     for ds in by_kind.get("DaemonSet", []):
-        for c in ds["spec"]["template"]["spec"]["containers"]:
-            if c.get("securityContext", {}).get("runAsUser") != 0:
-                fail(variant, f"{ds['metadata']['name']}: the agent cannot write the root-owned node directory")
+        pod = ds["spec"]["template"]["spec"]
+        check_own_then_non_root(variant, "agent", pod)
+        sc = pod["containers"][0].get("securityContext", {})
+        root = sc.get("runAsUser") == 0
+        if root != bool(merged["warmpool"]["mlock"]):
+            fail(variant, f"agent: root {root} with mlock {merged['warmpool']['mlock']} (root only to pin pages)")
+        if not root and not sc.get("runAsNonRoot"):
+            fail(variant, "agent: runAsNonRoot not set")
     for ds in by_kind.get("DaemonSet", []):
         args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
         if f'--listen=$(POD_IP):{merged["warmpool"]["port"]}' not in args:

@@ -25,6 +25,7 @@ pub mod hot;
 pub use preheat_snapshot::kernel_cache;
 pub mod labels;
 pub mod metrics;
+pub mod ownership;
 pub mod restart_backoff;
 pub mod stage;
 pub mod standby;

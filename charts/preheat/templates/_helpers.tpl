@@ -74,3 +74,23 @@ true
 true
 {{- end -}}
 {{- end -}}
+
+{{/* The one root step: gives the node's hostPath tree (root-owned when the kubelet
+     makes it) to the user everything else runs as, with CAP_CHOWN alone. */}}
+{{- define "preheat.ownInit" -}}
+- name: own
+  image: {{ include "preheat.image" .root }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  args: [warmpool, own, --uid=65532, --gid=65532, {{ .dir | quote }}]
+  volumeMounts:
+    - {name: {{ .volume }}, mountPath: {{ .dir }}}
+  securityContext:
+    runAsUser: 0
+    runAsNonRoot: false
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities: {drop: [ALL], add: [CHOWN]}
+  resources:
+    requests: {cpu: 10m, memory: 16Mi}
+    limits: {memory: 64Mi}
+{{- end -}}
