@@ -17,7 +17,7 @@
 mod harness;
 
 use std::process::Stdio;
-use std::sync::OnceLock;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use preheat_testkit::{KillOnDrop, free_port, model_fixture};
@@ -25,7 +25,8 @@ use serde_json::{Value, json};
 
 const KEY: &str = "sk-attack-suite-client";
 
-/// One deployment for the whole suite.
+/// A deployment for one attack: its processes are killed when it drops (a suite-wide
+/// one in a static would outlive the test binary and hold its output pipe open).
 struct Deployment {
     _procs: Vec<KillOnDrop>,
     /// The gateway's public and internal base URLs.
@@ -34,11 +35,17 @@ struct Deployment {
     decode: String,
     agent: String,
     _dir: tempfile::TempDir,
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
 }
 
-fn deployment() -> &'static Deployment {
-    static D: OnceLock<Deployment> = OnceLock::new();
-    D.get_or_init(|| {
+/// Deployments one at a time: four processes each, on two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn deployment() -> Deployment {
+    let lock = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    {
         let dir = tempfile::tempdir().unwrap();
         let keys = dir.path().join("api-keys");
         std::fs::write(&keys, format!("{KEY}\n")).unwrap();
@@ -107,6 +114,7 @@ fn deployment() -> &'static Deployment {
             decode: format!("http://127.0.0.1:{dp}"),
             agent: format!("http://127.0.0.1:{ap}"),
             _dir: dir,
+            _one_at_a_time: lock,
         };
         let t0 = Instant::now();
         while workers(&d).len() < 2 {
@@ -118,7 +126,7 @@ fn deployment() -> &'static Deployment {
         }
         harness::wait_healthy(ap, 30);
         d
-    })
+    }
 }
 
 fn client() -> reqwest::blocking::Client {
@@ -142,7 +150,7 @@ fn workers(d: &Deployment) -> Vec<Value> {
 /// Runs `attack` while a 48-token request is in flight through the gateway, then
 /// checks that request finished in full.
 fn while_serving(attack: impl FnOnce(&Deployment)) {
-    let d = deployment();
+    let d = &deployment();
     let url = format!("{}/v1/completions", d.public);
     let req = std::thread::spawn(move || {
         let prompt: Vec<u32> = (1..40).collect();
@@ -164,6 +172,19 @@ fn while_serving(attack: impl FnOnce(&Deployment)) {
     let (status, body) = req.join().unwrap().expect("the request in flight");
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["usage"]["completion_tokens"], 48, "{body}");
+    // Accepted requests are counted by the key's hash, never the key.
+    let text = client()
+        .get(format!("{}/metrics", d.public))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("preheat:api_key_requests_total{key=\"key-")),
+        "{text}"
+    );
+    assert!(!text.contains(KEY), "a key in /metrics");
 }
 
 #[test]
@@ -309,17 +330,6 @@ fn a_missing_or_wrong_api_key_gets_401_in_the_openai_shape() {
             .unwrap();
         assert!(!text.contains(KEY), "a key in /metrics");
     });
-    let text = client()
-        .get(format!("{}/metrics", deployment().public))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
-    assert!(
-        text.lines()
-            .any(|l| l.starts_with("preheat:api_key_requests_total{key=\"key-")),
-        "{text}"
-    );
 }
 
 #[test]
