@@ -334,4 +334,52 @@ mod tests {
         let _ = tx.send(());
         server.await.unwrap().unwrap();
     }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_is_cut_off_and_frees_its_slot() {
+        use futures_util::StreamExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        // An endless stream, as a long completion is to a client that stopped reading.
+        let app = Router::new().route(
+            "/",
+            axum::routing::get(|| async {
+                let chunk = axum::body::Bytes::from(vec![b'x'; 64 << 10]);
+                let s = futures_util::stream::repeat(chunk).map(Ok::<_, std::io::Error>);
+                axum::body::Body::from_stream(s)
+            }),
+        );
+        let limits = Limits {
+            max_connections: 1,
+            header_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(5),
+            write_stall: Duration::from_millis(300),
+        };
+        tokio::spawn(serve(l, app, limits, std::future::pending()));
+        let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+        idle.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // Never read: once the socket buffers are full the server gives up on it and
+        // the one slot serves the next peer.
+        let t0 = std::time::Instant::now();
+        loop {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let mut b = [0u8; 16];
+            if matches!(
+                tokio::time::timeout(Duration::from_millis(500), s.read(&mut b)).await,
+                Ok(Ok(n)) if n > 0
+            ) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the stalled reader kept its slot"
+            );
+        }
+        drop(idle);
+    }
 }
