@@ -106,7 +106,17 @@ struct StallGuard<S> {
 }
 
 impl<S> StallGuard<S> {
-    fn check(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    /// `r` as the write side saw it: progress resets the clock; a wait starts it and,
+    /// once it has run `limit`, fails the write.
+    fn settle<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        r: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        if r.is_ready() {
+            self.stalled_since = None;
+            return r;
+        }
         let limit = self.limit;
         let sleep = self
             .stalled_since
@@ -137,32 +147,16 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for StallGuard<S> {
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        match std::pin::Pin::new(&mut self.inner).poll_write(cx, buf) {
-            std::task::Poll::Pending => match self.check(cx) {
-                std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
-                _ => std::task::Poll::Pending,
-            },
-            done => {
-                self.stalled_since = None;
-                done
-            }
-        }
+        let r = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.settle(cx, r)
     }
 
     fn poll_flush(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        match std::pin::Pin::new(&mut self.inner).poll_flush(cx) {
-            std::task::Poll::Pending => match self.check(cx) {
-                std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
-                _ => std::task::Poll::Pending,
-            },
-            done => {
-                self.stalled_since = None;
-                done
-            }
-        }
+        let r = std::pin::Pin::new(&mut self.inner).poll_flush(cx);
+        self.settle(cx, r)
     }
 
     fn poll_shutdown(
