@@ -10,7 +10,9 @@
 //! connection cap (`the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections`,
 //! engine/tests/transfer.rs), credentials in a source URL
 //! (`regression_credentials_in_a_source_url_reached_errors_and_logs`, cli_warmpool),
-//! every sampling bound (`every_bound_is_refused_by_its_field`, engine), the connection
+//! every sampling bound (`every_bound_is_refused_by_its_field`, engine), prefill addresses
+//! no gateway announced (`regression_a_decode_worker_pulled_kv_from_any_address_a_body_named`,
+//! engine/tests/disagg_worker.rs), the connection
 //! cap and body deadline (`slow_peers_are_cut_off_and_connections_capped`, edge), planted
 //! kernels (`a_keyed_cache_takes_only_entries_signed_for_their_id`, snapshot).
 
@@ -147,6 +149,20 @@ fn workers(d: &Deployment) -> Vec<Value> {
         .unwrap_or_default()
 }
 
+/// A listener that reports its first connection: where a request body points a worker
+/// that must not go there.
+fn trap() -> (std::net::SocketAddr, std::sync::mpsc::Receiver<()>) {
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = trap.local_addr().unwrap();
+    std::thread::spawn(move || {
+        if trap.accept().is_ok() {
+            let _ = seen_tx.send(());
+        }
+    });
+    (addr, seen_rx)
+}
+
 /// Runs `attack` while a 48-token request is in flight through the gateway, then
 /// checks that request finished in full.
 fn while_serving(attack: impl FnOnce(&Deployment)) {
@@ -248,14 +264,7 @@ fn ssrf_through_a_request_body_needs_the_token_first() {
     while_serving(|d| {
         // A decode worker's /internal/generate names the prefill address in its body:
         // without the token it never gets as far as connecting anywhere.
-        let (seen_tx, seen_rx) = std::sync::mpsc::channel();
-        let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let trap_addr = trap.local_addr().unwrap();
-        std::thread::spawn(move || {
-            if trap.accept().is_ok() {
-                let _ = seen_tx.send(());
-            }
-        });
+        let (trap_addr, seen_rx) = trap();
         let body = json!({"request_id": "ssrf", "prompt": [1, 2, 3],
             "params": {"max_tokens": 1}, "prefill": format!("tcp://{trap_addr}")});
         let r = client()
@@ -292,6 +301,35 @@ fn ssrf_through_a_request_body_needs_the_token_first() {
                 200
             );
         }
+    });
+}
+
+#[test]
+fn ssrf_with_the_token_reaches_only_prefill_workers_the_gateway_announced() {
+    while_serving(|d| {
+        // Even a holder of the token cannot point a decode worker at another host: the
+        // address must be on the list its gateway announced.
+        let (trap_addr, seen_rx) = trap();
+        let body = preheat_engine::disagg::protocol::GenerateBody {
+            request_id: "ssrf".into(),
+            prompt: vec![1, 2, 3],
+            params: preheat_engine::sampling::SamplingParams::default(),
+            prefill: Some(format!("tcp://{trap_addr}")),
+        };
+        let r = client()
+            .post(format!("{}/internal/generate", d.decode))
+            .header("authorization", harness::bearer())
+            .json(&body)
+            .send()
+            .unwrap();
+        assert_eq!(r.status(), 502);
+        let e: Value = r.json().unwrap();
+        assert_eq!(e["prefill_failed"], true, "{e}");
+        assert!(e["message"].as_str().unwrap().contains("announced"), "{e}");
+        assert!(
+            seen_rx.recv_timeout(Duration::from_millis(500)).is_err(),
+            "the decode worker connected to an address only a request body named"
+        );
     });
 }
 

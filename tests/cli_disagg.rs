@@ -143,8 +143,8 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         "--disagg-min-tokens",
         "1",
     ]);
-    let (mut prefill_a, _) = worker("prefill", "llama-tiny", &gwi);
-    let (mut prefill_b, _) = worker("prefill", "llama-tiny", &gwi);
+    let (mut prefill_a, pa_port) = worker("prefill", "llama-tiny", &gwi);
+    let (mut prefill_b, pb_port) = worker("prefill", "llama-tiny", &gwi);
     let (mut decode, dport) = worker("decode", "llama-tiny", &gwi);
     let sport = free_port();
     let tiny = model_fixture("llama-tiny");
@@ -164,6 +164,11 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
     rt().block_on(async {
         let c = reqwest::Client::new();
         wait_for("three workers", 60, async || workers(&c, &gwi).await.len() == 3).await;
+        // Prefill workers are named to a decode worker once it was told about them.
+        wait_for("both prefill workers announced", 10, async || {
+            workers(&c, &gwi).await.iter().any(|w| w["prefill_peers"] == 2)
+        })
+        .await;
         wait_for("serve healthy", 60, async || {
             c.get(format!("{serve}/health")).send().await.is_ok_and(|r| r.status() == 200)
         })
@@ -175,6 +180,18 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "{a}\n{b}");
             assert_eq!(a["usage"]["completion_tokens"], 24, "{a}");
         }
+        // The prefill workers did the prefills (announced to the decode worker; a
+        // gateway that never names them would pass the comparison above on its own).
+        let mut prefilled = 0.0;
+        for port in [pa_port, pb_port] {
+            let t = c.get(format!("http://127.0.0.1:{port}/metrics")).send().await.unwrap().text().await.unwrap();
+            prefilled += t
+                .lines()
+                .find(|l| l.starts_with("vllm:prompt_tokens_total"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0);
+        }
+        assert!(prefilled > 0.0, "no prompt was prefilled on a prefill worker");
         // Every field a client reads, with logprobs, as the colocated engine answers it
         // (regression: the first token's top_logprobs arrived empty when it was
         // computed on the prefill worker).

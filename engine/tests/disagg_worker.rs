@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::routing::post;
+use preheat_engine::disagg::peers::Announcement;
 use preheat_engine::disagg::protocol::{GenerateBody, WireError, WorkerRole};
 use preheat_engine::disagg::worker::{self, WorkerOptions};
 use preheat_engine::metrics::Role;
@@ -26,6 +27,81 @@ fn kv_usage(metrics: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(-1.0)
+}
+
+/// Waits up to 30 s for `base`'s `/health` to answer 200 (503 while the model loads).
+async fn wait_healthy(base: &str) {
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    while !c
+        .get(format!("{base}/health"))
+        .send()
+        .await
+        .is_ok_and(|r| r.status() == 200)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{base} never healthy"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A decode worker running in this process (8 MiB of KV cache on llama-tiny), healthy.
+struct Decode {
+    url: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<preheat_engine::Result<()>>,
+}
+
+impl Decode {
+    async fn start(
+        gateway: Option<String>,
+        token: Option<std::sync::Arc<preheat_edge::ClusterToken>>,
+        transfer_timeout: Duration,
+    ) -> Decode {
+        let model = preheat_testkit::model_fixture("llama-tiny");
+        let (dl, url) = listen().await;
+        let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
+        serve.kv_cache_bytes = 8 << 20;
+        serve.role = Role::Decode;
+        serve.cluster_token = token;
+        let opts = WorkerOptions {
+            serve,
+            role: WorkerRole::Decode,
+            gateway,
+            advertise: url.clone(),
+            heartbeat: Duration::from_millis(200),
+            transfer_timeout,
+            kv_listener: None,
+        };
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(worker::run(dl, opts, async {
+            let _ = stop_rx.await;
+        }));
+        wait_healthy(&url).await;
+        Decode { url, stop, task }
+    }
+
+    /// Announces `prefill` as a gateway would: the only addresses it may pull from.
+    async fn announce(&self, prefill: &[String], token: Option<&preheat_edge::ClusterToken>) {
+        let mut r = reqwest::Client::new()
+            .post(format!("{}/internal/peers", self.url))
+            .json(&Announcement {
+                from: "test-gateway".into(),
+                prefill: prefill.to_vec(),
+                ttl_ms: 60_000,
+            });
+        if let Some(t) = token {
+            r = r.header("authorization", t.bearer());
+        }
+        assert_eq!(r.send().await.unwrap().status(), 204);
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+    }
 }
 
 #[tokio::test]
@@ -50,35 +126,10 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         }),
     );
     tokio::spawn(async move { axum::serve(pl, p).await.unwrap() });
-    let model = preheat_testkit::model_fixture("llama-tiny");
-    let (dl, decode) = listen().await;
-    let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
-    serve.kv_cache_bytes = 8 << 20;
-    serve.role = Role::Decode;
-    let opts = WorkerOptions {
-        serve,
-        role: WorkerRole::Decode,
-        gateway: Some(gw),
-        advertise: decode.clone(),
-        heartbeat: Duration::from_millis(200),
-        transfer_timeout: Duration::from_secs(5),
-        kv_listener: None,
-    };
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let w = tokio::spawn(worker::run(dl, opts, async {
-        let _ = stop_rx.await;
-    }));
+    let d = Decode::start(Some(gw), None, Duration::from_secs(5)).await;
+    d.announce(std::slice::from_ref(&prefill), None).await;
+    let decode = d.url.clone();
     let c = reqwest::Client::new();
-    let t0 = Instant::now();
-    while !c
-        .get(format!("{decode}/health"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(t0.elapsed() < Duration::from_secs(30));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let body = |prefill: Option<String>| GenerateBody {
         request_id: "r".into(),
         prompt: (1..100).collect(),
@@ -160,8 +211,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let _ = stop_tx.send(());
-    w.await.unwrap().unwrap();
+    d.stop().await;
 }
 
 #[tokio::test]
@@ -203,17 +253,8 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
     let w = tokio::spawn(worker::run(pl, opts, async {
         let _ = stop_rx.await;
     }));
+    wait_healthy(&prefill).await;
     let c = reqwest::Client::new();
-    let t0 = Instant::now();
-    while !c
-        .get(format!("{prefill}/health"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(t0.elapsed() < Duration::from_secs(30));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let prompt: Vec<u32> = (1..66).collect();
     let r = c
         .post(format!("{prefill}/internal/prefill"))
@@ -264,36 +305,15 @@ async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
             held.push(s); // read nothing, answer nothing
         }
     });
-    let model = preheat_testkit::model_fixture("llama-tiny");
-    let (dl, decode) = listen().await;
-    let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
-    serve.kv_cache_bytes = 8 << 20;
-    serve.role = Role::Decode;
-    serve.cluster_token = Some(Arc::clone(&token));
-    let opts = WorkerOptions {
-        serve,
-        role: WorkerRole::Decode,
-        gateway: None,
-        advertise: decode.clone(),
-        heartbeat: Duration::from_millis(200),
-        transfer_timeout: Duration::from_secs(2),
-        kv_listener: None,
-    };
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let w = tokio::spawn(worker::run(dl, opts, async {
-        let _ = stop_rx.await;
-    }));
+    let d = Decode::start(None, Some(Arc::clone(&token)), Duration::from_secs(2)).await;
+    let http_prefill = "http://127.0.0.1:9/internal/prefill".to_owned();
+    d.announce(
+        &[http_prefill.clone(), format!("tcp://{stall_addr}")],
+        Some(&token),
+    )
+    .await;
+    let decode = d.url.clone();
     let c = reqwest::Client::new();
-    let t0 = Instant::now();
-    while !c
-        .get(format!("{decode}/health"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(t0.elapsed() < Duration::from_secs(30));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let generate = |prefill: Option<String>| {
         c.post(format!("{decode}/internal/generate"))
             .header("authorization", token.bearer())
@@ -310,9 +330,7 @@ async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
             })
             .send()
     };
-    let r = generate(Some("http://127.0.0.1:9/internal/prefill".into()))
-        .await
-        .unwrap();
+    let r = generate(Some(http_prefill)).await.unwrap();
     assert_eq!(r.status(), 400);
     let e: WireError = r.json().await.unwrap();
     assert!(e.message.contains("tcp://"), "{e:?}");
@@ -347,6 +365,93 @@ async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let _ = stop_tx.send(());
-    w.await.unwrap().unwrap();
+    d.stop().await;
+}
+
+/// A decode worker pulled K/V from whatever address the request body named, so a holder
+/// of the token could make it connect anywhere (SSRF). Now only addresses a gateway
+/// announced are used; any other is refused as a prefill failure (the gateway then
+/// prefills elsewhere or locally) before a connection is made or a block reserved.
+#[tokio::test]
+async fn regression_a_decode_worker_pulled_kv_from_any_address_a_body_named() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let token = Arc::new(preheat_edge::ClusterToken::new(
+        b"announced-peers-test-token-0123456789abcdef",
+    ));
+    // A listener that counts connections and closes each at once.
+    let trap = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let trap_addr = format!("tcp://{}", trap.local_addr().unwrap());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let seen2 = Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((s, _)) = trap.accept().await {
+            seen2.fetch_add(1, Ordering::SeqCst);
+            drop(s);
+        }
+    });
+    let d = Decode::start(None, Some(Arc::clone(&token)), Duration::from_secs(2)).await;
+    let c = reqwest::Client::new();
+    let generate = |prefill: &str| {
+        c.post(format!("{}/internal/generate", d.url))
+            .header("authorization", token.bearer())
+            .json(&GenerateBody {
+                request_id: "r".into(),
+                prompt: (1..100).collect(),
+                params: SamplingParams {
+                    max_tokens: 2,
+                    ..SamplingParams::default()
+                },
+                prefill: Some(prefill.to_owned()),
+            })
+            .send()
+    };
+    // Nothing announced yet; then a list without the trap.
+    for announced in [None, Some(vec!["tcp://127.0.0.1:9".to_owned()])] {
+        if let Some(list) = &announced {
+            d.announce(list, Some(&token)).await;
+        }
+        let r = generate(&trap_addr).await.unwrap();
+        assert_eq!(r.status(), 502, "{announced:?}");
+        let e: WireError = r.json().await.unwrap();
+        assert!(e.prefill_failed && e.message.contains("announced"), "{e:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        0,
+        "the decode worker connected to an address only a request body named"
+    );
+    // Announced, the same address is used (and fails as the peer hangs up).
+    d.announce(std::slice::from_ref(&trap_addr), Some(&token))
+        .await;
+    let r = generate(&trap_addr).await.unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    // An announcement is held to its bounds, and asks for the token like the rest.
+    let many: Vec<String> = (0..5000).map(|i| format!("tcp://10.0.0.1:{i}")).collect();
+    let r = c
+        .post(format!("{}/internal/peers", d.url))
+        .header("authorization", token.bearer())
+        .json(&Announcement {
+            from: "gw".into(),
+            prefill: many,
+            ttl_ms: 1000,
+        })
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = c
+        .post(format!("{}/internal/peers", d.url))
+        .json(&Announcement {
+            from: "gw".into(),
+            prefill: vec![trap_addr.clone()],
+            ttl_ms: 1000,
+        })
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    d.stop().await;
 }

@@ -14,6 +14,7 @@ pub mod config;
 pub mod controller;
 mod error;
 pub mod grpc;
+pub mod grpc_incoming;
 pub mod kube;
 pub mod policy;
 pub mod profile;

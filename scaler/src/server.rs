@@ -108,6 +108,9 @@ fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// Longest a TLS handshake on the gRPC endpoint may take.
+pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The gRPC endpoint's TLS from PEM files.
 fn tls_config(t: &crate::config::TlsSettings) -> Result<tonic::transport::ServerTlsConfig> {
     use tonic::transport::{Certificate, Identity, ServerTlsConfig};
@@ -115,7 +118,11 @@ fn tls_config(t: &crate::config::TlsSettings) -> Result<tonic::transport::Server
         std::fs::read(p)
             .map_err(|e| ScalerError::Config(vec![format!("tls: {}: {e}", p.display())]))
     };
-    let mut c = ServerTlsConfig::new().identity(Identity::from_pem(read(&t.cert)?, read(&t.key)?));
+    // A peer that opens a connection and never finishes the handshake gives up its
+    // slot after this.
+    let mut c = ServerTlsConfig::new()
+        .identity(Identity::from_pem(read(&t.cert)?, read(&t.key)?))
+        .timeout(TLS_HANDSHAKE_TIMEOUT);
     if let Some(ca) = &t.client_ca {
         c = c.client_ca_root(Certificate::from_pem(read(ca)?));
     }
@@ -216,7 +223,7 @@ pub async fn run_with(
     let grpc = builder
         .add_service(ScalerService::new(store).into_server())
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            crate::grpc_incoming::capped(grpc_listener, crate::grpc_incoming::MAX_CONNECTIONS),
             async move {
                 let _ = rx_grpc.wait_for(|v| *v).await;
             },

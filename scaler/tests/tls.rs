@@ -1,5 +1,6 @@
 //! The gRPC endpoint over TLS with client certificates, as KEDA connects when its
-//! trigger sets `caCert`/`tlsClientCert`: certificates made with the `openssl` CLI.
+//! trigger sets `caCert`/`tlsClientCert` (certificates made with the `openssl` CLI), and
+//! the limits it holds peers to.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -37,37 +38,70 @@ async fn call(endpoint: &str, tls: Option<ClientTlsConfig>) -> Result<bool, Stri
         .map_err(|e| e.to_string())
 }
 
+/// A scaler whose gRPC endpoint asks for mutual TLS, with its certificates in `dir`.
+struct Scaler {
+    dir: tempfile::TempDir,
+    port: u16,
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<preheat_scaler::Result<()>>,
+}
+
+impl Scaler {
+    fn start() -> Scaler {
+        let dir = tempfile::tempdir().unwrap();
+        preheat_testkit::make_certs(dir.path());
+        let port = preheat_testkit::free_port();
+        let d = dir.path().display();
+        let cfg = Config::load(
+            None,
+            &[
+                format!("grpc_listen=127.0.0.1:{port}"),
+                "http_listen=127.0.0.1:0".into(),
+                format!("tls={{cert: {d}/srv.pem, key: {d}/srv.key, client_ca: {d}/ca.pem}}"),
+                "models=[{name: llama, prefill: {}, decode: {}}]".into(),
+            ],
+        )
+        .unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(preheat_scaler::server::run(
+            cfg,
+            Profile::default(),
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        Scaler {
+            dir,
+            port,
+            stop_tx,
+            server,
+        }
+    }
+
+    /// What a client trusts (the CA), with KEDA's client certificate or without one.
+    fn client_tls(&self, with_cert: bool) -> ClientTlsConfig {
+        let read = |f: &str| std::fs::read(self.dir.path().join(f)).unwrap();
+        let base = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read("ca.pem")))
+            .domain_name("localhost");
+        if with_cert {
+            base.identity(Identity::from_pem(read("cli.pem"), read("cli.key")))
+        } else {
+            base
+        }
+    }
+}
+
 #[tokio::test]
 async fn mutual_tls_admits_only_clients_with_a_certificate_from_the_ca() {
-    let dir = tempfile::tempdir().unwrap();
-    preheat_testkit::make_certs(dir.path());
-    let port = preheat_testkit::free_port();
-    let d = dir.path().display();
-    let cfg = Config::load(
-        None,
-        &[
-            format!("grpc_listen=127.0.0.1:{port}"),
-            "http_listen=127.0.0.1:0".into(),
-            format!("tls={{cert: {d}/srv.pem, key: {d}/srv.key, client_ca: {d}/ca.pem}}"),
-            "models=[{name: llama, prefill: {}, decode: {}}]".into(),
-        ],
-    )
-    .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(preheat_scaler::server::run(
-        cfg,
-        Profile::default(),
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
-    let read = |f: &str| std::fs::read(dir.path().join(f)).unwrap();
-    let base = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(read("ca.pem")))
-        .domain_name("localhost");
-    let with_cert = base
-        .clone()
-        .identity(Identity::from_pem(read("cli.pem"), read("cli.key")));
+    let scaler = Scaler::start();
+    let (base, with_cert) = (scaler.client_tls(false), scaler.client_tls(true));
+    let Scaler {
+        port,
+        stop_tx,
+        server,
+        ..
+    } = scaler;
     let url = format!("https://127.0.0.1:{port}");
     let t0 = Instant::now();
     loop {
@@ -92,6 +126,78 @@ async fn mutual_tls_admits_only_clients_with_a_certificate_from_the_ca() {
             .is_err(),
         "plaintext is refused"
     );
+    let _ = stop_tx.send(());
+    server.await.unwrap().unwrap();
+}
+
+/// A peer that opens connections and never finishes a TLS handshake held them (and a
+/// task each) for ever, without limit. Now one past the cap is closed at accept, each
+/// silent one is closed at the handshake deadline, and KEDA gets in again.
+#[tokio::test]
+async fn regression_silent_tls_peers_held_unbounded_connections_on_the_grpc_port() {
+    use preheat_scaler::grpc_incoming::MAX_CONNECTIONS;
+    use preheat_scaler::server::TLS_HANDSHAKE_TIMEOUT;
+    use tokio::io::AsyncReadExt;
+    let scaler = Scaler::start();
+    let keda = scaler.client_tls(true);
+    let Scaler {
+        port,
+        stop_tx,
+        server,
+        ..
+    } = scaler;
+    let url = format!("https://127.0.0.1:{port}");
+    let t0 = Instant::now();
+    while call(&url, Some(keda.clone())).await.is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the scaler never served"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Fill every slot with a connection that says nothing.
+    let opened = Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..MAX_CONNECTIONS {
+        silent.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        );
+    }
+    // Give the server time to accept them all, then one more is closed at once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut extra = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(2), extra.read(&mut b)).await;
+    assert!(
+        matches!(r, Ok(Ok(0) | Err(_))),
+        "a connection past the cap was kept: {r:?}"
+    );
+    // The silent ones are closed at the handshake deadline, not held.
+    let mut first = silent.swap_remove(0);
+    let r = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT * 2, first.read(&mut b)).await;
+    let held = opened.elapsed();
+    assert!(
+        matches!(r, Ok(Ok(0) | Err(_))),
+        "a silent peer was kept: {r:?}"
+    );
+    assert!(
+        held >= TLS_HANDSHAKE_TIMEOUT - Duration::from_secs(1),
+        "closed before the deadline: {held:?}"
+    );
+    // Their slots are free again: KEDA gets in while the rest are still open on our side.
+    let t0 = Instant::now();
+    while let Err(e) = call(&url, Some(keda.clone())).await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "KEDA could not get back in: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(silent);
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
 }

@@ -14,6 +14,7 @@ use axum::routing::post;
 use futures_util::StreamExt;
 use prometheus::IntGauge;
 
+use super::peers::Announcement;
 use super::protocol::{
     GenerateBody, Heartbeat, Load, ModelInfo, Registration, WireError, WireEvent, WorkerRole,
     WorkerStatus,
@@ -116,6 +117,34 @@ struct Entry {
     reg: Registration,
     load: Load,
     last_seen: Instant,
+    /// Decode workers: the prefill addresses last announced to them, and when that
+    /// announcement was sent. Only these are named to them in a request.
+    told: Option<(Instant, Vec<String>)>,
+}
+
+impl Entry {
+    fn new(reg: Registration, load: Load) -> Self {
+        Entry {
+            reg,
+            load,
+            last_seen: Instant::now(),
+            told: None,
+        }
+    }
+
+    /// Where a decode worker pulls this prefill worker's K/V from (its KV port, else
+    /// its URL).
+    fn kv_address(&self) -> String {
+        self.reg.kv.clone().unwrap_or_else(|| self.reg.url.clone())
+    }
+
+    /// The prefill addresses this decode worker still holds from this gateway.
+    fn told_now(&self) -> &[String] {
+        match &self.told {
+            Some((at, list)) if at.elapsed() < PEERS_TRUSTED => list,
+            _ => &[],
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -137,6 +166,11 @@ pub struct Gateway {
     /// `preheat:gateway_workers{role}`: the rotation's size.
     workers_gauge: prometheus::IntGaugeVec,
     front: OnceLock<()>,
+    /// This gateway's id in its announcements to decode workers (a restarted gateway
+    /// gets a new one; its old list expires there).
+    instance: String,
+    /// Wakes the announcer early: a worker joined.
+    announce_now: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -201,19 +235,36 @@ impl Gateway {
         }
     }
 
-    fn pick(&self, role: WorkerRole, hashes: &[u64], exclude: &[String]) -> Option<Picked> {
+    /// Whether decode workers may pull from this prefill worker: with a token, K/V moves
+    /// only over a KV port (whose handshake keeps the token off the wire); a prefill
+    /// worker without one is not used, and its requests are prefilled on the decode
+    /// worker.
+    fn can_serve_kv(&self, e: &Entry) -> bool {
+        e.reg.role == WorkerRole::Prefill
+            && (self.opts.cluster_token.is_none()
+                || e.reg.kv.as_deref().is_some_and(|k| k.starts_with("tcp://")))
+    }
+
+    /// A worker of `role`; a prefill worker only among those announced to the decode
+    /// worker `for_decode` (it pulls from no other).
+    fn pick(
+        &self,
+        role: WorkerRole,
+        hashes: &[u64],
+        exclude: &[String],
+        for_decode: Option<&str>,
+    ) -> Option<Picked> {
         let g = self.lock();
+        let told = for_decode
+            .and_then(|d| g.workers.get(d))
+            .map_or(&[][..], Entry::told_now);
         let cands: Vec<&Entry> = g
             .workers
             .values()
             .filter(|e| e.reg.role == role && !exclude.contains(&e.reg.id))
-            // With a token, K/V moves only over a KV port (whose handshake keeps the
-            // token off the wire); a prefill worker without one is not picked, and its
-            // requests are prefilled on the decode worker.
             .filter(|e| {
                 role != WorkerRole::Prefill
-                    || self.opts.cluster_token.is_none()
-                    || e.reg.kv.as_deref().is_some_and(|k| k.starts_with("tcp://"))
+                    || (self.can_serve_kv(e) && told.contains(&e.kv_address()))
             })
             .collect();
         let i = match role {
@@ -231,8 +282,84 @@ impl Gateway {
         Some(Picked {
             id: e.reg.id.clone(),
             url: e.reg.url.clone(),
-            kv: e.reg.kv.clone().unwrap_or_else(|| e.reg.url.clone()),
+            kv: e.kv_address(),
         })
+    }
+
+    /// Tells each decode worker which prefill workers it may pull from, when the list
+    /// changed for it or its copy nears expiry.
+    async fn announce_peers(&self) {
+        let (list, due) = {
+            let g = self.lock();
+            let mut list: Vec<String> = g
+                .workers
+                .values()
+                .filter(|e| self.can_serve_kv(e))
+                .map(Entry::kv_address)
+                .collect();
+            list.sort();
+            list.dedup();
+            let due: Vec<(String, String)> = g
+                .workers
+                .values()
+                .filter(|e| e.reg.role == WorkerRole::Decode)
+                .filter(|e| {
+                    e.told
+                        .as_ref()
+                        .is_none_or(|(at, told)| *told != list || at.elapsed() >= PEERS_REFRESH)
+                })
+                .map(|e| (e.reg.id.clone(), e.reg.url.clone()))
+                .collect();
+            (list, due)
+        };
+        if due.is_empty() {
+            return;
+        }
+        let announcement = Announcement {
+            from: self.instance.clone(),
+            prefill: list.clone(),
+            ttl_ms: u64::try_from(PEERS_TTL.as_millis()).unwrap_or(u64::MAX),
+        };
+        let sends = due.into_iter().map(|(id, url)| {
+            let announcement = &announcement;
+            async move {
+                let sent_at = Instant::now();
+                let r = self
+                    .client
+                    .post(format!("{url}/internal/peers"))
+                    .cluster_token(self.token())
+                    .json(announcement)
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await;
+                match r {
+                    Ok(r) if r.status().is_success() => Some((id, sent_at)),
+                    Ok(r) => {
+                        tracing::debug!(decode = %url, status = %r.status(), "peer announcement refused");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::debug!(decode = %url, error = %e, "peer announcement failed");
+                        None
+                    }
+                }
+            }
+        });
+        let done = futures_util::future::join_all(sends).await;
+        let mut g = self.lock();
+        for (id, sent_at) in done.into_iter().flatten() {
+            if let Some(e) = g.workers.get_mut(&id) {
+                e.told = Some((sent_at, list.clone()));
+            }
+        }
+    }
+
+    /// Forgets what a decode worker was told (it refused a prefill address, e.g. after
+    /// a restart at the same address): the next round announces again.
+    fn forget_told(&self, decode: &str) {
+        if let Some(e) = self.lock().workers.get_mut(decode) {
+            e.told = None;
+        }
     }
 
     /// Waits for a decode worker (held at the gateway while the pool is at zero), up
@@ -242,7 +369,7 @@ impl Gateway {
             message: format!("no decode worker can be had: {why}"),
             retry_after_secs: 30,
         };
-        if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude) {
+        if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude, None) {
             return Ok(p);
         }
         if let Some(why) = self.opts.outage.reason() {
@@ -252,7 +379,7 @@ impl Gateway {
         let deadline = Instant::now() + self.opts.hold_timeout;
         let got = loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude) {
+            if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude, None) {
                 break Ok(p);
             }
             if let Some(why) = self.opts.outage.reason() {
@@ -293,7 +420,7 @@ impl Gateway {
                 Err(e) => return fail(e),
             };
             let prefill = if attempt < 2 && req.prompt.len() >= self.opts.disagg_min_tokens {
-                self.pick(WorkerRole::Prefill, &hashes, &excluded)
+                self.pick(WorkerRole::Prefill, &hashes, &excluded, Some(&decode.id))
             } else {
                 None
             };
@@ -355,6 +482,7 @@ impl Gateway {
                     continue;
                 }
                 if w.prefill_failed && attempt < 2 {
+                    self.forget_told(&decode.id);
                     if let Some(p) = &prefill {
                         tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
                         excluded.push(p.id.clone());
@@ -490,14 +618,10 @@ async fn register(State(gw): State<Arc<Gateway>>, Json(r): Json<Registration>) -
         }
     }
     tracing::info!(worker = %r.id, role = r.role.as_str(), url = %r.url, "worker registered");
-    gw.lock().workers.insert(
-        r.id.clone(),
-        Entry {
-            reg: r,
-            load: Load::default(),
-            last_seen: Instant::now(),
-        },
-    );
+    gw.lock()
+        .workers
+        .insert(r.id.clone(), Entry::new(r, Load::default()));
+    gw.announce_now.notify_one();
     StatusCode::OK.into_response()
 }
 
@@ -534,7 +658,14 @@ async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     let mut list: Vec<_> = g
         .workers
         .values()
-        .map(|e| serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load}))
+        .map(|e| {
+            let mut w = serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load});
+            if e.reg.role == WorkerRole::Decode {
+                // How many prefill workers it was told it may pull from.
+                w["prefill_peers"] = e.told_now().len().into();
+            }
+            w
+        })
         .collect();
     list.sort_by_key(|v| v["id"].as_str().unwrap_or("").to_owned());
     Json(serde_json::json!({"workers": list}))
@@ -613,6 +744,16 @@ async fn read_capped(r: reqwest::Response, cap: usize) -> std::result::Result<Ve
     }
     Ok(body)
 }
+/// How long a decode worker keeps an announced prefill list without a refresh.
+const PEERS_TTL: Duration = Duration::from_secs(10);
+/// An announcement is repeated this often even when nothing changed.
+const PEERS_REFRESH: Duration = Duration::from_secs(3);
+/// The gateway names a prefill worker to a decode worker only while the list that
+/// holds it is this fresh (well inside its TTL there).
+const PEERS_TRUSTED: Duration = Duration::from_secs(6);
+/// How often the gateway checks whether an announcement is due.
+const PEERS_TICK: Duration = Duration::from_millis(200);
+
 /// A listed worker that serves another model is asked again after this.
 const REFUSED_RETRY: Duration = Duration::from_secs(30);
 
@@ -725,8 +866,8 @@ impl Gateway {
         }
         g.workers.insert(
             url.to_owned(),
-            Entry {
-                reg: Registration {
+            Entry::new(
+                Registration {
                     id: url.to_owned(),
                     role,
                     url: url.to_owned(),
@@ -734,10 +875,11 @@ impl Gateway {
                     compat: info.compat,
                     kv: status.kv,
                 },
-                load: status.load,
-                last_seen: Instant::now(),
-            },
+                status.load,
+            ),
         );
+        drop(g);
+        self.announce_now.notify_one();
         Ok(())
     }
 }
@@ -777,6 +919,14 @@ pub async fn run(
         opts: opts.clone(),
         pending,
         front: OnceLock::new(),
+        instance: format!(
+            "gw-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ),
+        announce_now: tokio::sync::Notify::new(),
     });
     if let Some(info) = opts.model.clone() {
         gw.install_front(info)?;
@@ -832,6 +982,18 @@ pub async fn run(
         }
     }
     let app = public_router(api.clone());
+    let announcer = {
+        let gw = Arc::clone(&gw);
+        tokio::spawn(async move {
+            loop {
+                gw.announce_peers().await;
+                tokio::select! {
+                    () = tokio::time::sleep(PEERS_TICK) => {}
+                    () = gw.announce_now.notified() => {}
+                }
+            }
+        })
+    };
     // Drop workers whose heartbeats stopped.
     let reaper = {
         let gw = Arc::clone(&gw);
@@ -889,6 +1051,7 @@ pub async fn run(
     )
     .await;
     reaper.abort();
+    announcer.abort();
     for t in [discovery, registration].into_iter().flatten() {
         t.abort();
     }

@@ -5,7 +5,9 @@
 //! loaded) and a prefill worker (KV-aware: most cached prefix blocks, then least
 //! loaded); prompts shorter than a threshold skip prefill and are computed on the
 //! decode worker (conditional disaggregation). The gateway calls the decode worker's
-//! `POST /internal/generate`, naming the prefill worker; the decode worker **reserves
+//! `POST /internal/generate`, naming the prefill worker — one the gateway announced to
+//! that decode worker beforehand (`POST /internal/peers`, [`peers`]): a decode worker
+//! pulls from no other address, whatever a body says; the decode worker **reserves
 //! the KV blocks first** (back-pressure: 429 when it has no room), then pulls the K/V
 //! and first token from the prefill worker's `POST /internal/prefill` (one KV transfer
 //! message, [`crate::kv::transfer`]), installs them and decodes, streaming events back
@@ -23,6 +25,7 @@
 //! register and the gateway serves no registration routes.
 
 pub mod gateway;
+pub mod peers;
 pub mod protocol;
 pub mod router;
 pub mod transport;

@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::StreamExt;
 
+use super::peers::{Announcement, KnownPeers};
 use super::protocol::{
     GenerateBody, Heartbeat, Load, ModelInfo, PrefillBody, Registration, WireError, WireEvent,
     WorkerRole, WorkerStatus,
@@ -62,6 +63,9 @@ struct WorkerState {
     /// Prefill workers: where others pull K/V from.
     kv: Option<String>,
     token: Option<Arc<ClusterToken>>,
+    /// Decode workers: the prefill workers the gateways announced, the only ones K/V is
+    /// pulled from.
+    peers: Arc<KnownPeers>,
 }
 
 impl WorkerState {
@@ -278,6 +282,17 @@ fn check_matches(msg: &mut KvMessage, b: &GenerateBody, block_size: usize) -> Re
     Ok(())
 }
 
+/// Decode role: a gateway's list of the prefill workers this worker may pull from.
+async fn peers(State(st): State<WorkerState>, Json(a): Json<Announcement>) -> Response {
+    if st.role != WorkerRole::Decode {
+        return wire_error(&EngineError::invalid("not a decode worker", "role"), false);
+    }
+    match st.peers.announce(a) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => wire_error(&EngineError::invalid(err.to_string(), "prefill"), false),
+    }
+}
+
 /// Decode role: reserve blocks, pull the K/V (or prefill here), decode, stream NDJSON.
 async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) -> Response {
     if st.role != WorkerRole::Decode {
@@ -297,6 +312,18 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             params: b.params.clone(),
         }),
         Some(url) => {
+            // Only from a prefill worker a gateway announced, never from wherever a
+            // body points (SSRF): refused as a prefill failure, so the gateway tries
+            // another prefill worker or prefills here.
+            if !st.peers.knows(url) {
+                tracing::warn!(request = %b.request_id, prefill = %url, "refusing a prefill address no gateway announced");
+                return wire_error(
+                    &EngineError::Unavailable(format!(
+                        "prefill address {url:?} is not one a gateway announced to this worker"
+                    )),
+                    true,
+                );
+            }
             // With a cluster token, K/V comes only over the KV port, whose handshake
             // proves the peer holds the token before the prompt is sent: an HTTP URL
             // would get the token itself.
@@ -488,6 +515,7 @@ pub async fn run(
         transfer_timeout: opts.transfer_timeout,
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
         token: opts.serve.cluster_token.clone(),
+        peers: Arc::default(),
     };
     if st.token.is_none() {
         tracing::warn!(
@@ -503,6 +531,7 @@ pub async fn run(
         .route("/internal/promote", post(promote))
         .route("/internal/prefill", post(prefill))
         .route("/internal/generate", post(generate))
+        .route("/internal/peers", post(peers))
         .layer(axum::extract::DefaultBodyLimit::max(
             opts.serve.max_body_bytes,
         ))
