@@ -16,10 +16,13 @@ $B engine serve --model $M --port 18500 --kv-cache-mib 1024 2>/dev/null & S=$!
 until curl -sf localhost:18500/health >/dev/null; do sleep 0.2; done
 $B bench serve --url http://127.0.0.1:18500 $LOAD > .bench/ttft-colocated.json
 kill -TERM $S; wait $S || true
+# Internal traffic carries a cluster token; registration is on the gateway's port + 1.
+[ -f .bench/cluster-token ] || openssl rand -hex 32 > .bench/cluster-token
+export PREHEAT_CLUSTER_TOKEN_FILE=$PWD/.bench/cluster-token
 $B engine gateway --port 18600 2>/dev/null & G=$!
-$B engine prefill --model $M --port 18610 --kv-port 18611 --kv-cache-mib 1024 --gateway http://127.0.0.1:18600 2>/dev/null & P=$!
-$B engine decode --model $M --port 18620 --kv-cache-mib 1024 --gateway http://127.0.0.1:18600 2>/dev/null & D=$!
-until [ "$(curl -sf localhost:18600/internal/workers | grep -o '"role"' | wc -l)" = 2 ]; do sleep 0.2; done
+$B engine prefill --model $M --port 18610 --kv-port 18611 --kv-cache-mib 1024 --gateway http://127.0.0.1:18601 2>/dev/null & P=$!
+$B engine decode --model $M --port 18620 --kv-cache-mib 1024 --gateway http://127.0.0.1:18601 2>/dev/null & D=$!
+until [ "$(curl -sf -H "Authorization: Bearer $(cat .bench/cluster-token)" localhost:18601/internal/workers | grep -o '"prefill_peers":1' | wc -l)" = 1 ]; do sleep 0.2; done
 $B bench serve --url http://127.0.0.1:18600 $LOAD > .bench/ttft-disagg.json
 kill -TERM $P $D; sleep 2; kill -TERM $G; wait || true
 python3 - <<'PY'

@@ -439,9 +439,17 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterTokenArgs {
     /// File holding the cluster token (a mounted Secret; `preheat up` writes one per
-    /// run). Without it internal endpoints accept anyone, as the process warns.
+    /// run). A process with an internal listener refuses to start without it.
     #[arg(long, env = "PREHEAT_CLUSTER_TOKEN_FILE")]
     pub cluster_token_file: Option<PathBuf>,
+    /// Run without a cluster token: internal endpoints then accept anyone. Only for a
+    /// machine no one else can reach.
+    #[arg(
+        long,
+        env = "PREHEAT_INSECURE_NO_TOKEN",
+        conflicts_with = "cluster_token_file"
+    )]
+    pub insecure_no_token: bool,
 }
 
 impl ClusterTokenArgs {
@@ -453,6 +461,21 @@ impl ClusterTokenArgs {
             ))),
             None => Ok(None),
         }
+    }
+
+    /// The token, for a process that serves internal endpoints (`what`): refused
+    /// without one, unless `--insecure-no-token` says so.
+    pub fn require(
+        &self,
+        what: &str,
+    ) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
+        let t = self.load()?;
+        if t.is_none() && !self.insecure_no_token {
+            anyhow::bail!(
+                "{what} serves internal endpoints, which ask for the deployment's cluster token: give --cluster-token-file FILE or $PREHEAT_CLUSTER_TOKEN_FILE (make one with `openssl rand -hex 32 > FILE`; `preheat up` and the chart make their own), or --insecure-no-token on a machine no one else can reach"
+            );
+        }
+        Ok(t)
     }
 }
 

@@ -170,3 +170,104 @@ fn health_is_503_while_the_model_loads() {
         "health while converting a GGUF, then ready"
     );
 }
+
+/// Processes with internal endpoints started without a cluster token and served them to
+/// anyone (a warning in the log was all). Now each refuses to start without one, naming
+/// the flag, unless told `--insecure-no-token`.
+#[test]
+fn regression_a_process_without_a_token_served_its_internal_endpoints_to_anyone() {
+    let m = model_fixture("llama-tiny");
+    let m = m.to_str().unwrap();
+    let agent_cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        agent_cfg.path(),
+        format!(
+            r#"{{"dir": "{}", "disk_budget": "1GiB", "models": []}}"#,
+            std::env::temp_dir().join("no-token-agent").display()
+        ),
+    )
+    .unwrap();
+    let port = free_port().to_string();
+    let cfg = agent_cfg.path().to_str().unwrap();
+    for args in [
+        vec!["engine", "decode", "--model", m, "--port", &port],
+        vec!["engine", "prefill", "--model", m, "--port", &port],
+        vec!["engine", "gateway", "--model", m, "--port", &port],
+        vec![
+            "engine",
+            "serve",
+            "--model",
+            m,
+            "--port",
+            &port,
+            "--standby",
+            "--internal-port",
+            "1",
+        ],
+        vec!["warmpool", "run", "--config", cfg],
+    ] {
+        let mut p = preheat_testkit::KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_preheat"))
+                .args(&args)
+                .env_remove("PREHEAT_CLUSTER_TOKEN_FILE")
+                .env_remove("PREHEAT_INSECURE_NO_TOKEN")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        // A process that starts serving never exits by itself: give it 20 s.
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(st) = p.0.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "{args:?} started without a token"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(p.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(!status.success(), "{args:?}: {err}");
+        assert!(
+            err.contains("--cluster-token-file") && err.contains("--insecure-no-token"),
+            "{args:?}: {err}"
+        );
+    }
+    // Told so explicitly, a worker runs without one.
+    let port = free_port();
+    let mut w = preheat_testkit::KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_preheat"))
+            .args([
+                "engine",
+                "decode",
+                "--model",
+                m,
+                "--port",
+                &port.to_string(),
+            ])
+            .args(["--kv-cache-mib", "8", "--insecure-no-token"])
+            .env_remove("PREHEAT_CLUSTER_TOKEN_FILE")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    harness::wait_healthy(port, 60);
+    assert!(w.0.try_wait().unwrap().is_none());
+    // `engine serve` without an internal port has none to protect: no token needed.
+    let port = free_port();
+    let _s = preheat_testkit::KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_preheat"))
+            .args(["engine", "serve", "--model", m, "--port", &port.to_string()])
+            .args(["--kv-cache-mib", "8"])
+            .env_remove("PREHEAT_CLUSTER_TOKEN_FILE")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    harness::wait_healthy(port, 60);
+}

@@ -17,7 +17,7 @@ use preheat_engine::server::shutdown_signal;
 pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         EngineCmd::Serve(args) => {
-            let opts = serve_options(&args)?;
+            let opts = serve_options(&args, false)?;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -59,10 +59,16 @@ pub(crate) fn socket_addr(
 
 /// The deployment's cluster token, which also keys this process's prefix-cache hashes
 /// (the gateway's router and the workers must agree, and outsiders must not know them).
+/// `needed_by` names the process when it serves internal endpoints (then the token is
+/// required).
 pub(crate) fn deployment_token(
     a: &crate::cli::ClusterTokenArgs,
+    needed_by: Option<&str>,
 ) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
-    let t = a.load()?;
+    let t = match needed_by {
+        Some(what) => a.require(what)?,
+        None => a.load()?,
+    };
     if let Some(t) = &t {
         preheat_engine::kv::set_prefix_key(t.derive_u64("prefix-cache"));
     }
@@ -126,7 +132,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         .transpose()?
         .map(std::sync::Arc::new);
     let mut opts = gateway::GatewayOptions {
-        cluster_token: deployment_token(&a.token)?,
+        cluster_token: deployment_token(&a.token, Some("the gateway"))?,
         api_keys,
         worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
         hold_timeout: Duration::from_secs(a.hold_timeout_secs),
@@ -223,7 +229,7 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
             "--internal-port is for `engine serve`: a worker's one port is already internal"
         );
     }
-    let mut serve = serve_options(&a.serve)?;
+    let mut serve = serve_options(&a.serve, true)?;
     if let Some(g) = &a.gateway
         && !(g.starts_with("http://") || g.starts_with("https://"))
     {
@@ -371,7 +377,7 @@ pub(crate) fn profile(
 }
 
 /// Raw flags → validated options, with every problem reported at once.
-pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
+pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<ServeOptions> {
     let mut errs = Vec::new();
     if !a.model.exists() {
         errs.push(format!(
@@ -410,7 +416,16 @@ pub(crate) fn serve_options(a: &ServeArgs) -> anyhow::Result<ServeOptions> {
     o.device = Device::parse(&a.device).context("checked by clap")?;
     o.kernel_cache = a.kernel_cache.clone();
     o.started = crate::process_started();
-    o.cluster_token = deployment_token(&a.token)?;
+    // `engine serve` has internal endpoints only as a standby with a control port;
+    // workers' one port is internal.
+    let needed_by = if worker {
+        Some("a worker")
+    } else if a.internal_port.is_some() {
+        Some("`engine serve --internal-port`")
+    } else {
+        None
+    };
+    o.cluster_token = deployment_token(&a.token, needed_by)?;
     o.api_keys = a
         .api_keys_file
         .as_deref()

@@ -33,7 +33,10 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             if let Some(l) = listen {
                 cfg.listen = l;
             }
-            if let (Some(t), Some(p)) = (token.load()?, token.cluster_token_file) {
+            if let (Some(t), Some(p)) = (
+                token.require("the warm-pool agent")?,
+                token.cluster_token_file,
+            ) {
                 cfg.cluster_token = Some((t, p));
             }
             let rt = tokio::runtime::Builder::new_multi_thread()
