@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use harness::{preheat, wait_healthy};
-use preheat_testkit::{KillOnDrop, free_port, model_fixture, shared};
+use preheat_testkit::{KillOnDrop, free_port, model_fixture, testdata};
 
 fn serve_tiny() -> (KillOnDrop, String) {
     let port = free_port();
@@ -72,7 +72,7 @@ fn replays_a_trace_and_a_fixed_rate_against_the_engine() {
         "no replica panel against engine serve"
     );
     // A trace, time-compressed and token-scaled for a CPU model.
-    let trace = shared().join("traces/azure_code_2023.csv");
+    let trace = testdata().join("traces/azure_code_2023.csv");
     let out = preheat([
         "bench".as_ref(),
         "serve".as_ref(),

@@ -4,13 +4,13 @@
 mod harness;
 
 use harness::{ok, preheat};
-use preheat_testkit::shared;
+use preheat_testkit::testdata;
 
 #[test]
 fn simulate_all_policies_on_the_azure_trace_writes_json_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let (json, svg) = (dir.path().join("r.json"), dir.path().join("r.svg"));
-    let trace = shared().join("traces/azure_code_2023.csv");
+    let trace = testdata().join("traces/azure_code_2023.csv");
     let out = ok([
         "simulate".as_ref(),
         "--trace".as_ref(),
@@ -74,7 +74,7 @@ fn simulate_all_policies_on_the_azure_trace_writes_json_and_plot() {
 fn simulate_the_mooncake_trace_reuses_prefixes() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("r.json");
-    let trace = shared().join("traces/mooncake_synthetic.jsonl");
+    let trace = testdata().join("traces/mooncake_synthetic.jsonl");
     ok([
         "simulate".as_ref(),
         "--trace".as_ref(),

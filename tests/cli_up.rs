@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use harness::preheat;
 use preheat_scaler::proto::ScaledObjectRef;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
-use preheat_testkit::{free_port, shared};
+use preheat_testkit::{free_port, testdata};
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 
@@ -214,7 +214,7 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         // with the replicas of each pool in its report and plot.
         let dir = tempfile::tempdir().unwrap();
         let svg = dir.path().join("up.svg");
-        let trace = shared().join("traces/azure_code_2023.csv");
+        let trace = testdata().join("traces/azure_code_2023.csv");
         let gw2 = gw.clone();
         let svg2 = svg.clone();
         let out = tokio::task::spawn_blocking(move || {

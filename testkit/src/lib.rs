@@ -36,16 +36,17 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// `../shared` beside the checkout: reference models, traces, schemas.
+/// The repository's `testdata/`: reference checkpoints, production traces, the KEDA
+/// CRD schema (origins and licences in its README).
 #[must_use]
-pub fn shared() -> PathBuf {
-    workspace_root().join("../shared")
+pub fn testdata() -> PathBuf {
+    workspace_root().join("testdata")
 }
 
-/// A reference checkpoint under `../shared/fixtures/models` (`llama-tiny`, `qwen2-tiny`).
+/// A reference checkpoint under `testdata/models` (`llama-tiny`, `qwen2-tiny`).
 #[must_use]
 pub fn model_fixture(name: &str) -> PathBuf {
-    shared().join("fixtures/models").join(name)
+    testdata().join("models").join(name)
 }
 
 /// `true` when `present`; otherwise fails under `PREHEAT_REQUIRE_FETCHED`, or prints

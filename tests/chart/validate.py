@@ -2,7 +2,7 @@
 """Lints the Helm chart (strict), renders it for the default values and every variant
 in charts/preheat/ci/, and validates every rendered object: Kubernetes objects against
 the Kubernetes schemas (kubernetes-validate), ScaledObjects against KEDA's CRD schema in
-../shared/schemas/, PrometheusRules with Prometheus' own `promtool check rules` (their
+testdata/schemas/, PrometheusRules with Prometheus' own `promtool check rules` (their
 metric names must be ones the scaler exposes), plus the chart's own promises (least-privilege RBAC, probes, drain,
 scale to zero, consistent names). Exit 0 when all hold; prints every problem."""
 
@@ -22,7 +22,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHART = os.path.join(ROOT, "charts", "preheat")
-KEDA_CRD = os.path.join(ROOT, "..", "shared", "schemas", "keda.sh_scaledobjects.yaml")
+KEDA_CRD = os.path.join(ROOT, "testdata", "schemas", "keda.sh_scaledobjects.yaml")
 KUBE_VERSION = "1.33.0"
 SCALER_NAMES = os.path.join(ROOT, "scaler", "src", "signals", "names.rs")
 
