@@ -62,6 +62,8 @@ pub enum WarmpoolCmd {
         listen: Option<std::net::SocketAddr>,
         #[command(flatten)]
         token: ClusterTokenArgs,
+        #[command(flatten)]
+        open: NoTokenArg,
     },
     /// Give the node's cache directories (created when missing) to the user the agent
     /// and workers run as: the chart's one root step, with only CAP_CHOWN.
@@ -319,6 +321,8 @@ pub struct GatewayArgs {
     pub internal_port: Option<u16>,
     #[command(flatten)]
     pub token: ClusterTokenArgs,
+    #[command(flatten)]
+    pub open: NoTokenArg,
     /// Clients' API keys, one per line (reloaded when the file changes): `/v1/*` then
     /// asks for `Authorization: Bearer <key>`.
     #[arg(long, env = "PREHEAT_API_KEYS_FILE")]
@@ -424,6 +428,8 @@ pub struct ServeArgs {
     pub kernel_cache: Option<PathBuf>,
     #[command(flatten)]
     pub token: ClusterTokenArgs,
+    #[command(flatten)]
+    pub open: NoTokenArg,
     /// `engine serve`: clients' API keys, one per line (reloaded when the file
     /// changes); `/v1/*` then asks for `Authorization: Bearer <key>`.
     #[arg(long, env = "PREHEAT_API_KEYS_FILE")]
@@ -442,13 +448,15 @@ pub struct ClusterTokenArgs {
     /// run). A process with an internal listener refuses to start without it.
     #[arg(long, env = "PREHEAT_CLUSTER_TOKEN_FILE")]
     pub cluster_token_file: Option<PathBuf>,
+}
+
+/// For processes that serve internal endpoints: leave them open instead of refusing to
+/// start without a cluster token.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct NoTokenArg {
     /// Run without a cluster token: internal endpoints then accept anyone. Only for a
     /// machine no one else can reach.
-    #[arg(
-        long,
-        env = "PREHEAT_INSECURE_NO_TOKEN",
-        conflicts_with = "cluster_token_file"
-    )]
+    #[arg(long, env = "PREHEAT_INSECURE_NO_TOKEN")]
     pub insecure_no_token: bool,
 }
 
@@ -467,10 +475,16 @@ impl ClusterTokenArgs {
     /// without one, unless `--insecure-no-token` says so.
     pub fn require(
         &self,
+        open: NoTokenArg,
         what: &str,
     ) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
         let t = self.load()?;
-        if t.is_none() && !self.insecure_no_token {
+        if t.is_some() && open.insecure_no_token {
+            anyhow::bail!(
+                "--insecure-no-token ($PREHEAT_INSECURE_NO_TOKEN) and a cluster token file were both given: {what} takes one or the other"
+            );
+        }
+        if t.is_none() && !open.insecure_no_token {
             anyhow::bail!(
                 "{what} serves internal endpoints, which ask for the deployment's cluster token: give --cluster-token-file FILE or $PREHEAT_CLUSTER_TOKEN_FILE (make one with `openssl rand -hex 32 > FILE`; `preheat up` and the chart make their own), or --insecure-no-token on a machine no one else can reach"
             );

@@ -182,16 +182,17 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         }
         // The prefill workers did the prefills (announced to the decode worker; a
         // gateway that never names them would pass the comparison above on its own).
-        let mut prefilled = 0.0;
-        for port in [pa_port, pb_port] {
+        let prefilled = async |port: u16| -> f64 {
             let t = c.get(format!("http://127.0.0.1:{port}/metrics")).send().await.unwrap().text().await.unwrap();
-            prefilled += t
-                .lines()
+            t.lines()
                 .find(|l| l.starts_with("vllm:prompt_tokens_total"))
                 .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .unwrap_or(0.0);
-        }
-        assert!(prefilled > 0.0, "no prompt was prefilled on a prefill worker");
+                .unwrap_or(0.0)
+        };
+        assert!(
+            prefilled(pa_port).await + prefilled(pb_port).await > 0.0,
+            "no prompt was prefilled on a prefill worker"
+        );
         // Every field a client reads, with logprobs, as the colocated engine answers it
         // (regression: the first token's top_logprobs arrived empty when it was
         // computed on the prefill worker).
@@ -230,12 +231,18 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
 
         // A dead prefill worker: its requests are retried on the other one; with both
         // dead (before the gateway notices), the decode worker prefills itself.
-        for p in [&mut prefill_a, &mut prefill_b] {
+        let b_before = prefilled(pb_port).await;
+        for (i, p) in [&mut prefill_a, &mut prefill_b].into_iter().enumerate() {
             p.0.kill().unwrap();
             let _ = p.0.wait();
             for case in refj["cases"].as_array().unwrap() {
                 let a = complete(&c, &gw, &case["input_ids"], 4).await;
                 assert_eq!(a["usage"]["completion_tokens"], 4, "{a}");
+            }
+            if i == 0 {
+                // The survivor took the retries (a failed transfer does not make the
+                // decode worker forget which prefill workers it may use).
+                assert!(prefilled(pb_port).await > b_before, "prefill_b took nothing after prefill_a died");
             }
         }
 

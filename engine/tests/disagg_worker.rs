@@ -89,6 +89,7 @@ impl Decode {
             .post(format!("{}/internal/peers", self.url))
             .json(&Announcement {
                 from: "test-gateway".into(),
+                seq: 0,
                 prefill: prefill.to_vec(),
                 ttl_ms: 60_000,
             });
@@ -414,7 +415,10 @@ async fn regression_a_decode_worker_pulled_kv_from_any_address_a_body_named() {
         let r = generate(&trap_addr).await.unwrap();
         assert_eq!(r.status(), 502, "{announced:?}");
         let e: WireError = r.json().await.unwrap();
-        assert!(e.prefill_failed && e.message.contains("announced"), "{e:?}");
+        assert!(
+            e.prefill_failed && e.unannounced && e.message.contains("announced"),
+            "{e:?}"
+        );
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
@@ -435,6 +439,7 @@ async fn regression_a_decode_worker_pulled_kv_from_any_address_a_body_named() {
         .header("authorization", token.bearer())
         .json(&Announcement {
             from: "gw".into(),
+            seq: 0,
             prefill: many,
             ttl_ms: 1000,
         })
@@ -446,6 +451,7 @@ async fn regression_a_decode_worker_pulled_kv_from_any_address_a_body_named() {
         .post(format!("{}/internal/peers", d.url))
         .json(&Announcement {
             from: "gw".into(),
+            seq: 0,
             prefill: vec![trap_addr.clone()],
             ttl_ms: 1000,
         })

@@ -1,7 +1,9 @@
 //! Connections to the gRPC endpoint, capped: KEDA holds a few long-lived connections
 //! (one per operator replica), so a peer that opens thousands is refused at accept
-//! instead of holding a task and buffers each.
+//! instead of holding a task and buffers each; and one that sends nothing (no TLS
+//! hello, no HTTP/2 preface) is closed at a deadline instead of holding its slot.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -14,12 +16,16 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// Most connections open to the gRPC endpoint at once.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Longest a new connection may stay silent before its first byte.
+pub const FIRST_BYTE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// An accepted connection holding one of the listener's slots until it closes.
 #[derive(Debug)]
 pub struct Slotted {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
+    /// Until the peer's first byte arrives: past it, reads fail and the connection ends.
+    silent_until: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// Accepted connections of `listener`, at most `max` open at once: one past the cap is
@@ -51,6 +57,7 @@ pub fn capped(listener: TcpListener, max: usize) -> impl Stream<Item = std::io::
                 let conn = Slotted {
                     inner: stream,
                     _slot: slot,
+                    silent_until: Some(Box::pin(tokio::time::sleep(FIRST_BYTE_TIMEOUT))),
                 };
                 return Some((Ok(conn), (listener, slots, refused_logged)));
             }
@@ -68,11 +75,34 @@ impl Connected for Slotted {
 
 impl AsyncRead for Slotted {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    this.silent_until = None;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                let expired = this
+                    .silent_until
+                    .as_mut()
+                    .is_some_and(|deadline| deadline.as_mut().poll(cx).is_ready());
+                if expired {
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the peer sent nothing before the first-byte deadline",
+                    )));
+                }
+                Poll::Pending
+            }
+            other => other,
+        }
     }
 }
 

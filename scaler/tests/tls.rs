@@ -47,7 +47,8 @@ struct Scaler {
 }
 
 impl Scaler {
-    fn start() -> Scaler {
+    /// With mutual TLS; `tls: false` for plain gRPC.
+    fn start(tls: bool) -> Scaler {
         let dir = tempfile::tempdir().unwrap();
         preheat_testkit::make_certs(dir.path());
         let port = preheat_testkit::free_port();
@@ -57,7 +58,11 @@ impl Scaler {
             &[
                 format!("grpc_listen=127.0.0.1:{port}"),
                 "http_listen=127.0.0.1:0".into(),
-                format!("tls={{cert: {d}/srv.pem, key: {d}/srv.key, client_ca: {d}/ca.pem}}"),
+                if tls {
+                    format!("tls={{cert: {d}/srv.pem, key: {d}/srv.key, client_ca: {d}/ca.pem}}")
+                } else {
+                    "interval_s=5".into()
+                },
                 "models=[{name: llama, prefill: {}, decode: {}}]".into(),
             ],
         )
@@ -94,7 +99,7 @@ impl Scaler {
 
 #[tokio::test]
 async fn mutual_tls_admits_only_clients_with_a_certificate_from_the_ca() {
-    let scaler = Scaler::start();
+    let scaler = Scaler::start(true);
     let (base, with_cert) = (scaler.client_tls(false), scaler.client_tls(true));
     let Scaler {
         port,
@@ -138,7 +143,7 @@ async fn regression_silent_tls_peers_held_unbounded_connections_on_the_grpc_port
     use preheat_scaler::grpc_incoming::MAX_CONNECTIONS;
     use preheat_scaler::server::TLS_HANDSHAKE_TIMEOUT;
     use tokio::io::AsyncReadExt;
-    let scaler = Scaler::start();
+    let scaler = Scaler::start(true);
     let keda = scaler.client_tls(true);
     let Scaler {
         port,
@@ -200,6 +205,42 @@ async fn regression_silent_tls_peers_held_unbounded_connections_on_the_grpc_port
     drop(silent);
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
+}
+
+/// Without TLS nothing but the connection cap bounded a silent peer: 256 connections
+/// that never send the HTTP/2 preface held every slot for good. Now a connection that
+/// sends nothing is closed at the first-byte deadline.
+#[tokio::test]
+async fn regression_a_silent_plaintext_peer_held_a_grpc_slot_for_ever() {
+    use preheat_scaler::grpc_incoming::FIRST_BYTE_TIMEOUT;
+    use tokio::io::AsyncReadExt;
+    let scaler = Scaler::start(false);
+    let url = format!("http://127.0.0.1:{}", scaler.port);
+    let t0 = Instant::now();
+    while call(&url, None).await.is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the scaler never served"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let opened = Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", scaler.port))
+        .await
+        .unwrap();
+    // Meanwhile KEDA is served.
+    assert!(call(&url, None).await.is_ok());
+    // (The server's own HTTP/2 settings arrive first; then the connection must end.)
+    let mut got = Vec::new();
+    let r = tokio::time::timeout(FIRST_BYTE_TIMEOUT * 2, silent.read_to_end(&mut got)).await;
+    let held = opened.elapsed();
+    assert!(r.is_ok(), "a silent peer was kept past twice the deadline");
+    assert!(
+        held >= FIRST_BYTE_TIMEOUT - Duration::from_secs(1),
+        "closed before the deadline: {held:?}"
+    );
+    let _ = scaler.stop_tx.send(());
+    scaler.server.await.unwrap().unwrap();
 }
 
 #[test]

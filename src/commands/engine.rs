@@ -63,10 +63,11 @@ pub(crate) fn socket_addr(
 /// required).
 pub(crate) fn deployment_token(
     a: &crate::cli::ClusterTokenArgs,
+    open: crate::cli::NoTokenArg,
     needed_by: Option<&str>,
 ) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
     let t = match needed_by {
-        Some(what) => a.require(what)?,
+        Some(what) => a.require(open, what)?,
         None => a.load()?,
     };
     if let Some(t) = &t {
@@ -132,7 +133,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         .transpose()?
         .map(std::sync::Arc::new);
     let mut opts = gateway::GatewayOptions {
-        cluster_token: deployment_token(&a.token, Some("the gateway"))?,
+        cluster_token: deployment_token(&a.token, a.open, Some("the gateway"))?,
         api_keys,
         worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
         hold_timeout: Duration::from_secs(a.hold_timeout_secs),
@@ -425,7 +426,7 @@ pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<Serve
     } else {
         None
     };
-    o.cluster_token = deployment_token(&a.token, needed_by)?;
+    o.cluster_token = deployment_token(&a.token, a.open, needed_by)?;
     o.api_keys = a
         .api_keys_file
         .as_deref()

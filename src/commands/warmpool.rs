@@ -19,6 +19,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             advertise_host,
             listen,
             token,
+            open,
         } => {
             let text = std::fs::read_to_string(&config)
                 .with_context(|| format!("reading {}", config.display()))?;
@@ -34,7 +35,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                 cfg.listen = l;
             }
             if let (Some(t), Some(p)) = (
-                token.require("the warm-pool agent")?,
+                token.require(open, "the warm-pool agent")?,
                 token.cluster_token_file,
             ) {
                 cfg.cluster_token = Some((t, p));

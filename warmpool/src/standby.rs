@@ -206,8 +206,15 @@ impl StandbyPool {
             die_with_parent(&mut cmd);
             let (k, v) = spawned_at_now();
             cmd.args(rest).kill_on_drop(true).env(k, v);
-            if let Some((_, file)) = &self.token {
-                cmd.env(preheat_edge::token::TOKEN_FILE_ENV, file);
+            match &self.token {
+                Some((_, file)) => {
+                    cmd.env(preheat_edge::token::TOKEN_FILE_ENV, file);
+                }
+                // An agent run without a token (as it was told to) runs its standbys
+                // the same way; they would refuse to start otherwise.
+                None => {
+                    cmd.env("PREHEAT_INSECURE_NO_TOKEN", "true");
+                }
             }
             let mut log = None;
             if let Some(dir) = &self.log_dir {

@@ -171,6 +171,30 @@ pub struct Gateway {
     instance: String,
     /// Wakes the announcer early: a worker joined.
     announce_now: tokio::sync::Notify,
+    /// Sequence of this gateway's announcements (a late, older one is ignored).
+    announcements: std::sync::atomic::AtomicU64,
+    refusal_log: LogEvery,
+}
+
+/// Lets a repeated message through at most once per period.
+#[derive(Debug)]
+struct LogEvery {
+    period: Duration,
+    last: Mutex<Option<Instant>>,
+}
+
+impl LogEvery {
+    fn ready(&self) -> bool {
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|t| t.elapsed() < self.period) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
+    }
 }
 
 impl std::fmt::Debug for Gateway {
@@ -291,6 +315,8 @@ impl Gateway {
     async fn announce_peers(&self) {
         let (list, due) = {
             let g = self.lock();
+            // (Addresses were checked against the announcement's bounds when the
+            // workers joined; the count is capped here.)
             let mut list: Vec<String> = g
                 .workers
                 .values()
@@ -299,6 +325,7 @@ impl Gateway {
                 .collect();
             list.sort();
             list.dedup();
+            list.truncate(super::peers::MAX_PEERS);
             let due: Vec<(String, String)> = g
                 .workers
                 .values()
@@ -317,6 +344,9 @@ impl Gateway {
         }
         let announcement = Announcement {
             from: self.instance.clone(),
+            seq: self
+                .announcements
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             prefill: list.clone(),
             ttl_ms: u64::try_from(PEERS_TTL.as_millis()).unwrap_or(u64::MAX),
         };
@@ -335,7 +365,11 @@ impl Gateway {
                 match r {
                     Ok(r) if r.status().is_success() => Some((id, sent_at)),
                     Ok(r) => {
-                        tracing::debug!(decode = %url, status = %r.status(), "peer announcement refused");
+                        // Refused by a decode worker that is up: not a passing fault
+                        // (said at most every 30 s, as it is retried every tick).
+                        if self.refusal_log.ready() {
+                            tracing::warn!(decode = %url, status = %r.status(), "peer announcement refused");
+                        }
                         None
                     }
                     Err(e) => {
@@ -351,6 +385,22 @@ impl Gateway {
             if let Some(e) = g.workers.get_mut(&id) {
                 e.told = Some((sent_at, list.clone()));
             }
+        }
+    }
+
+    /// Waits (up to [`FIRST_ANNOUNCEMENT_WAIT`]) until a decode worker that was never
+    /// told about the prefill workers has been: one that just joined (scale from zero,
+    /// a promoted standby) would otherwise prefill its first burst itself.
+    async fn await_announcement(&self, decode: &str) {
+        let waiting = || {
+            let g = self.lock();
+            let never_told = g.workers.get(decode).is_some_and(|d| d.told.is_none());
+            never_told && g.workers.values().any(|e| self.can_serve_kv(e))
+        };
+        let deadline = Instant::now() + FIRST_ANNOUNCEMENT_WAIT;
+        while waiting() && Instant::now() < deadline {
+            self.announce_now.notify_one();
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -419,7 +469,11 @@ impl Gateway {
                 Ok(d) => d,
                 Err(e) => return fail(e),
             };
-            let prefill = if attempt < 2 && req.prompt.len() >= self.opts.disagg_min_tokens {
+            let disagg = attempt < 2 && req.prompt.len() >= self.opts.disagg_min_tokens;
+            if disagg {
+                self.await_announcement(&decode.id).await;
+            }
+            let prefill = if disagg {
                 self.pick(WorkerRole::Prefill, &hashes, &excluded, Some(&decode.id))
             } else {
                 None
@@ -473,6 +527,7 @@ impl Gateway {
                     class: "internal".into(),
                     message: format!("decode worker answered HTTP {status}"),
                     prefill_failed: false,
+                    unannounced: false,
                 });
                 // A worker draining for scale-down refuses new work: the request has not
                 // started, so another decode worker takes it.
@@ -481,8 +536,15 @@ impl Gateway {
                     refused.push(decode.id.clone());
                     continue;
                 }
-                if w.prefill_failed && attempt < 2 {
+                // The decode worker lacks the list naming that prefill worker (it
+                // restarted at the same address): tell it again; the prefill worker is
+                // not at fault.
+                if w.prefill_failed && w.unannounced && attempt < 2 {
+                    tracing::info!(decode = %decode.url, "decode worker did not know the prefill worker; announcing again");
                     self.forget_told(&decode.id);
+                    continue;
+                }
+                if w.prefill_failed && attempt < 2 {
                     if let Some(p) = &prefill {
                         tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
                         excluded.push(p.id.clone());
@@ -573,7 +635,17 @@ fn conflict(msg: String) -> Response {
     (StatusCode::CONFLICT, msg).into_response()
 }
 
+/// Why a worker's addresses cannot be announced to decode workers, if they cannot.
+fn unannounceable(url: &str, kv: Option<&str>) -> Option<String> {
+    let max = super::peers::MAX_ADDRESS_LEN;
+    (url.len() > max || kv.is_some_and(|k| k.len() > max))
+        .then(|| format!("a worker's URL and KV address are at most {max} bytes"))
+}
+
 async fn register(State(gw): State<Arc<Gateway>>, Json(r): Json<Registration>) -> Response {
+    if let Some(why) = unannounceable(&r.url, r.kv.as_deref()) {
+        return (StatusCode::BAD_REQUEST, why).into_response();
+    }
     let known = gw.lock().compat.clone();
     match known {
         Some(c) if c != r.compat => {
@@ -751,6 +823,8 @@ const PEERS_REFRESH: Duration = Duration::from_secs(3);
 /// The gateway names a prefill worker to a decode worker only while the list that
 /// holds it is this fresh (well inside its TTL there).
 const PEERS_TRUSTED: Duration = Duration::from_secs(6);
+/// Longest a request waits for a newly joined decode worker's first announcement.
+const FIRST_ANNOUNCEMENT_WAIT: Duration = Duration::from_secs(1);
 /// How often the gateway checks whether an announcement is due.
 const PEERS_TICK: Duration = Duration::from_millis(200);
 
@@ -832,6 +906,9 @@ impl Gateway {
         url: &str,
         status: WorkerStatus,
     ) -> std::result::Result<(), String> {
+        if let Some(why) = unannounceable(url, status.kv.as_deref()) {
+            return Err(why);
+        }
         if status.role != role {
             return Err(format!(
                 "listed as {} but is a {} worker",
@@ -927,6 +1004,11 @@ pub async fn run(
                 .map_or(0, |d| d.as_nanos())
         ),
         announce_now: tokio::sync::Notify::new(),
+        announcements: std::sync::atomic::AtomicU64::new(1),
+        refusal_log: LogEvery {
+            period: Duration::from_secs(30),
+            last: Mutex::new(None),
+        },
     });
     if let Some(info) = opts.model.clone() {
         gw.install_front(info)?;

@@ -2,11 +2,11 @@
 //! announce (`POST /internal/peers`), each kept for a bounded time unless refreshed.
 //!
 //! A decode worker never connects to an address only because a request body names it:
-//! the body's prefill address must be on a list a gateway announced, so even a holder
-//! of the cluster token cannot turn a decode worker into a proxy for other hosts
-//! (SSRF). A gateway that stops announcing (gone, restarted under a new id) has its
-//! list expire; a gateway picks a prefill worker for a decode worker only once that
-//! decode worker was told about it.
+//! the body's prefill address must be on a list a gateway announced (SSRF through a
+//! request body). Announcements, like every internal call, need the cluster token, the
+//! one credential between preheat's processes. A gateway that stops announcing (gone,
+//! restarted under a new id) has its list expire; a gateway picks a prefill worker for
+//! a decode worker only once that decode worker was told about it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -29,6 +29,10 @@ pub const MAX_TTL: Duration = Duration::from_secs(60);
 pub struct Announcement {
     /// The announcing gateway's instance id: its list replaces its previous one.
     pub from: String,
+    /// Rises with each of the gateway's announcements: one that arrives after a later
+    /// one is ignored.
+    #[serde(default)]
+    pub seq: u64,
     /// Where this decode worker may pull K/V from (`tcp://host:port`, or an HTTP base
     /// URL for prefill workers without a KV port where no cluster token is set).
     pub prefill: Vec<String>,
@@ -49,6 +53,7 @@ pub enum AnnouncementError {
 
 #[derive(Debug)]
 struct Listed {
+    seq: u64,
     addresses: HashSet<String>,
     until: Instant,
 }
@@ -74,6 +79,9 @@ impl KnownPeers {
         let ttl = Duration::from_millis(a.ttl_ms).min(MAX_TTL);
         let mut g = self.lock();
         g.retain(|_, l| l.until > now);
+        if g.get(&a.from).is_some_and(|l| l.seq > a.seq) {
+            return Ok(()); // overtaken by a later announcement
+        }
         if !g.contains_key(&a.from) && g.len() >= MAX_SOURCES {
             let soonest = g
                 .iter()
@@ -86,6 +94,7 @@ impl KnownPeers {
         g.insert(
             a.from,
             Listed {
+                seq: a.seq,
                 addresses: a.prefill.into_iter().collect(),
                 until: now + ttl,
             },
@@ -116,6 +125,7 @@ mod tests {
     fn ann(from: &str, prefill: &[&str], ttl_ms: u64) -> Announcement {
         Announcement {
             from: from.into(),
+            seq: 0,
             prefill: prefill.iter().map(|s| (*s).to_owned()).collect(),
             ttl_ms,
         }
@@ -135,10 +145,22 @@ mod tests {
         // A gateway's new list replaces its old one.
         k.announce(ann("gw-a", &["tcp://p:3"], 10_000)).unwrap();
         assert!(!k.knows("tcp://p:1") && k.knows("tcp://p:3"));
+        // One that arrives after a later one is ignored.
+        k.announce(Announcement {
+            seq: 5,
+            ..ann("gw-a", &["tcp://p:5"], 10_000)
+        })
+        .unwrap();
+        k.announce(Announcement {
+            seq: 4,
+            ..ann("gw-a", &["tcp://p:4"], 10_000)
+        })
+        .unwrap();
+        assert!(k.knows("tcp://p:5") && !k.knows("tcp://p:4"));
         std::thread::sleep(Duration::from_millis(80));
         assert!(!k.knows("tcp://p:2"), "an unrefreshed list expires");
         // The TTL asked for is capped.
-        k.announce(ann("gw-c", &["tcp://p:4"], u64::MAX)).unwrap();
+        k.announce(ann("gw-c", &["tcp://p:6"], u64::MAX)).unwrap();
         let until = k.lock()["gw-c"].until;
         assert!(until <= Instant::now() + MAX_TTL);
     }
@@ -149,6 +171,7 @@ mod tests {
         let many: Vec<String> = (0..=MAX_PEERS).map(|i| format!("tcp://p:{i}")).collect();
         let r = k.announce(Announcement {
             from: "gw".into(),
+            seq: 0,
             prefill: many,
             ttl_ms: 1000,
         });

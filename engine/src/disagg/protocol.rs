@@ -106,6 +106,11 @@ pub struct WireError {
     /// The prefill worker failed before the first token: another one may succeed.
     #[serde(default)]
     pub prefill_failed: bool,
+    /// The decode worker was not told it may pull from the named prefill worker (it
+    /// restarted, or an announcement is still on its way): announce again, and the
+    /// prefill worker itself is not at fault.
+    #[serde(default)]
+    pub unannounced: bool,
 }
 
 impl WireError {
@@ -121,6 +126,7 @@ impl WireError {
             class: class.into(),
             message: e.to_string(),
             prefill_failed,
+            unannounced: false,
         }
     }
 

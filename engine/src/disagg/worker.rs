@@ -317,12 +317,14 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             // another prefill worker or prefills here.
             if !st.peers.knows(url) {
                 tracing::warn!(request = %b.request_id, prefill = %url, "refusing a prefill address no gateway announced");
-                return wire_error(
+                let mut w = WireError::from_engine(
                     &EngineError::Unavailable(format!(
                         "prefill address {url:?} is not one a gateway announced to this worker"
                     )),
                     true,
                 );
+                w.unannounced = true;
+                return (StatusCode::BAD_GATEWAY, Json(w)).into_response();
             }
             // With a cluster token, K/V comes only over the KV port, whose handshake
             // proves the peer holds the token before the prompt is sent: an HTTP URL
