@@ -139,7 +139,7 @@ impl KernelCache {
         }
     }
 
-    /// Stores `image` under `id` atomically (temp file, fsync, rename).
+    /// Stores `image` under `id` atomically ([`crate::publish`]).
     pub fn put(&self, id: &str, image: &[u8]) -> Result<()> {
         let p = self.path(id);
         let mut tmp =
@@ -152,11 +152,8 @@ impl KernelCache {
         };
         f.write_all(&head)
             .and_then(|()| f.write_all(image))
-            .and_then(|()| f.sync_all())
-            .and_then(|()| crate::writer::shareable(f))
             .map_err(|e| Error::io(&p, e))?;
-        tmp.persist(&p).map_err(|e| Error::io(&p, e.error))?;
-        Ok(())
+        crate::publish::publish_temp(tmp, &p)
     }
 
     /// Entry ids with their sizes.

@@ -25,6 +25,7 @@ pub mod kernel_cache;
 pub mod manifest;
 pub mod packed;
 pub mod progress;
+pub mod publish;
 mod reader;
 pub mod residency;
 pub mod source;

@@ -185,7 +185,7 @@ pub fn pack(
     let snap = Snapshot::open(src)?;
     let bytes = snap.bytes();
     let plan = plan(&snap, opts.chunk_size);
-    let (tmp, dir) = temp_beside(dest)?;
+    let (tmp, _) = crate::publish::temp_beside(dest)?;
     let io = |e| Error::io(tmp.path(), e);
     let table_len = plan.len() * ENTRY_LEN;
     let mut out = tmp.as_file();
@@ -259,10 +259,7 @@ pub fn pack(
     header[56..64].copy_from_slice(&hsum.0.to_le_bytes());
     out.write_all_at(&header, 0).map_err(io)?;
     out.write_all_at(&tbytes, HEADER_LEN as u64).map_err(io)?;
-    out.sync_all().map_err(io)?;
-    crate::writer::shareable(out).map_err(io)?;
-    tmp.persist(dest).map_err(|e| Error::io(dest, e.error))?;
-    sync_dir(&dir);
+    crate::publish::publish_temp(tmp, dest)?;
     progress.finish();
     Ok(PackSummary {
         original_len: snap.file_len(),
@@ -580,46 +577,13 @@ pub fn unpack(
     // The chunk digests cover every byte; opening checks the snapshot's own structure
     // before it becomes visible under its final name.
     Snapshot::open(&partial)?;
-    std::fs::rename(&partial, dest).map_err(|e| Error::io(dest, e))?;
-    if let Some(dir) = dest.parent() {
-        sync_dir(dir);
-    }
+    crate::publish::publish_synced(&partial, dest)?;
     progress.finish();
     Ok(UnpackSummary {
         original_len: index.original_len,
         chunks: index.chunks.len(),
         resumed_chunks: resumed.into_inner(),
     })
-}
-
-fn temp_beside(dest: &Path) -> Result<(tempfile::NamedTempFile, PathBuf)> {
-    let dir = dest
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."))
-        .to_path_buf();
-    let name = dest
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".partial")
-        .tempfile_in(&dir)
-        .map_err(|e| Error::io(&dir, e))?;
-    Ok((tmp, dir))
-}
-
-fn sync_dir(dir: &Path) {
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    if let Ok(d) = File::open(dir) {
-        // Durability of the rename; some filesystems refuse directory fsync.
-        let _ = d.sync_all();
-    }
 }
 
 #[cfg(test)]

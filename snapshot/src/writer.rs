@@ -91,20 +91,13 @@ impl SnapshotBuilder {
             }
         }
         let (mut manifest, header) = self.layout()?;
-        let dir = dest
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let file_name = dest
-            .file_name()
-            .ok_or_else(|| Error::InvalidSource(format!("{} is not a file path", dest.display())))?
-            .to_string_lossy()
-            .into_owned();
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{file_name}."))
-            .suffix(".partial")
-            .tempfile_in(dir)
-            .map_err(|e| Error::io(dir, e))?;
+        if dest.file_name().is_none() {
+            return Err(Error::InvalidSource(format!(
+                "{} is not a file path",
+                dest.display()
+            )));
+        }
+        let (tmp, _) = crate::publish::temp_beside(dest)?;
         let io = |e| Error::io(tmp.path(), e);
         let file: &File = tmp.as_file();
         file.set_len(header.file_len).map_err(io)?;
@@ -161,14 +154,7 @@ impl SnapshotBuilder {
         w.write_all(&header.encode()).map_err(io)?;
         w.flush().map_err(io)?;
         drop(w);
-        file.sync_all().map_err(io)?;
-        shareable(file).map_err(io)?;
-        tmp.persist(dest).map_err(|e| Error::io(dest, e.error))?;
-        if let Ok(d) = File::open(dir) {
-            // Makes the rename itself durable; failure here is not worth failing for on
-            // filesystems that refuse directory fsync.
-            let _ = d.sync_all();
-        }
+        crate::publish::publish_temp(tmp, dest)?;
         progress.finish();
         Ok(WriteSummary {
             path: dest.to_path_buf(),
@@ -261,12 +247,4 @@ fn seek_to<W: Write + Seek>(w: &mut W, pos: &mut u64, target: u64) -> std::io::R
         *pos = target;
     }
     Ok(())
-}
-
-/// Readable by every user (`0644`) instead of the temporary file's `0600`: a snapshot
-/// is written by one process (a converter, the warm-pool agent) and mapped by others
-/// that may run as another user (workers as a non-root user in the chart).
-pub(crate) fn shareable(file: &File) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    file.set_permissions(std::fs::Permissions::from_mode(0o644))
 }

@@ -520,11 +520,7 @@ async fn stage_planned(
     }
     drop(file);
     let dest = snapshot_path(dir, name);
-    std::fs::rename(&partial, &dest).map_err(|e| Error::io(&dest, e))?;
-    if let Ok(d) = File::open(dir) {
-        // Durability of the rename; some filesystems refuse a directory fsync.
-        let _ = d.sync_all();
-    }
+    preheat_snapshot::publish::publish_synced(&partial, &dest)?;
     let _ = std::fs::remove_file(&journal.path);
     progress.finish();
     tracing::info!(model = name, path = %dest.display(), bytes = plan.snapshot_bytes, fetched, resumed, "staged");
