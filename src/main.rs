@@ -1,11 +1,13 @@
 //! `preheat`: one binary whose subcommands run each part of the system.
 
-mod bench;
 mod cli;
 mod commands;
 mod endpoint_slices;
+mod output;
 mod plot;
+mod process;
 mod progress_bar;
+mod signals;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;

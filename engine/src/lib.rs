@@ -11,6 +11,7 @@ mod error;
 pub mod kv;
 pub mod metrics;
 pub mod model;
+pub mod profile;
 pub mod sampling;
 pub mod scheduler;
 pub mod serve;

@@ -13,9 +13,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::metrics::{EngineMetrics, Role};
 use crate::model::open_model;
 use crate::scheduler::SchedulerConfig;
-use crate::server::{
-    ApiState, DEFAULT_MAX_BODY, control_router, drain, public_router, shutdown_signal,
-};
+use crate::server::{ApiState, DEFAULT_MAX_BODY, control_router, drain, public_router};
 use crate::tokenizer::Tokenizer;
 use crate::{EngineError, Result};
 
@@ -263,12 +261,16 @@ pub fn default_name(path: &std::path::Path) -> String {
     p.map_or_else(|| "model".to_owned(), |s| s.to_string_lossy().into_owned())
 }
 
-/// Serves until SIGTERM / Ctrl-C, then drains.
-pub async fn serve(opts: ServeOptions) -> Result<()> {
+/// Binds `opts.addr` and serves until `stop` resolves (the binary: SIGTERM / Ctrl-C),
+/// then drains.
+pub async fn serve(
+    opts: ServeOptions,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(opts.addr)
         .await
         .map_err(|e| EngineError::Unavailable(format!("binding {}: {e}", opts.addr)))?;
-    serve_on(listener, opts, shutdown_signal()).await
+    serve_on(listener, opts, stop).await
 }
 
 /// Serves on an already bound listener until `stop` resolves (tests pass their own).

@@ -9,10 +9,10 @@ use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::serve::{Device, ServeOptions, serve};
 
 use crate::cli::{EngineCmd, GatewayArgs, ServeArgs, WorkerArgs};
+use crate::signals::shutdown_signal;
 use preheat_engine::disagg::protocol::WorkerRole;
 use preheat_engine::disagg::{gateway, worker};
 use preheat_engine::metrics::Role;
-use preheat_engine::server::shutdown_signal;
 
 pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -21,7 +21,7 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(serve(opts))?;
+            rt.block_on(serve(opts, shutdown_signal()))?;
             Ok(ExitCode::SUCCESS)
         }
         EngineCmd::Gateway(args) => run_gateway(&args),
@@ -330,7 +330,7 @@ pub(crate) fn profile(
     let mut prefill = Vec::new();
     for &len in lengths {
         let len = len.min(c.max_position_embeddings as usize);
-        let tps = crate::bench::engine::prefill_rate(&mut be, len)?;
+        let tps = preheat_engine::profile::prefill_rate(&mut be, len)?;
         tracing::info!(len, tokens_per_s = tps, "prefill");
         prefill.push((len as f64, tps));
     }
@@ -338,7 +338,7 @@ pub(crate) fn profile(
     prefill.dedup_by(|a, b| a.0 == b.0);
     let mut itl = Vec::new();
     for &b in batches {
-        let (_, step) = crate::bench::engine::decode_rate(&mut be, b, steps)?;
+        let (_, step) = preheat_engine::profile::decode_rate(&mut be, b, steps)?;
         tracing::info!(batch = b, itl_s = step.as_secs_f64(), "decode");
         itl.push((b as f64, step.as_secs_f64()));
     }
@@ -373,7 +373,7 @@ pub(crate) fn profile(
         .map_err(|e| anyhow::anyhow!("measured profile is invalid: {}", e.join("; ")))?;
     std::fs::write(output, serde_json::to_vec_pretty(&p)?)
         .with_context(|| format!("writing {}", output.display()))?;
-    crate::commands::outln!("wrote {}", output.display());
+    crate::output::outln!("wrote {}", output.display());
     Ok(())
 }
 

@@ -32,7 +32,7 @@ pub fn run(cmd: ScalerCmd) -> anyhow::Result<ExitCode> {
             rt.block_on(preheat_scaler::server::run(
                 cfg,
                 profile,
-                preheat_engine::server::shutdown_signal(),
+                crate::signals::shutdown_signal(),
             ))?;
             Ok(ExitCode::SUCCESS)
         }

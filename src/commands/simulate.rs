@@ -1,6 +1,7 @@
 //! `preheat simulate`: replays a trace against the scaling policies and reports SLO
 //! attainment against GPU-seconds.
 
+use crate::output::outln;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};

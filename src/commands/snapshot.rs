@@ -1,5 +1,6 @@
 //! `preheat snapshot …`
 
+use crate::output::outln;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -9,8 +10,9 @@ use preheat_snapshot::synth::{self, SynthOptions};
 use preheat_snapshot::{DType, Snapshot, TargetDtype, WriteSummary};
 use serde_json::json;
 
-use super::{default_threads, emit, human_bytes, print_json};
+use super::default_threads;
 use crate::cli::SnapshotCmd;
+use crate::output::{emit, human_bytes, print_json};
 use crate::progress_bar::Bar;
 
 pub fn run(cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {

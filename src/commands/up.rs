@@ -14,9 +14,9 @@ use std::process::{ExitCode, Stdio};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::signals::shutdown_signal;
 use anyhow::{Context, bail};
 use preheat_engine::disagg::gateway::{self, GatewayOptions};
-use preheat_engine::server::shutdown_signal;
 use preheat_scaler::config::Config;
 use preheat_scaler::controller::SharedEndpoints;
 use preheat_scaler::policy::Pool;
@@ -29,6 +29,7 @@ use preheat_warmpool::standby::StandbyPool;
 use tokio::process::{Child, Command};
 
 use crate::cli::UpArgs;
+use crate::process::free_port;
 
 const MODEL: &str = "default";
 
@@ -242,13 +243,6 @@ struct PoolState {
     backoff: RestartBackoff,
     /// This run's cluster token, named in each worker's environment.
     token_file: PathBuf,
-}
-
-/// A loopback port free now (bound and released).
-pub(crate) fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 impl PoolState {

@@ -10,7 +10,7 @@ use preheat_warmpool::stage::{self, StageOptions};
 use preheat_warmpool::{Fetcher, Source};
 
 use crate::cli::WarmpoolCmd;
-use crate::commands::human_bytes;
+use crate::output::{human_bytes, outln};
 
 pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -48,7 +48,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                     .await
                     .with_context(|| format!("binding {}", cfg.listen))?;
                 tracing::info!(addr = %cfg.listen, dir = %cfg.dir.display(), models = cfg.models.len(), "warm-pool agent");
-                preheat_warmpool::agent::run(cfg, l, preheat_engine::server::shutdown_signal()).await?;
+                preheat_warmpool::agent::run(cfg, l, crate::signals::shutdown_signal()).await?;
                 anyhow::Ok(())
             })?;
             Ok(ExitCode::SUCCESS)
@@ -113,7 +113,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                 .await
             })?;
             if json {
-                crate::commands::print_json(&serde_json::json!({
+                crate::output::print_json(&serde_json::json!({
                     "path": o.path, "bytes": o.bytes, "fetched_bytes": o.fetched_bytes,
                     "resumed_bytes": o.resumed_bytes, "already_staged": o.already_staged,
                     "seconds": o.seconds,

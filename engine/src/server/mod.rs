@@ -553,28 +553,6 @@ fn sse_stream(
     .flatten()
 }
 
-/// Waits for SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-}
-
 /// Stops new requests and waits up to `grace` for in-flight ones to finish.
 pub async fn drain(state: &ApiState, grace: Duration) {
     let Ok(e) = state.engine() else { return };

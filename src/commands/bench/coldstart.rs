@@ -24,8 +24,8 @@ use preheat_snapshot::residency;
 use serde_json::{Value, json};
 
 use crate::cli::BenchColdstartArgs;
-use crate::commands::up::free_port;
-use crate::commands::{human_bytes, outln};
+use crate::output::{human_bytes, outln};
+use crate::process::free_port;
 
 /// Phases in the order a start goes through them (server side).
 const PHASES: [&str; 5] = [
@@ -608,7 +608,7 @@ pub fn run(a: &BenchColdstartArgs) -> anyhow::Result<ExitCode> {
         std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
     }
     if a.out.json {
-        crate::commands::print_json(&report)?;
+        crate::output::print_json(&report)?;
     } else {
         outln!(
             "{} ({}): page-cache read {:.3} s ({:.2} GB/s), disk read {:.3} s",

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use super::{best_of, gbps};
 use crate::cli::BenchSnapshotArgs;
-use crate::commands::{outln, print_json};
+use crate::output::{outln, print_json};
 use crate::progress_bar::Bar;
 
 /// Reads every byte of every tensor through the snapshot's mapping (a fresh open, so

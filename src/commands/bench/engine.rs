@@ -10,9 +10,9 @@ use anyhow::Context;
 use preheat_engine::backend::cpu::CpuBackend;
 use preheat_engine::backend::cpu::matmul::linear;
 use preheat_engine::backend::cpu::weights::Weight;
-use preheat_engine::backend::{Backend, ForwardBatch, SeqSlice};
 use preheat_engine::engine::{Engine, EngineConfig, Event, GenerateRequest};
 use preheat_engine::metrics::{EngineMetrics, Role};
+use preheat_engine::profile::{BLOCK, decode_rate, prefill_rate};
 use preheat_engine::sampling::SamplingParams;
 use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::tokenizer::Tokenizer;
@@ -23,10 +23,8 @@ use serde_json::json;
 
 use super::best_of;
 use crate::cli::BenchEngineArgs;
-use crate::commands::{outln, print_json};
+use crate::output::{outln, print_json};
 use crate::progress_bar::Bar;
-
-const BLOCK: usize = 16;
 
 /// Bytes per second of a large multi-threaded memcpy (bytes copied / time).
 fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
@@ -42,68 +40,6 @@ fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
     .expect("infallible");
     std::hint::black_box(&dst);
     bytes as f64 / d.as_secs_f64()
-}
-
-/// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each.
-pub(crate) fn decode_rate(
-    be: &mut CpuBackend,
-    batch: usize,
-    steps: usize,
-) -> anyhow::Result<(f64, Duration)> {
-    let per_seq_blocks = 2;
-    let tables: Vec<Vec<u32>> = (0..batch)
-        .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())
-        .collect();
-    let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
-    let prompt = 8usize;
-    let tokens: Vec<u32> = (0..batch * prompt).map(|i| (i % 200) as u32 + 1).collect();
-    let positions: Vec<u32> = (0..batch * prompt).map(|i| (i % prompt) as u32).collect();
-    let seq_of: Vec<u32> = (0..batch * prompt).map(|i| (i / prompt) as u32).collect();
-    let rows: Vec<u32> = (0..batch)
-        .map(|s| (s * prompt + prompt - 1) as u32)
-        .collect();
-    be.forward(&ForwardBatch {
-        tokens: &tokens,
-        positions: &positions,
-        seq_of: &seq_of,
-        seqs: &seqs,
-        logits_rows: &rows,
-    })?;
-    let seq_of: Vec<u32> = (0..batch as u32).collect();
-    let rows: Vec<u32> = (0..batch as u32).collect();
-    let t0 = Instant::now();
-    for s in 0..steps {
-        let tokens = vec![7u32; batch];
-        let positions = vec![(prompt + s) as u32; batch];
-        be.forward(&ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            seq_of: &seq_of,
-            seqs: &seqs,
-            logits_rows: &rows,
-        })?;
-    }
-    let d = t0.elapsed();
-    Ok(((batch * steps) as f64 / d.as_secs_f64(), d / steps as u32))
-}
-
-pub(crate) fn prefill_rate(be: &mut CpuBackend, len: usize) -> anyhow::Result<f64> {
-    let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
-    let seqs = [SeqSlice {
-        block_table: &table,
-    }];
-    let tokens: Vec<u32> = (0..len).map(|i| (i % 200) as u32 + 1).collect();
-    let positions: Vec<u32> = (0..len as u32).collect();
-    let seq_of = vec![0u32; len];
-    let t0 = Instant::now();
-    be.forward(&ForwardBatch {
-        tokens: &tokens,
-        positions: &positions,
-        seq_of: &seq_of,
-        seqs: &seqs,
-        logits_rows: &[len as u32 - 1],
-    })?;
-    Ok(len as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// Tokens/s if a prefill of `len` tokens did nothing but the model's matmuls, through

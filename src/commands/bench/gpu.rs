@@ -19,7 +19,7 @@ mod on_gpu {
     use serde::Serialize;
 
     use crate::cli::BenchGpuArgs;
-    use crate::commands::{outln, print_json};
+    use crate::output::{outln, print_json};
 
     #[derive(Debug, Serialize)]
     struct Start {
@@ -55,7 +55,8 @@ mod on_gpu {
         if !matches!(CudaBackend::probe(), Probe::Ready { .. }) {
             anyhow::bail!("no GPU here ({:?})", CudaBackend::probe());
         }
-        let (name, path, _) = crate::bench::coldstart::snapshot_for(&a.model, &a.work_dir)?;
+        let (name, path, _) =
+            crate::commands::bench::coldstart::snapshot_for(&a.model, &a.work_dir)?;
         let snap = Arc::new(preheat_snapshot::Snapshot::open(&path)?);
         // Upload from a hot page cache: the start this measures is the warm pool's.
         snap.populate()?;

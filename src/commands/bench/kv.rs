@@ -17,7 +17,7 @@ use preheat_engine::sampling::SamplingParams;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::cli::BenchKvArgs;
-use crate::commands::{outln, print_json};
+use crate::output::{outln, print_json};
 
 fn message(layout: &KvLayout, tokens: usize) -> KvMessage {
     let prompt: Vec<u32> = (0..tokens as u32).map(|t| t % 32_000).collect();

@@ -14,7 +14,7 @@ use preheat_scaler::sim::trace::{self, MOONCAKE_BLOCK_TOKENS};
 use serde::Serialize;
 
 use crate::cli::BenchRouterArgs;
-use crate::commands::{outln, print_json};
+use crate::output::{outln, print_json};
 
 #[derive(Debug, Serialize)]
 struct Outcome {

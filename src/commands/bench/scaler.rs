@@ -22,7 +22,7 @@ use preheat_scaler::signals::PoolWindows;
 use serde_json::json;
 
 use crate::cli::{BenchScalerArgs, Callers};
-use crate::commands::{outln, print_json};
+use crate::output::{outln, print_json};
 
 fn pct(sorted: &[Duration], q: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;

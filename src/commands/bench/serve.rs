@@ -12,7 +12,7 @@ use preheat_scaler::sim::trace;
 use serde::Serialize;
 
 use crate::cli::BenchServeArgs;
-use crate::commands::{outln, print_json};
+use crate::output::{outln, print_json};
 use preheat_engine::metrics::names::GATEWAY_WORKERS;
 
 /// One request to send.
