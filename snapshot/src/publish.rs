@@ -39,8 +39,12 @@ pub fn publish_temp(tmp: tempfile::NamedTempFile, dest: &Path) -> Result<()> {
 }
 
 /// Publishes `partial`, whose bytes its writer has already fsynced (a resumable file
-/// kept by name across restarts), as `dest`: rename, directory fsync.
+/// kept by name across restarts), as `dest`: readable by the node's other users,
+/// rename, directory fsync.
 pub fn publish_synced(partial: &Path, dest: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(partial, std::fs::Permissions::from_mode(0o644))
+        .map_err(|e| Error::io(partial, e))?;
     std::fs::rename(partial, dest).map_err(|e| Error::io(dest, e))?;
     sync_dir(parent_of(dest));
     Ok(())
@@ -89,9 +93,12 @@ mod tests {
 
         let partial = dir.path().join("n.partial");
         std::fs::write(&partial, b"synced").unwrap();
+        std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o600)).unwrap();
         let dest2 = dir.path().join("n.preheat");
         publish_synced(&partial, &dest2).unwrap();
         assert!(!partial.exists());
         assert_eq!(std::fs::read(&dest2).unwrap(), b"synced");
+        let mode = std::fs::metadata(&dest2).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644);
     }
 }
