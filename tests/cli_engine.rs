@@ -238,36 +238,43 @@ fn regression_a_process_without_a_token_served_its_internal_endpoints_to_anyone(
     }
     // Told so explicitly, a worker runs without one.
     let port = free_port();
-    let mut w = preheat_testkit::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_preheat"))
-            .args([
-                "engine",
-                "decode",
-                "--model",
-                m,
-                "--port",
-                &port.to_string(),
-            ])
-            .args(["--kv-cache-mib", "8", "--insecure-no-token"])
-            .env_remove("PREHEAT_CLUSTER_TOKEN_FILE")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut w = spawn_without_token(&[
+        "engine",
+        "decode",
+        "--model",
+        m,
+        "--port",
+        &port.to_string(),
+        "--kv-cache-mib",
+        "8",
+        "--insecure-no-token",
+    ]);
     harness::wait_healthy(port, 60);
     assert!(w.0.try_wait().unwrap().is_none());
     // `engine serve` without an internal port has none to protect: no token needed.
     let port = free_port();
-    let _s = preheat_testkit::KillOnDrop(
+    let _s = spawn_without_token(&[
+        "engine",
+        "serve",
+        "--model",
+        m,
+        "--port",
+        &port.to_string(),
+        "--kv-cache-mib",
+        "8",
+    ]);
+    harness::wait_healthy(port, 60);
+}
+
+/// `preheat ARGS` with no cluster token in its environment, output discarded.
+fn spawn_without_token(args: &[&str]) -> preheat_testkit::KillOnDrop {
+    preheat_testkit::KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_preheat"))
-            .args(["engine", "serve", "--model", m, "--port", &port.to_string()])
-            .args(["--kv-cache-mib", "8"])
+            .args(args)
             .env_remove("PREHEAT_CLUSTER_TOKEN_FILE")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
-    );
-    harness::wait_healthy(port, 60);
+    )
 }

@@ -97,6 +97,18 @@ impl Scaler {
     }
 }
 
+/// Waits up to 10 s for the scaler at `url` to answer a call.
+async fn wait_served(url: &str, tls: Option<&ClientTlsConfig>) {
+    let t0 = Instant::now();
+    while call(url, tls.cloned()).await.is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the scaler never served"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn mutual_tls_admits_only_clients_with_a_certificate_from_the_ca() {
     let scaler = Scaler::start(true);
@@ -152,14 +164,7 @@ async fn regression_silent_tls_peers_held_unbounded_connections_on_the_grpc_port
         ..
     } = scaler;
     let url = format!("https://127.0.0.1:{port}");
-    let t0 = Instant::now();
-    while call(&url, Some(keda.clone())).await.is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the scaler never served"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_served(&url, Some(&keda)).await;
     // Fill every slot with a connection that says nothing.
     let opened = Instant::now();
     let mut silent = Vec::new();
@@ -216,14 +221,7 @@ async fn regression_a_silent_plaintext_peer_held_a_grpc_slot_for_ever() {
     use tokio::io::AsyncReadExt;
     let scaler = Scaler::start(false);
     let url = format!("http://127.0.0.1:{}", scaler.port);
-    let t0 = Instant::now();
-    while call(&url, None).await.is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the scaler never served"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_served(&url, None).await;
     let opened = Instant::now();
     let mut silent = tokio::net::TcpStream::connect(("127.0.0.1", scaler.port))
         .await
