@@ -39,6 +39,9 @@ pub enum Command {
     /// parked standbys.
     #[command(subcommand)]
     Warmpool(WarmpoolCmd),
+    /// What the scaler decided for each pool and why, against the SLOs, and what each
+    /// node has staged and hot: read from the scaler and the warm-pool agents.
+    Status(StatusArgs),
     /// Replay a request trace against autoscaling policies in a discrete-event simulation.
     Simulate(SimulateArgs),
     /// Benchmarks that record the figures in BENCHMARKS.md.
@@ -117,6 +120,12 @@ pub struct UpArgs {
     /// The scaler's KEDA external-scaler gRPC address.
     #[arg(long, default_value = "127.0.0.1:9090")]
     pub scaler_listen: String,
+    /// The scaler's HTTP endpoint: `/metrics`, and `/status` for `preheat status`.
+    #[arg(long, default_value = "127.0.0.1:9091")]
+    pub scaler_http: String,
+    /// The warm-pool agent's API (`/models`, `/standbys`, `/metrics`).
+    #[arg(long, default_value = "127.0.0.1:9092")]
+    pub agent_listen: String,
     /// Idle time before a pool goes to zero (e.g. 90s, 5m).
     #[arg(long, default_value = "60s")]
     pub idle_grace: String,
@@ -144,6 +153,42 @@ pub struct UpArgs {
     /// promotes them first.
     #[arg(long, default_value_t = 1)]
     pub standbys: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The scaler's HTTP endpoint (`preheat up --scaler-http`, the chart's `scaler.httpPort`).
+    #[arg(long)]
+    pub scaler: Option<String>,
+    /// A warm-pool agent's API (repeat for each node).
+    #[arg(long)]
+    pub agent: Vec<String>,
+    #[command(flatten)]
+    pub token: ClusterTokenArgs,
+    /// Find the scaler and the agents as the release's pods in a Kubernetes namespace
+    /// (KUBECONFIG or in-cluster), and read the cluster token from the release's Secret
+    /// unless --cluster-token-file is given.
+    #[arg(long)]
+    pub kube: bool,
+    /// With --kube: the namespace (default: the kubeconfig's).
+    #[arg(long, requires = "kube")]
+    pub namespace: Option<String>,
+    /// With --kube: the Helm release.
+    #[arg(long, default_value = "preheat")]
+    pub release: String,
+    /// With --kube: the Secret holding the cluster token (default: the chart's,
+    /// `<release>-preheat-cluster-token`).
+    #[arg(long, requires = "kube")]
+    pub token_secret: Option<String>,
+    /// Refresh until interrupted (in place on a terminal).
+    #[arg(long)]
+    pub watch: bool,
+    /// How often --watch refreshes (`2s`, `500ms`).
+    #[arg(long, default_value = "2s")]
+    pub interval: String,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

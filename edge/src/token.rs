@@ -48,7 +48,17 @@ impl ClusterToken {
             path: shown.clone(),
             source,
         })?;
-        let t = Self::new(&raw);
+        Self::checked(&raw, shown)
+    }
+
+    /// The token from bytes read elsewhere (a Kubernetes Secret's `token` key), with
+    /// [`ClusterToken::from_file`]'s checks; errors name `source`.
+    pub fn from_bytes(raw: &[u8], source: &str) -> Result<Self, EdgeError> {
+        Self::checked(raw, source.to_owned())
+    }
+
+    fn checked(raw: &[u8], shown: String) -> Result<Self, EdgeError> {
+        let t = Self::new(raw);
         if !t.secret.iter().all(|b| b.is_ascii_graphic()) {
             // It travels in an HTTP header: binary bytes would not survive.
             return Err(EdgeError::NotPrintable { path: shown });

@@ -26,12 +26,39 @@ pub mod names {
     /// Requests refused because the queue was full.
     pub const REJECTED: &str = "preheat:requests_rejected_total";
     pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
+    /// Unix time the replica's current start began (process start, or promotion of a
+    /// standby): with [`STARTUP_PHASE`], which starts were the last ones.
+    pub const START_TIME: &str = "preheat:replica_start_time_seconds";
     /// Gateway: requests held while no worker of a pool is available.
     pub const GATEWAY_PENDING: &str = "preheat:gateway_pending_requests";
     /// Workers in a gateway's rotation, by `role` (prefill, decode).
     pub const GATEWAY_WORKERS: &str = "preheat:gateway_workers";
     /// OpenAI API requests accepted, by API key (a short hash of it).
     pub const API_KEY_REQUESTS: &str = preheat_edge::api_keys::REQUESTS_METRIC;
+
+    /// Every name above.
+    pub const ALL: &[&str] = &[
+        NUM_REQUESTS_RUNNING,
+        NUM_REQUESTS_WAITING,
+        KV_CACHE_USAGE,
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        PREFIX_CACHE_QUERIES,
+        PREFIX_CACHE_HITS,
+        REQUEST_SUCCESS,
+        NUM_PREEMPTIONS,
+        TTFT,
+        ITL,
+        E2E,
+        QUEUE_TIME,
+        PREFILL_QUEUE_TOKENS,
+        REJECTED,
+        STARTUP_PHASE,
+        START_TIME,
+        GATEWAY_PENDING,
+        GATEWAY_WORKERS,
+        API_KEY_REQUESTS,
+    ];
 }
 
 /// Which part of a disaggregated deployment a process plays.
@@ -53,6 +80,13 @@ impl Role {
             Role::Gateway => "gateway",
         }
     }
+}
+
+/// Seconds since the Unix epoch (0 on a clock set before it).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 const TTFT_BUCKETS: &[f64] = &[
@@ -90,6 +124,8 @@ pub struct EngineMetrics {
     /// `preheat:startup_phase_seconds{phase, source}`: seconds from the start's origin
     /// (process start, or promotion of a standby) to the end of each phase.
     pub startup: GaugeVec,
+    /// `preheat:replica_start_time_seconds`: when that origin was, in Unix time.
+    start_time: Gauge,
     startup_origin: std::sync::Mutex<(std::time::Instant, String)>,
     first_token_seen: std::sync::atomic::AtomicBool,
     labels: [String; 2],
@@ -150,8 +186,15 @@ impl EngineMetrics {
         registry
             .register(Box::new(startup.clone()))
             .expect("unique metric");
+        let start_time = reg!(
+            Gauge,
+            START_TIME,
+            "Unix time the current start began (process start or standby promotion)"
+        );
+        start_time.set(unix_now());
         EngineMetrics {
             startup,
+            start_time,
             startup_origin: std::sync::Mutex::new((std::time::Instant::now(), "staged".to_owned())),
             first_token_seen: false.into(),
             running: reg!(
@@ -217,6 +260,8 @@ impl EngineMetrics {
     /// Starts a new start-up record: phases are measured from `origin`, labelled
     /// `source` (`convert`, `staged`, `hot`, `standby`); the next first token counts.
     pub fn set_startup_origin(&self, origin: std::time::Instant, source: &str) {
+        self.start_time
+            .set(unix_now() - origin.elapsed().as_secs_f64());
         *self.startup_origin.lock().expect("no panics while held") = (origin, source.to_owned());
         self.first_token_seen
             .store(false, std::sync::atomic::Ordering::Relaxed);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, Mode, ModelConfig, PoolConfig};
-use crate::grpc::{DecisionStore, PoolDecision, PoolStatus};
+use crate::grpc::{DecisionStore, PoolDecision, PoolStatus, SloView};
 use crate::kube::PodSet;
 use crate::policy::{Observation, Pool, PreheatPolicy};
 use crate::profile::Profile;
@@ -432,6 +432,8 @@ impl Tick<'_> {
                         endpoints_failed: signals.endpoints_failed,
                         blind: true,
                         reason: "replicas unknown: not deciding",
+                        failing: failing_urls(&p.failures),
+                        slo: SloView::of(&signals, p.policy.cfg.slo_ttft_s, p.policy.cfg.slo_itl_s),
                         ..PoolStatus::default()
                     },
                 );
@@ -444,6 +446,7 @@ impl Tick<'_> {
                 signals.endpoints_failed,
                 signals.is_blind(),
             );
+            let slo = SloView::of(&signals, p.policy.cfg.slo_ttft_s, p.policy.cfg.slo_itl_s);
             let obs = Observation {
                 current,
                 held_requests: held,
@@ -461,23 +464,31 @@ impl Tick<'_> {
                     active: d.active,
                 },
             );
+            let ready = match &p.source {
+                Source::Pods(set) => u32::try_from(set.view().ready.len()).unwrap_or(u32::MAX),
+                _ => current,
+            };
             self.store.set_status(
                 &m.cfg.name,
                 p.pool,
                 PoolStatus {
                     current,
+                    // Without pods to ask, serving is what answered (standbys included).
+                    ready: match &p.source {
+                        Source::Pods(_) => ready,
+                        _ => u32::try_from(endpoints_ok).unwrap_or(u32::MAX),
+                    },
                     endpoints_ok,
                     endpoints_failed,
                     blind,
                     reason: d.reason,
+                    failing: failing_urls(&p.failures),
+                    slo,
+                    load: p.policy.last_load(),
                 },
             );
             let replicas = if d.active { d.desired } else { 0 };
             if let Some((_, sb)) = &m.agents {
-                let ready = match &p.source {
-                    Source::Pods(set) => u32::try_from(set.view().ready.len()).unwrap_or(u32::MAX),
-                    _ => current,
-                };
                 let mine: Vec<(String, standbys::AgentPool)> = agents
                     .iter()
                     .map(|(a, pools)| {
@@ -528,5 +539,42 @@ impl Tick<'_> {
                 }
             }
         }
+    }
+}
+
+/// The URLs of the endpoints failing now, sorted, without any user:password part.
+fn failing_urls(f: &FailureLog) -> Vec<String> {
+    let mut v: Vec<String> = f.failing().keys().map(|u| without_userinfo(u)).collect();
+    v.sort();
+    v
+}
+
+/// `scheme://user:pass@host/…` → `scheme://host/…`: credentials never leave in a status.
+fn without_userinfo(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let host_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..host_end].rfind('@') {
+        Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failing_endpoints_are_shown_without_credentials() {
+        assert_eq!(
+            without_userinfo("http://user:secret@10.0.0.7:8000/metrics"),
+            "http://10.0.0.7:8000/metrics"
+        );
+        assert_eq!(
+            without_userinfo("http://10.0.0.7:8000/a@b"),
+            "http://10.0.0.7:8000/a@b"
+        );
+        assert_eq!(without_userinfo("10.0.0.7:8000"), "10.0.0.7:8000");
     }
 }

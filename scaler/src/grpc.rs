@@ -27,21 +27,70 @@ use crate::proto::{
 };
 
 /// The latest decision for one (model, pool).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct PoolDecision {
     pub desired: u32,
     pub active: bool,
 }
 
-/// What the control loop saw and why it decided, for the scaler's own metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What the control loop saw and why it decided, for the scaler's own metrics and
+/// `GET /status`.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct PoolStatus {
     pub current: u32,
+    /// Replicas serving: ready pods (a pod source), else endpoints that answered.
+    pub ready: u32,
     pub endpoints_ok: usize,
     pub endpoints_failed: usize,
     /// [`crate::signals::PoolSignals::is_blind`] of the tick: held, not sized.
     pub blind: bool,
     pub reason: &'static str,
+    /// Endpoints failing now (scrape URLs, any user:password part removed).
+    pub failing: Vec<String>,
+    pub slo: SloView,
+    /// `None` before the first decision and while blind.
+    pub load: Option<crate::policy::LoadView>,
+}
+
+/// A pool's latency over the scaler's window against the targets it sizes for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SloView {
+    /// TTFT target for prompts up to `slo_ttft_ref_tokens` (longer ones get more).
+    pub ttft_target_s: f64,
+    pub itl_target_s: f64,
+    pub ttft_p50_s: Option<f64>,
+    pub ttft_p90_s: Option<f64>,
+    pub itl_p50_s: Option<f64>,
+    pub itl_p90_s: Option<f64>,
+    /// Share of the window's requests whose TTFT met the target (`None`: no requests,
+    /// or a source that gives quantiles only).
+    pub ttft_attainment: Option<f64>,
+    /// Share of the window's tokens whose inter-token latency met the target.
+    pub itl_attainment: Option<f64>,
+}
+
+impl SloView {
+    /// The view of `s` against `(ttft, itl)` targets.
+    #[must_use]
+    pub fn of(s: &crate::signals::PoolSignals, ttft_target_s: f64, itl_target_s: f64) -> Self {
+        use crate::signals::exposition::fraction_within;
+        SloView {
+            ttft_target_s,
+            itl_target_s,
+            ttft_p50_s: s.ttft_p50,
+            ttft_p90_s: s.ttft_p90,
+            itl_p50_s: s.itl_p50,
+            itl_p90_s: s.itl_p90,
+            ttft_attainment: s
+                .ttft_hist
+                .as_deref()
+                .and_then(|b| fraction_within(b, ttft_target_s)),
+            itl_attainment: s
+                .itl_hist
+                .as_deref()
+                .and_then(|b| fraction_within(b, itl_target_s)),
+        }
+    }
 }
 
 /// Decisions shared between the control loop (writer) and the gRPC service (readers).
@@ -120,7 +169,7 @@ impl DecisionStore {
     pub fn status(&self, model: &str, pool: Pool) -> PoolStatus {
         let st = self.status.read().unwrap_or_else(|e| e.into_inner());
         st.get(&(model.to_owned(), pool))
-            .copied()
+            .cloned()
             .unwrap_or_default()
     }
 

@@ -24,6 +24,7 @@ pub mod server;
 pub mod signals;
 pub mod sim;
 pub mod standbys;
+pub mod status;
 
 pub use error::{Result, ScalerError};
 

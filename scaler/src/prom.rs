@@ -178,6 +178,9 @@ impl PromSource {
             ttft_p90: v[11],
             itl_p50: v[12],
             itl_p90: v[13],
+            // Quantiles only: no attainment from this source (see `SloView`).
+            ttft_hist: None,
+            itl_hist: None,
         };
         Ok((s, pods, v[14]))
     }

@@ -1,7 +1,6 @@
 //! `preheat scaler run`: the KEDA gRPC endpoint, a health and metrics endpoint, and the
 //! control loop, together.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::Router;
@@ -14,99 +13,6 @@ use crate::grpc::{DecisionStore, ScalerService};
 use crate::policy::Pool;
 use crate::profile::Profile;
 use crate::{Result, ScalerError};
-
-/// A pool's series of one family: extra labels (`,k="v"`) and the value.
-type Series = Vec<(String, f64)>;
-
-/// The scaler's own metrics: what it decided for each pool, why, and what it saw.
-fn render(store: &DecisionStore, models: &[String]) -> String {
-    use crate::signals::names::own;
-    let mut out = String::new();
-    let pools = || {
-        models
-            .iter()
-            .flat_map(|m| [Pool::Prefill, Pool::Decode].map(|p| (m, p)))
-    };
-    let family =
-        |out: &mut String, name: &str, help: &str, value: &dyn Fn(&str, Pool) -> Series| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-            for (m, p) in pools() {
-                for (extra, v) in value(m, p) {
-                    let _ = writeln!(
-                        out,
-                        "{name}{{model=\"{}\",pool=\"{}\"{extra}}} {v}",
-                        escape(m),
-                        p.as_str()
-                    );
-                }
-            }
-        };
-    let one = |v: f64| vec![(String::new(), v)];
-    family(
-        &mut out,
-        own::DESIRED,
-        "Replicas the policy wants per pool",
-        &|m, p| {
-            store
-                .get(m, p)
-                .map_or_else(Vec::new, |d| one(f64::from(d.desired)))
-        },
-    );
-    family(
-        &mut out,
-        own::ACTIVE,
-        "Whether the pool is active (KEDA activation)",
-        &|m, p| {
-            store
-                .get(m, p)
-                .map_or_else(Vec::new, |d| one(f64::from(u8::from(d.active))))
-        },
-    );
-    family(
-        &mut out,
-        own::CURRENT,
-        "Replicas the pool had at the last tick",
-        &|m, p| one(f64::from(store.status(m, p).current)),
-    );
-    family(
-        &mut out,
-        own::ENDPOINTS,
-        "Endpoints scraped in the last tick, by state",
-        &|m, p| {
-            let s = store.status(m, p);
-            vec![
-                (",state=\"ok\"".to_owned(), s.endpoints_ok as f64),
-                (",state=\"failed\"".to_owned(), s.endpoints_failed as f64),
-            ]
-        },
-    );
-    family(
-        &mut out,
-        own::BLIND,
-        "1 while every endpoint of the pool fails (held, not sized)",
-        &|m, p| one(f64::from(u8::from(store.status(m, p).blind))),
-    );
-    family(
-        &mut out,
-        own::DECISION,
-        "1 for the reason of the pool's last decision",
-        &|m, p| {
-            let s = store.status(m, p);
-            if s.reason.is_empty() {
-                return Vec::new();
-            }
-            vec![(format!(",reason=\"{}\"", escape(s.reason)), 1.0)]
-        },
-    );
-    out
-}
-
-/// A label value as the text format wants it.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// Longest a TLS handshake on the gRPC endpoint may take.
 pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -168,24 +74,27 @@ pub async fn run_with(
     let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
     let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, models = ?models, profile = %profile.source, "scaler listening");
-    let mut ctl =
-        Controller::new(cfg, profile, Arc::clone(&store), kube).with_agent_token(agent_token);
+    let mut ctl = Controller::new(cfg, profile, Arc::clone(&store), kube)
+        .with_agent_token(agent_token.clone());
     for (model, pool, list) in shared {
         ctl = ctl.with_shared(&model, pool, list);
     }
     let controller = tokio::spawn(ctl.run());
-    let app =
-        Router::new()
-            .route("/healthz", get(|| async { "ok" }))
-            .route(
-                "/metrics",
-                get(
-                    |State((s, m)): State<(Arc<DecisionStore>, Vec<String>)>| async move {
-                        render(&s, &m)
-                    },
-                ),
-            )
-            .with_state((Arc::clone(&store), models));
+    type St = State<(Arc<DecisionStore>, Vec<String>)>;
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/metrics",
+            get(|State((s, m)): St| async move { crate::status::metrics(&s, &m) }),
+        )
+        .route(
+            "/status",
+            get(|State((s, m)): St| async move { axum::Json(crate::status::report(&s, &m)) }),
+        )
+        .with_state((Arc::clone(&store), models));
+    // `/status` names endpoints: our own processes and operators with the token only
+    // (`/metrics` and `/healthz` stay open for Prometheus and probes).
+    let app = preheat_edge::routes::internal(app, agent_token);
     let (tx, rx) = tokio::sync::watch::channel(false);
     let closing = Arc::clone(&store);
     tokio::spawn(async move {

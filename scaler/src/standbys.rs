@@ -64,7 +64,7 @@ fn default_retire_after_s() -> f64 {
 }
 
 /// One agent's standbys of one pool, as its `GET /standbys` lists them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 pub struct AgentPool {
     /// Parked and ready to promote.
     #[serde(default)]

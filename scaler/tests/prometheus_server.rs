@@ -4,7 +4,6 @@
 //! selected pool's, summed over its pods, with rates and quantiles from real counters
 //! and histograms.
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -13,7 +12,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use preheat_scaler::prom::PromSource;
-use preheat_testkit::{KillOnDrop, free_port};
 
 /// A fake vLLM pod whose counters advance by `step` every 100 ms.
 struct Pod {
@@ -78,23 +76,9 @@ async fn serve_pod(pod: Arc<Pod>) -> String {
     addr.to_string()
 }
 
-fn prometheus_binary() -> Option<std::path::PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("prometheus"))
-            .find(|p| p.is_file())
-    });
-    preheat_testkit::present_or_skip(
-        found.is_some(),
-        "the prometheus server",
-        "apt-get install prometheus",
-    )
-    .then(|| found.unwrap_or_default())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
-    let Some(bin) = prometheus_binary() else {
+    let Some(bin) = preheat_testkit::prometheus() else {
         return;
     };
     // Two decode pods (10,000 and 20,000 prompt tokens/s) and a prefill pod the decode
@@ -111,34 +95,14 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     let p0 = serve_pod(pod(100, 50_000)).await;
     let dir = tempfile::tempdir().unwrap();
     let config = format!(
-        "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
-         scrape_configs:\n\
-         - job_name: engines\n\
+        "- job_name: engines\n\
          \x20 static_configs:\n\
          \x20 - targets: ['{d0}', '{d1}']\n\
          \x20   labels: {{namespace: llm, pool: decode}}\n\
          \x20 - targets: ['{p0}']\n\
          \x20   labels: {{namespace: llm, pool: prefill}}\n"
     );
-    std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
-    let port = free_port();
-    let _prom = KillOnDrop(
-        Command::new(bin)
-            .arg(format!(
-                "--config.file={}",
-                dir.path().join("prometheus.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let base = format!("http://127.0.0.1:{port}");
+    let (_prom, base) = preheat_testkit::start_prometheus(&bin, dir.path(), &config);
     let client = reqwest::Client::new();
     // A 5 s window, ticks every 2 s, Prometheus scraping every 1 s: peak rates over
     // max(2 + 1, 4 × 1) = 4 s.

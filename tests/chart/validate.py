@@ -66,6 +66,37 @@ def check_rules(variant, name, rule):
             fail(variant, f"{name}: promtool check rules: {out.stdout}{out.stderr}")
 
 
+DASHBOARD = os.path.join(CHART, "dashboards", "preheat.json")
+
+
+def check_dashboard(variant, merged, by_kind):
+    """dashboard.enabled ships dashboards/preheat.json verbatim in a ConfigMap labelled
+    for Grafana's sidecar; the JSON holds the variables every query uses. (Every query
+    is run against a real Prometheus scraping `preheat up` in tests/cli_up.rs.)"""
+    cms = [cm for cm in by_kind.get("ConfigMap", []) if "preheat.json" in cm.get("data", {})]
+    if merged["dashboard"]["enabled"] != bool(cms):
+        fail(variant, "dashboard.enabled does not match the rendered dashboard ConfigMap")
+    for cm in cms:
+        labels = cm["metadata"].get("labels", {})
+        for k, v in merged["dashboard"]["labels"].items():
+            if labels.get(k) != v:
+                fail(variant, f"dashboard ConfigMap lacks the sidecar label {k}={v}")
+        with open(DASHBOARD) as f:
+            shipped = json.load(f)
+        if json.loads(cm["data"]["preheat.json"]) != shipped:
+            fail(variant, "the dashboard ConfigMap is not dashboards/preheat.json")
+        names = {v["name"] for v in shipped["templating"]["list"]}
+        if not {"datasource", "namespace", "model", "pool"} <= names:
+            fail(variant, f"dashboard variables {sorted(names)}")
+        for panel in shipped["panels"]:
+            if panel["type"] == "row":
+                continue
+            if not panel.get("targets") or any(not t.get("expr") for t in panel["targets"]):
+                fail(variant, f"dashboard panel {panel['title']!r} has a target without a query")
+            if panel.get("datasource", {}).get("uid") != "${datasource}":
+                fail(variant, f"dashboard panel {panel['title']!r} does not use the datasource variable")
+
+
 def deep_merge(base, over):
     out = dict(base)
     for k, v in over.items():
@@ -205,6 +236,13 @@ def check_variant(variant, values, defaults, schema, dump):
                 kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
             except kubernetes_validate.ValidationError as e:
                 fail(variant, f"{name} fails the Kubernetes {KUBE_VERSION} schema: {e.message} at {list(e.path)}")
+    check_dashboard(variant, merged, by_kind)
+    if dump:
+        for o in by_kind.get("PrometheusRule", []):
+            d = os.path.join(dump, variant)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "prometheusrule.json"), "w") as f:
+                json.dump(o, f)
     if merged["prometheusRule"]["enabled"] != bool(by_kind.get("PrometheusRule")):
         fail(variant, "prometheusRule.enabled does not match the rendered PrometheusRules")
     names = lambda kind: {o["metadata"]["name"] for o in by_kind.get(kind, [])}

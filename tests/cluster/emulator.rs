@@ -14,7 +14,7 @@
 //! chart automounts a token).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -928,21 +928,7 @@ fn merge(a: &mut Value, b: Value) {
 
 /// Renders the chart with Helm's SDK for `values`.
 pub fn render(values: &Value) -> Vec<Value> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let f = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(f.path(), values.to_string()).unwrap();
-    let out = Command::new("python3")
-        .arg(root.join("tests/cluster/render.py"))
-        .arg(f.path())
-        .env("PYTHONPATH", root.join(".cache/python"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "helm render: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    crate::harness::helm_render(values)
 }
 
 /// A Secret as an operator (or cert-manager) would create it beside the release.

@@ -135,3 +135,34 @@ pub fn pack(snap: &std::path::Path, chunk_mib: u64) -> std::path::PathBuf {
     ]);
     packed
 }
+
+/// The chart as `helm install` renders it (Helm's Go SDK through tests/cluster/render.py:
+/// release "rel", namespace "llm") for `values`: every object, as JSON. Needs
+/// `.ci/fetch-tools`.
+pub fn helm_render(values: &serde_json::Value) -> Vec<serde_json::Value> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), values.to_string()).unwrap();
+    let out = std::process::Command::new("python3")
+        .arg(root.join("tests/cluster/render.py"))
+        .arg(f.path())
+        .env("PYTHONPATH", root.join(".cache/python"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm render: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Whether the Helm SDK `.ci/fetch-tools` installs is there (or a skip message).
+pub fn helm_present() -> bool {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    preheat_testkit::present_or_skip(
+        root.join(".cache/python/helm_python").exists(),
+        "helm-python-sdk in .cache/python",
+        ".ci/fetch-tools",
+    )
+}

@@ -42,7 +42,7 @@ use crate::store::Store;
 use crate::{Error, Result};
 
 /// What the agent knows of one configured model.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct ModelStatus {
     pub name: String,
     /// `pending`, `staging`, `staged`, `hot` or `failed`.
@@ -222,6 +222,12 @@ pub async fn run(
     };
     for m in &shared.cfg.models {
         shared.set_state(&m.name, |_| {});
+        // Every model's series exist from the start (at 0): a dashboard's rate of
+        // failures is 0, not "no data", until one fails.
+        shared
+            .metrics
+            .staging_failures
+            .with_label_values(&[&m.name]);
     }
     let app = Router::new()
         .route("/health", get(|| async { "ok" }))

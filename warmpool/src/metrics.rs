@@ -31,6 +31,22 @@ pub mod names {
     pub const PARKED_STANDBYS: &str = "preheat:warmpool_parked_standbys";
     /// Entries of the kernel cache directory.
     pub const KERNEL_CACHE_ENTRIES: &str = "preheat:warmpool_kernel_cache_entries";
+
+    /// Every name above.
+    pub const ALL: &[&str] = &[
+        STAGED_MODELS,
+        HOT_MODELS,
+        STAGED_BYTES,
+        DISK_BUDGET_BYTES,
+        RESIDENT_BYTES,
+        STAGING_PROGRESS,
+        STAGING_BYTES,
+        STAGING_THROUGHPUT,
+        EVICTIONS,
+        STAGING_FAILURES,
+        PARKED_STANDBYS,
+        KERNEL_CACHE_ENTRIES,
+    ];
 }
 
 /// The agent's metrics.

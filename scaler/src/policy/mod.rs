@@ -175,6 +175,21 @@ pub struct Decision {
     pub reason: &'static str,
 }
 
+/// What the last decision saw of the pool's load and what it made of it, for the
+/// scaler's metrics and `preheat status` (the policy decides without it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LoadView {
+    /// The load now, in the pool's unit: uncached prompt tokens/s (prefill) or
+    /// generated tokens/s (decode).
+    pub observed: f64,
+    /// The forecast of that load one lead time ahead.
+    pub forecast: f64,
+    /// The lead time: a replica's measured start-up, or the configured default.
+    pub lead_s: f64,
+    /// Replicas the load needs, before limits, rounding and damping.
+    pub needed: f64,
+}
+
 /// The `preheat` policy for one pool, with its memory (forecast, stabilisation).
 #[derive(Clone, Debug)]
 pub struct PreheatPolicy {
@@ -191,6 +206,7 @@ pub struct PreheatPolicy {
     /// When this policy first decided: it removes nothing before it has watched the
     /// load for a stabilisation window (a restarted scaler knows no history).
     first_seen: Option<f64>,
+    last_load: Option<LoadView>,
 }
 
 impl PreheatPolicy {
@@ -206,7 +222,14 @@ impl PreheatPolicy {
             last_scale_down: f64::NEG_INFINITY,
             bursts: VecDeque::new(),
             first_seen: None,
+            last_load: None,
         }
+    }
+
+    /// The load the last decision sized for; `None` before one, and while blind.
+    #[must_use]
+    pub fn last_load(&self) -> Option<LoadView> {
+        self.last_load
     }
 
     /// Replicas needed for the observed and forecast load, before limits and damping.
@@ -268,6 +291,12 @@ impl PreheatPolicy {
                 {
                     n *= (p90 / slo).min(1.5);
                 }
+                self.last_load = Some(LoadView {
+                    observed: rate,
+                    forecast: self.demand.forecast(lead),
+                    lead_s: lead,
+                    needed: n,
+                });
                 tracing::trace!(
                     t,
                     rate,
@@ -307,6 +336,12 @@ impl PreheatPolicy {
                 {
                     n *= (p90 / self.cfg.slo_itl_s).min(1.5);
                 }
+                self.last_load = Some(LoadView {
+                    observed: s.generation_rate,
+                    forecast: self.demand.forecast(lead),
+                    lead_s: lead,
+                    needed: n,
+                });
                 n
             }
         }
@@ -319,6 +354,7 @@ impl PreheatPolicy {
         // Work in flight or queued: never zero. Traffic of any kind: not idle.
         let work = s.running + s.waiting + s.queued_prompt_tokens + o.held_requests > 0.0;
         let busy = work || s.prompt_rate > 0.0 || s.generation_rate > 0.0;
+        self.last_load = None;
         if s.is_blind() {
             // Nothing known: hold (a dead endpoint is not an idle one), but answer
             // requests the gateway holds.

@@ -145,9 +145,57 @@ pub fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
     Some(prev.0)
 }
 
+/// Fraction of the observations in `buckets` (cumulative counts) at most `x`, with the
+/// same linear interpolation inside a bucket as [`quantile`]: the share of requests
+/// (or tokens) that met a latency target. `None` without observations.
+#[must_use]
+pub fn fraction_within(buckets: &[(f64, f64)], x: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let mut prev = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if x <= le {
+            if le.is_infinite() {
+                // Beyond the largest finite bound nothing is known: count none of it.
+                return Some(prev.1 / total);
+            }
+            let span = le - prev.0;
+            let frac = if span > 0.0 {
+                ((x - prev.0) / span).clamp(0.0, 1.0)
+            } else {
+                1.0
+            };
+            return Some((prev.1 + (count - prev.1) * frac) / total);
+        }
+        prev = (le, count);
+    }
+    Some(prev.1 / total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fraction_within_interpolates_like_histogram_quantile() {
+        // 10 observations ≤ 0.5, 30 ≤ 1.0, 40 in all (10 above 1.0).
+        let b = [(0.5, 10.0), (1.0, 30.0), (f64::INFINITY, 40.0)];
+        assert_eq!(fraction_within(&b, 0.5), Some(0.25));
+        assert_eq!(fraction_within(&b, 0.75), Some(0.5));
+        assert_eq!(fraction_within(&b, 1.0), Some(0.75));
+        // Above the largest bound: what lies beyond it is not known to be within.
+        assert_eq!(fraction_within(&b, 100.0), Some(0.75));
+        assert_eq!(fraction_within(&b, 0.0), Some(0.0));
+        assert_eq!(
+            fraction_within(&[(1.0, 0.0), (f64::INFINITY, 0.0)], 1.0),
+            None
+        );
+        // The inverse of quantile inside a bucket.
+        let q = quantile(&b, 0.6).unwrap();
+        assert!((fraction_within(&b, q).unwrap() - 0.6).abs() < 1e-12);
+    }
 
     const VLLM: &str = r#"# HELP vllm:num_requests_waiting Requests waiting
 # TYPE vllm:num_requests_waiting gauge

@@ -36,6 +36,11 @@ pub struct PoolSignals {
     pub ttft_p90: Option<f64>,
     pub itl_p50: Option<f64>,
     pub itl_p90: Option<f64>,
+    /// The window's TTFT histogram (cumulative bucket deltas, all endpoints), for the
+    /// share of requests within a target; `None` where only quantiles are known.
+    pub ttft_hist: Option<exposition::Buckets>,
+    /// The same for inter-token latency (per token).
+    pub itl_hist: Option<exposition::Buckets>,
 }
 
 impl PoolSignals {
@@ -119,6 +124,8 @@ impl PoolWindows {
         s.ttft_p90 = window_quantile(&ttft, 0.9);
         s.itl_p50 = window_quantile(&itl, 0.5);
         s.itl_p90 = window_quantile(&itl, 0.9);
+        s.ttft_hist = ttft;
+        s.itl_hist = itl;
         s
     }
 }

@@ -46,4 +46,32 @@ pub mod own {
     pub const BLIND: &str = "preheat:scaler_blind";
     /// 1 for the `reason` of the last decision.
     pub const DECISION: &str = "preheat:scaler_decision";
+    /// Replicas serving (ready pods, else endpoints that answered).
+    pub const READY: &str = "preheat:scaler_ready_replicas";
+    /// The latency targets the pool is sized for, by `slo` (`ttft` | `itl`).
+    pub const SLO_TARGET: &str = "preheat:scaler_slo_target_seconds";
+    /// Share of the window's requests (`ttft`) or tokens (`itl`) within the target.
+    pub const SLO_ATTAINMENT: &str = "preheat:scaler_slo_attainment_ratio";
+    /// The pool's load by `kind` (`observed` | `forecast` one lead time ahead).
+    pub const LOAD: &str = "preheat:scaler_load";
+    /// The lead time the forecast looks ahead: a replica's start-up.
+    pub const LEAD: &str = "preheat:scaler_lead_seconds";
+    /// Replicas the load needs before limits, rounding and damping.
+    pub const NEEDED: &str = "preheat:scaler_needed_replicas";
+
+    /// Every name above.
+    pub const ALL: &[&str] = &[
+        DESIRED,
+        ACTIVE,
+        CURRENT,
+        ENDPOINTS,
+        BLIND,
+        DECISION,
+        READY,
+        SLO_TARGET,
+        SLO_ATTAINMENT,
+        LOAD,
+        LEAD,
+        NEEDED,
+    ];
 }

@@ -1,0 +1,308 @@
+//! What the scaler tells people: its `/metrics` (for Prometheus and the chart's
+//! dashboard) and `GET /status` (for `preheat status`), both read from the
+//! [`DecisionStore`] the control loop writes.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::grpc::DecisionStore;
+use crate::policy::{LoadView, Pool};
+
+/// `GET /status`: every model's pools as the last tick saw them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub models: Vec<ModelReport>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelReport {
+    pub model: String,
+    pub pools: Vec<PoolReport>,
+}
+
+/// One pool: the decision KEDA reads, and what it was made from.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PoolReport {
+    pub pool: String,
+    /// `None` until the scaler knows the pool's replicas (KEDA then keeps its size).
+    pub desired: Option<u32>,
+    pub active: Option<bool>,
+    pub current: u32,
+    pub ready: u32,
+    /// Why the last decision was what it was.
+    pub reason: String,
+    pub endpoints_ok: usize,
+    pub endpoints_failed: usize,
+    /// Every endpoint failed: the pool is held at its size, not sized.
+    pub blind: bool,
+    pub failing: Vec<String>,
+    pub slo: crate::grpc::SloView,
+    pub load: Option<LoadView>,
+}
+
+/// The report of every pool of `models`.
+#[must_use]
+pub fn report(store: &DecisionStore, models: &[String]) -> StatusReport {
+    StatusReport {
+        models: models
+            .iter()
+            .map(|m| ModelReport {
+                model: m.clone(),
+                pools: [Pool::Prefill, Pool::Decode]
+                    .into_iter()
+                    .map(|p| {
+                        let d = store.get(m, p);
+                        let s = store.status(m, p);
+                        PoolReport {
+                            pool: p.as_str().to_owned(),
+                            desired: d.map(|d| d.desired),
+                            active: d.map(|d| d.active),
+                            current: s.current,
+                            ready: s.ready,
+                            reason: s.reason.to_owned(),
+                            endpoints_ok: s.endpoints_ok,
+                            endpoints_failed: s.endpoints_failed,
+                            blind: s.blind,
+                            failing: s.failing,
+                            slo: s.slo,
+                            load: s.load,
+                        }
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// A pool's series of one family: extra labels (`,k="v"`) and the value.
+type Series = Vec<(String, f64)>;
+
+/// The scaler's own metrics (names in [`crate::signals::names::own`]): what it decided
+/// for each pool, why, and what it saw.
+#[must_use]
+pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
+    use crate::signals::names::own;
+    let report = report(store, models);
+    let mut out = String::new();
+    let family =
+        |out: &mut String, name: &str, help: &str, value: &dyn Fn(&PoolReport) -> Series| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for m in &report.models {
+                for p in &m.pools {
+                    for (extra, v) in value(p) {
+                        let _ = writeln!(
+                            out,
+                            "{name}{{model=\"{}\",pool=\"{}\"{extra}}} {v}",
+                            escape(&m.model),
+                            p.pool
+                        );
+                    }
+                }
+            }
+        };
+    let one = |v: f64| vec![(String::new(), v)];
+    let some = |v: Option<f64>| v.map_or_else(Vec::new, one);
+    let labelled = |label: &str, vs: &[(&str, Option<f64>)]| -> Series {
+        vs.iter()
+            .filter_map(|(k, v)| v.map(|v| (format!(",{label}=\"{k}\""), v)))
+            .collect()
+    };
+    family(
+        &mut out,
+        own::DESIRED,
+        "Replicas the policy wants per pool",
+        &|p| some(p.desired.map(f64::from)),
+    );
+    family(
+        &mut out,
+        own::ACTIVE,
+        "Whether the pool is active (KEDA activation)",
+        &|p| some(p.active.map(|a| f64::from(u8::from(a)))),
+    );
+    family(
+        &mut out,
+        own::CURRENT,
+        "Replicas the pool had at the last tick",
+        &|p| one(f64::from(p.current)),
+    );
+    family(
+        &mut out,
+        own::READY,
+        "Replicas serving at the last tick (ready pods, else endpoints that answered)",
+        &|p| one(f64::from(p.ready)),
+    );
+    family(
+        &mut out,
+        own::ENDPOINTS,
+        "Endpoints scraped in the last tick, by state",
+        &|p| {
+            vec![
+                (",state=\"ok\"".to_owned(), p.endpoints_ok as f64),
+                (",state=\"failed\"".to_owned(), p.endpoints_failed as f64),
+            ]
+        },
+    );
+    family(
+        &mut out,
+        own::BLIND,
+        "1 while every endpoint of the pool fails (held, not sized)",
+        &|p| one(f64::from(u8::from(p.blind))),
+    );
+    family(
+        &mut out,
+        own::DECISION,
+        "1 for the reason of the pool's last decision",
+        &|p| {
+            if p.reason.is_empty() {
+                return Vec::new();
+            }
+            vec![(format!(",reason=\"{}\"", escape(&p.reason)), 1.0)]
+        },
+    );
+    family(
+        &mut out,
+        own::SLO_TARGET,
+        "Latency target the pool is sized for, by slo",
+        &|p| {
+            labelled(
+                "slo",
+                &[
+                    ("ttft", Some(p.slo.ttft_target_s)),
+                    ("itl", Some(p.slo.itl_target_s)),
+                ],
+            )
+        },
+    );
+    family(
+        &mut out,
+        own::SLO_ATTAINMENT,
+        "Share of the window's requests (ttft) or tokens (itl) within the target",
+        &|p| {
+            labelled(
+                "slo",
+                &[
+                    ("ttft", p.slo.ttft_attainment),
+                    ("itl", p.slo.itl_attainment),
+                ],
+            )
+        },
+    );
+    family(
+        &mut out,
+        own::LOAD,
+        "The pool's load now and forecast one lead time ahead, by kind (uncached prompt tokens/s for prefill, generated tokens/s for decode)",
+        &|p| {
+            let l = p.load;
+            labelled(
+                "kind",
+                &[
+                    ("observed", l.map(|l| l.observed)),
+                    ("forecast", l.map(|l| l.forecast)),
+                ],
+            )
+        },
+    );
+    family(
+        &mut out,
+        own::LEAD,
+        "Lead time the forecast looks ahead (a replica's start-up)",
+        &|p| some(p.load.map(|l| l.lead_s)),
+    );
+    family(
+        &mut out,
+        own::NEEDED,
+        "Replicas the load needs, before limits, rounding and damping",
+        &|p| some(p.load.map(|l| l.needed)),
+    );
+    out
+}
+
+/// A label value as the text format wants it.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grpc::{PoolDecision, PoolStatus, SloView};
+
+    #[test]
+    fn every_family_is_exposed_and_parses_back() {
+        let store = DecisionStore::new(vec!["m".into()]);
+        store.set(
+            "m",
+            Pool::Prefill,
+            PoolDecision {
+                desired: 3,
+                active: true,
+            },
+        );
+        store.set_status(
+            "m",
+            Pool::Prefill,
+            PoolStatus {
+                current: 2,
+                ready: 1,
+                endpoints_ok: 1,
+                endpoints_failed: 1,
+                reason: "scale up",
+                failing: vec!["http://10.0.0.9:8000/metrics".into()],
+                slo: SloView {
+                    ttft_target_s: 2.0,
+                    itl_target_s: 0.05,
+                    ttft_attainment: Some(0.97),
+                    ..SloView::default()
+                },
+                load: Some(LoadView {
+                    observed: 900.0,
+                    forecast: 1200.0,
+                    lead_s: 20.0,
+                    needed: 2.4,
+                }),
+                ..PoolStatus::default()
+            },
+        );
+        let text = metrics(&store, &["m".into()]);
+        let samples: Vec<_> = crate::signals::text_format::samples(&text)
+            .collect::<Result<_, _>>()
+            .expect("valid exposition");
+        let value = |name: &str, labels: &[(&str, &str)]| {
+            samples
+                .iter()
+                .find(|s| {
+                    s.name == name
+                        && s.label("pool") == Some("prefill")
+                        && labels.iter().all(|(k, v)| s.label(k) == Some(*v))
+                })
+                .map(|s| s.value)
+        };
+        use crate::signals::names::own;
+        assert_eq!(value(own::DESIRED, &[]), Some(3.0));
+        assert_eq!(value(own::READY, &[]), Some(1.0));
+        assert_eq!(value(own::SLO_TARGET, &[("slo", "ttft")]), Some(2.0));
+        assert_eq!(value(own::SLO_ATTAINMENT, &[("slo", "ttft")]), Some(0.97));
+        assert_eq!(value(own::SLO_ATTAINMENT, &[("slo", "itl")]), None);
+        assert_eq!(value(own::LOAD, &[("kind", "forecast")]), Some(1200.0));
+        assert_eq!(value(own::LEAD, &[]), Some(20.0));
+        assert_eq!(value(own::DECISION, &[("reason", "scale up")]), Some(1.0));
+        for name in own::ALL {
+            assert!(
+                text.contains(&format!("# TYPE {name} gauge")),
+                "{name} missing"
+            );
+        }
+        let r = report(&store, &["m".into()]);
+        assert_eq!(
+            r.models[0].pools[0].failing,
+            ["http://10.0.0.9:8000/metrics"]
+        );
+        assert_eq!(
+            r.models[0].pools[1].desired, None,
+            "decode has no decision yet"
+        );
+    }
+}
