@@ -93,6 +93,28 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
             .await
             .unwrap();
         assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+        // The gateway refuses what it would not honour at once, by name, before
+        // holding anything (the same checks as `engine serve`).
+        for (field, value) in [
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+            ("presence_penalty", json!(1.0)),
+        ] {
+            let mut body =
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]});
+            body[field] = value;
+            let r = c
+                .post(format!("{base}/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 400);
+            let e: Value = r.json().await.unwrap();
+            assert_eq!(e["error"]["param"], field, "{e}");
+        }
         for stream in [false, true] {
             let t0 = Instant::now();
             let req = c

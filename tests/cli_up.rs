@@ -288,7 +288,7 @@ fn spawn_up(cache: &std::path::Path, ports: &Ports, args: &[&str], stderr: Stdio
         .arg("--cache-dir")
         .arg(cache)
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
+        .stdout(std::fs::File::create(cache.join("up.stdout")).unwrap())
         .stderr(stderr)
         .spawn()
         .unwrap();
@@ -565,6 +565,15 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
             assert!(t0.elapsed() < Duration::from_secs(120), "the gateway never answered");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        // The first request wakes both pools through their parked standbys (the
+        // "promoted" panel needs one): wait until `up` says they are parked.
+        let out = cache.path().join("up.stdout");
+        while !["prefill", "decode"].iter().all(|p| {
+            std::fs::read_to_string(&out).unwrap_or_default().contains(&format!("{p}: standby parked"))
+        }) {
+            assert!(t0.elapsed() < Duration::from_secs(120), "standbys never parked: {}", std::fs::read_to_string(&out).unwrap_or_default());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         let (status, body) = one_completion(&gw).await;
         assert_eq!(status, 200, "{body}");
         let c = reqwest::Client::new();
@@ -597,8 +606,11 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         let mut answered = std::collections::BTreeSet::new();
         let t0 = Instant::now();
         loop {
-            // Workers come and go: Prometheus finds them as the chart's ServiceMonitor
-            // would, through a discovery file of the gateway's workers.
+            // Workers come and go: Prometheus finds them through a discovery file of
+            // the gateway's workers (in the chart: the pools' pods through the
+            // ServiceMonitor, and promoted standbys, which `up` runs too, through the
+            // standbys' PodMonitor — tests/chart/validate.py checks both are rendered
+            // with the labels used here).
             if let Ok(r) = c.get(format!("{gwi}/internal/workers")).bearer_auth(token.trim()).send().await
                 && let Ok(v) = r.json::<Value>().await
             {
@@ -672,6 +684,7 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
                 .unwrap()
         };
         let token_arg = token_file.to_str().unwrap();
+        let token_arg_owned = token_arg.to_owned();
         let out = status(&["--cluster-token-file", token_arg, "--json"]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -701,6 +714,30 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         assert!(!out.status.success());
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("401") && text.contains("--cluster-token-file"), "{text}");
+        // --watch: snapshot after snapshot into a pipe; redrawn in place on a terminal
+        // (a pseudo-terminal from util-linux's `script`).
+        let watch = |pty: bool| {
+            // Ctrl-C after 2 s (SIGKILL 5 s later, should it be lost).
+            let cmd = format!(
+                "timeout --preserve-status -k 5 -s INT 2 {} status --scaler http://127.0.0.1:{hport} --agent http://127.0.0.1:{aport} --cluster-token-file {token_arg} --watch --interval 300ms",
+                env!("CARGO_BIN_EXE_preheat")
+            );
+            let out = if pty {
+                Command::new("script").args(["-qfec", &cmd, "/dev/null"]).output()
+            } else {
+                let argv: Vec<&str> = cmd.split(' ').collect();
+                Command::new(argv[0]).args(&argv[1..]).output()
+            }
+            .unwrap();
+            // Ctrl-C ends a watch cleanly.
+            assert!(out.status.success(), "{:?}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        let piped = watch(false);
+        assert!(piped.matches("LAST DECISION").count() >= 3, "{piped}");
+        assert!(!piped.contains("\x1b["), "escape codes into a pipe");
+        let tty = watch(true);
+        assert!(tty.matches("\x1b[H\x1b[2J").count() >= 3, "not redrawn in place: {tty:?}");
 
         // `--kube`: the release's scaler and agent pods, and the token from its
         // Secret, read through kube-rs from a Kubernetes API (a small one here that
@@ -731,6 +768,22 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         assert_eq!(v["scaler"]["url"], format!("http://127.0.0.1:{hport}"));
         assert_eq!(v["scaler"]["models"][0]["pools"].as_array().unwrap().len(), 2);
         assert_eq!(v["agents"][0]["node"], "node-1");
+        assert_eq!(v["agents"].as_array().unwrap().len(), 1, "{v}");
+        // A release with no scaler pod is an error naming what was looked for.
+        let kc = dir.path().join("kubeconfig");
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_preheat"))
+                .args(["status", "--kube", "--namespace", "llm", "--release", "other"])
+                .args(["--cluster-token-file", token_arg_owned.as_str()])
+                .env("KUBECONFIG", &kc)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(!out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("no Ready scaler pod of release \"other\""), "{text}");
         assert_eq!(v["agents"][0]["models"][0]["state"], "hot");
         let asked = selectors.lock().unwrap().clone();
         for component in ["scaler", "warmpool"] {
@@ -756,18 +809,32 @@ async fn kube_api(
 ) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     use axum::extract::{Query, State};
     use axum::routing::get;
-    let pod = |name: &str, component: &str, port: u16, node: &str| {
+    let pod = |name: &str, component: &str, port: u16, node: &str, ready: &str| {
         json!({"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": "llm", "labels": {
                    "app.kubernetes.io/name": "preheat", "app.kubernetes.io/instance": "rel",
                    "app.kubernetes.io/component": component}},
                "spec": {"nodeName": node, "containers": [{"name": component, "image": "preheat",
                    "ports": [{"name": "http", "containerPort": port}]}]},
-               "status": {"podIP": "127.0.0.1"}})
+               "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": ready}]}})
     };
     let pods = vec![
-        pod("rel-preheat-scaler-0", "scaler", scaler_port, "node-2"),
-        pod("rel-preheat-warmpool-a", "warmpool", agent_port, "node-1"),
+        pod(
+            "rel-preheat-scaler-0",
+            "scaler",
+            scaler_port,
+            "node-2",
+            "True",
+        ),
+        pod(
+            "rel-preheat-warmpool-a",
+            "warmpool",
+            agent_port,
+            "node-1",
+            "True",
+        ),
+        // Not Ready (still staging, or going away): not asked.
+        pod("rel-preheat-warmpool-b", "warmpool", 1, "node-3", "False"),
     ];
     let b64 = Command::new("sh")
         .args(["-c", &format!("printf %s '{token}' | base64 -w0")])

@@ -351,6 +351,171 @@ async fn invalid_requests_get_openai_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_tools_response_format_and_penalties_were_silently_ignored() {
+    // Every request field of the OpenAI chat and completions APIs (API reference,
+    // 2025) and of the vLLM extensions clients send, set to a value that asks for
+    // something: honoured (200) or refused with a 400 naming it — never dropped.
+    // Before, `tools`, `response_format`, the penalties and any unknown field were
+    // dropped by serde and a plain answer came back.
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let honoured = 200;
+    let chat: Vec<(&str, Value, u16)> = vec![
+        ("audio", json!({"voice": "alloy", "format": "wav"}), 400),
+        ("frequency_penalty", json!(0.5), 400),
+        ("function_call", json!({"name": "f"}), 400),
+        ("functions", json!([{"name": "f"}]), 400),
+        ("logit_bias", json!({"1": 5}), 400),
+        ("logprobs", json!(true), honoured),
+        ("max_completion_tokens", json!(3), honoured),
+        ("max_tokens", json!(3), honoured),
+        ("metadata", json!({"team": "a"}), honoured),
+        ("modalities", json!(["text", "audio"]), 400),
+        ("model", json!("m"), honoured),
+        ("n", json!(2), 400),
+        ("parallel_tool_calls", json!(false), honoured),
+        (
+            "prediction",
+            json!({"type": "content", "content": "x"}),
+            400,
+        ),
+        ("presence_penalty", json!(0.5), 400),
+        ("prompt_cache_key", json!("k"), honoured),
+        ("reasoning_effort", json!("low"), 400),
+        ("response_format", json!({"type": "json_object"}), 400),
+        ("safety_identifier", json!("s"), honoured),
+        ("seed", json!(7), honoured),
+        ("service_tier", json!("flex"), 400),
+        ("stop", json!(["zz"]), honoured),
+        ("store", json!(true), 400),
+        ("stream", json!(false), honoured),
+        ("stream_options", json!({"include_usage": true}), 400),
+        ("temperature", json!(0.5), honoured),
+        ("tool_choice", json!("required"), 400),
+        ("tools", tool.clone(), 400),
+        ("top_p", json!(0.9), honoured),
+        ("user", json!("u-1"), honoured),
+        ("verbosity", json!("low"), 400),
+        ("web_search_options", json!({}), 400),
+        // vLLM's extensions.
+        ("add_generation_prompt", json!(true), honoured),
+        ("allowed_token_ids", json!([1, 2]), 400),
+        ("bad_words", json!(["x"]), 400),
+        ("best_of", json!(2), 400),
+        ("chat_template", json!("{{ messages }}"), 400),
+        (
+            "chat_template_kwargs",
+            json!({"enable_thinking": true}),
+            400,
+        ),
+        ("continue_final_message", json!(true), 400),
+        ("documents", json!([{"text": "d"}]), 400),
+        ("echo", json!(true), 400),
+        ("guided_choice", json!(["a", "b"]), 400),
+        ("guided_decoding_backend", json!("xgrammar"), 400),
+        ("guided_grammar", json!("root ::= \"a\""), 400),
+        ("guided_json", json!({"type": "object"}), 400),
+        ("guided_regex", json!("a+"), 400),
+        ("ignore_eos", json!(true), honoured),
+        ("include_stop_str_in_output", json!(true), 400),
+        ("length_penalty", json!(2.0), 400),
+        ("min_p", json!(0.1), honoured),
+        ("min_tokens", json!(2), 400),
+        ("priority", json!(1), 400),
+        ("prompt_logprobs", json!(1), 400),
+        ("repetition_penalty", json!(1.2), 400),
+        ("request_id", json!("r-1"), honoured),
+        ("return_tokens_as_token_ids", json!(true), honoured),
+        ("skip_special_tokens", json!(false), 400),
+        ("spaces_between_special_tokens", json!(false), 400),
+        ("stop_token_ids", json!([3]), honoured),
+        ("structured_outputs", json!({"json": {}}), 400),
+        ("top_k", json!(5), honoured),
+        ("top_logprobs", json!(2), honoured),
+        ("truncate_prompt_tokens", json!(8), 400),
+        ("use_beam_search", json!(true), 400),
+        ("temprature", json!(0.2), 400),
+    ];
+    let completions: Vec<(&str, Value, u16)> = vec![
+        ("best_of", json!(2), 400),
+        ("echo", json!(true), 400),
+        ("frequency_penalty", json!(0.5), 400),
+        ("logit_bias", json!({"1": 5}), 400),
+        ("logprobs", json!(2), honoured),
+        ("max_tokens", json!(3), honoured),
+        ("model", json!("m"), honoured),
+        ("n", json!(2), 400),
+        ("presence_penalty", json!(0.5), 400),
+        ("seed", json!(7), honoured),
+        ("stop", json!("zz"), honoured),
+        ("stream", json!(false), honoured),
+        ("stream_options", json!({"include_usage": true}), 400),
+        ("suffix", json!("!"), 400),
+        ("temperature", json!(0.5), honoured),
+        ("top_p", json!(0.9), honoured),
+        ("user", json!("u-1"), honoured),
+        ("tools", tool.clone(), 400),
+        ("repetition_penalty", json!(1.2), 400),
+        ("guided_json", json!({"type": "object"}), 400),
+        ("messages", json!([{"role": "user", "content": "hi"}]), 400),
+    ];
+    for (path, base, cases) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+            chat,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 3}),
+            completions,
+        ),
+    ] {
+        for (field, value, want) in cases {
+            let mut body = base.clone();
+            body[field] = value;
+            if field == "top_logprobs" {
+                body["logprobs"] = json!(true);
+            }
+            let (st, r) = s.post(path, body.clone()).await;
+            assert_eq!(st, want, "{path} {field}: {body} → {r}");
+            if want == 400 {
+                assert_eq!(r["error"]["param"], field, "{path}: {body} → {r}");
+                assert!(
+                    r["error"]["message"].as_str().unwrap().contains(field),
+                    "{r}"
+                );
+            }
+        }
+    }
+    // What clients send by default (the openai client's and LangChain's neutral
+    // values) is accepted: it asks for nothing.
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                   "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "n": 1,
+                   "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                   "store": false, "service_tier": "auto", "best_of": 1, "repetition_penalty": 1.0}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    // Message fields too.
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),
+        )
+        .await;
+    assert_eq!(
+        (st, &r["error"]["param"]),
+        (400, &json!("messages[0].name")),
+        "{r}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_seed_stop_and_logprobs() {
     let s = Server::start(fixture("llama-tiny"), |_| {}).await;
     let body = json!({"prompt": "def f(x):", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": true});

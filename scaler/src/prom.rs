@@ -40,6 +40,8 @@ struct Data {
 
 #[derive(Deserialize)]
 struct Sample {
+    #[serde(default)]
+    metric: std::collections::HashMap<String, String>,
     value: (f64, String),
 }
 
@@ -78,6 +80,45 @@ impl PromSource {
 
     /// Runs one instant query; `None` when the result is empty or not a number.
     pub async fn query(&self, q: &str, timeout: Duration) -> Result<Option<f64>> {
+        Ok(self
+            .vector(q, timeout)
+            .await?
+            .first()
+            .and_then(|s| s.value.1.parse::<f64>().ok())
+            .filter(|v| v.is_finite()))
+    }
+
+    /// A histogram's bucket increases over the window, summed over the pool's series
+    /// (cumulative, by `le`): what [`crate::signals::exposition::fraction_within`]
+    /// reads for SLO attainment. `None` without observations.
+    pub async fn buckets(
+        &self,
+        list: &[&str],
+        sel: &str,
+        timeout: Duration,
+    ) -> Result<Option<crate::signals::exposition::Buckets>> {
+        let w = self.window_s;
+        let q = any_of(list, |n| {
+            format!("sum by (le) (increase({n}_bucket{{{sel}}}[{w}s]))")
+        });
+        let mut b: Vec<(f64, f64)> = self
+            .vector(&q, timeout)
+            .await?
+            .iter()
+            .filter_map(|s| {
+                let le = match s.metric.get("le")?.as_str() {
+                    "+Inf" => f64::INFINITY,
+                    v => v.parse().ok()?,
+                };
+                let count = s.value.1.parse::<f64>().ok().filter(|v| v.is_finite())?;
+                Some((le, count))
+            })
+            .collect();
+        b.sort_by(|x, y| x.0.total_cmp(&y.0));
+        Ok((b.last().is_some_and(|l| l.0.is_infinite() && l.1 > 0.0)).then_some(b))
+    }
+
+    async fn vector(&self, q: &str, timeout: Duration) -> Result<Vec<Sample>> {
         let err = |e: String| ScalerError::Prometheus(format!("{q}: {e}"));
         let resp = self
             .client
@@ -98,11 +139,7 @@ impl PromSource {
         if data.result_type != "vector" {
             return Err(err(format!("expected a vector, got {}", data.result_type)));
         }
-        Ok(data
-            .result
-            .first()
-            .and_then(|s| s.value.1.parse::<f64>().ok())
-            .filter(|v| v.is_finite()))
+        Ok(data.result)
     }
 
     /// The queries for one pool, in the order [`PromSource::pool_signals`] reads them.
@@ -155,6 +192,12 @@ impl PromSource {
         for r in results {
             v.push(r?);
         }
+        let (ttft_hist, itl_hist) = futures_util::future::join(
+            self.buckets(names::TTFT, sel, timeout),
+            self.buckets(names::ITL, sel, timeout),
+        )
+        .await;
+        let (ttft_hist, itl_hist) = (ttft_hist?, itl_hist?);
         let n = |i: usize| v[i].unwrap_or(0.0);
         let pods = n(0) as u32;
         let queries = n(8);
@@ -178,9 +221,8 @@ impl PromSource {
             ttft_p90: v[11],
             itl_p50: v[12],
             itl_p90: v[13],
-            // Quantiles only: no attainment from this source (see `SloView`).
-            ttft_hist: None,
-            itl_hist: None,
+            ttft_hist,
+            itl_hist,
         };
         Ok((s, pods, v[14]))
     }

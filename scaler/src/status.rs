@@ -11,11 +11,13 @@ use crate::policy::{LoadView, Pool};
 
 /// `GET /status`: every model's pools as the last tick saw them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct StatusReport {
     pub models: Vec<ModelReport>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ModelReport {
     pub model: String,
     pub pools: Vec<PoolReport>,
@@ -23,6 +25,7 @@ pub struct ModelReport {
 
 /// One pool: the decision KEDA reads, and what it was made from.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PoolReport {
     pub pool: String,
     /// `None` until the scaler knows the pool's replicas (KEDA then keeps its size).
@@ -160,33 +163,29 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
             vec![(format!(",reason=\"{}\"", escape(&p.reason)), 1.0)]
         },
     );
+    // Each pool against the target it is sized for (prefill: TTFT, decode: ITL), once
+    // it has been ticked (before, the targets are not read yet).
+    let own_slo = |p: &PoolReport, ttft: Option<f64>, itl: Option<f64>| -> Series {
+        if p.reason.is_empty() {
+            return Vec::new();
+        }
+        match Pool::parse(&p.pool) {
+            Some(Pool::Prefill) => labelled("slo", &[("ttft", ttft)]),
+            Some(Pool::Decode) => labelled("slo", &[("itl", itl)]),
+            None => Vec::new(),
+        }
+    };
     family(
         &mut out,
         own::SLO_TARGET,
-        "Latency target the pool is sized for, by slo",
-        &|p| {
-            labelled(
-                "slo",
-                &[
-                    ("ttft", Some(p.slo.ttft_target_s)),
-                    ("itl", Some(p.slo.itl_target_s)),
-                ],
-            )
-        },
+        "Latency target the pool is sized for (prefill: ttft, decode: itl)",
+        &|p| own_slo(p, Some(p.slo.ttft_target_s), Some(p.slo.itl_target_s)),
     );
     family(
         &mut out,
         own::SLO_ATTAINMENT,
-        "Share of the window's requests (ttft) or tokens (itl) within the target",
-        &|p| {
-            labelled(
-                "slo",
-                &[
-                    ("ttft", p.slo.ttft_attainment),
-                    ("itl", p.slo.itl_attainment),
-                ],
-            )
-        },
+        "Share of the window's requests (ttft, prefill) or tokens (itl, decode) within the pool's target",
+        &|p| own_slo(p, p.slo.ttft_attainment, p.slo.itl_attainment),
     );
     family(
         &mut out,

@@ -153,4 +153,9 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
         assert!(q > 0.1 && q <= 0.25, "{signals:?}");
     }
     assert_eq!(startup, Some(2.5));
+    // SLO attainment from the window's bucket increases: every TTFT is in (0.1, 0.25].
+    use preheat_scaler::signals::exposition::fraction_within;
+    let ttft = signals.ttft_hist.as_deref().expect("TTFT buckets");
+    assert_eq!(fraction_within(ttft, 0.25), Some(1.0), "{ttft:?}");
+    assert_eq!(fraction_within(ttft, 0.1), Some(0.0), "{ttft:?}");
 }

@@ -22,6 +22,13 @@ pub fn run(cmd: ScalerCmd) -> anyhow::Result<ExitCode> {
             if profile.is_some() {
                 cfg.profile = profile;
             }
+            if cfg.cluster_token_file.is_none() {
+                // KEDA's gRPC has its own TLS; what the token guards here is `/status`
+                // (endpoint names) and the calls to agents.
+                tracing::warn!(
+                    "no cluster token: the scaler's /status answers anyone who reaches its HTTP port (give --cluster-token-file or cluster_token_file)"
+                );
+            }
             let profile = match &cfg.profile {
                 Some(p) => Profile::from_file(p)?,
                 None => Profile::default(),

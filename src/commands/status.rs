@@ -73,20 +73,34 @@ pub fn run(a: &StatusArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let token = match a.token.load()? {
-            Some(t) => Some(t),
-            None if a.kube => Some(std::sync::Arc::new(kube_token(a).await?)),
-            None => None,
+        let kube = if a.kube {
+            Some(kube_client(a).await?)
+        } else {
+            None
+        };
+        let token = match (a.token.load()?, &kube) {
+            (Some(t), _) => Some(t),
+            (None, Some(k)) => Some(std::sync::Arc::new(kube_token(a, k).await?)),
+            (None, None) => None,
         };
         let client = preheat_edge::client::internal_with_token(token.as_deref());
         let tty = std::io::stdout().is_terminal();
+        // One stop for the whole run: a Ctrl-C during a read is not lost.
+        let mut stop = std::pin::pin!(crate::signals::shutdown_signal());
         loop {
-            let targets = if a.kube {
-                kube_targets(a).await?
-            } else {
-                given_targets(a)
+            let snap = tokio::select! {
+                snap = async {
+                    match &kube {
+                        // A failed lookup is one more thing that could not be read.
+                        Some(k) => match kube_targets(a, k).await {
+                            Ok(t) => read(&client, &t).await,
+                            Err(e) => Snapshot { errors: vec![format!("{e:#}")], ..Snapshot::default() },
+                        },
+                        None => read(&client, &given_targets(a)).await,
+                    }
+                } => snap,
+                () = &mut stop => return Ok(ExitCode::SUCCESS),
             };
-            let snap = read(&client, &targets).await;
             if a.json {
                 emit(&format!("{}\n", serde_json::to_string_pretty(&snap)?))?;
             } else {
@@ -107,7 +121,7 @@ pub fn run(a: &StatusArgs) -> anyhow::Result<ExitCode> {
             }
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_secs_f64(interval)) => {}
-                () = crate::signals::shutdown_signal() => return Ok(ExitCode::SUCCESS),
+                () = &mut stop => return Ok(ExitCode::SUCCESS),
             }
             if !a.json && !tty {
                 emit("\n")?;
@@ -345,15 +359,15 @@ async fn kube_client(a: &StatusArgs) -> anyhow::Result<(kube::Client, String)> {
     Ok((client, ns))
 }
 
-/// The pods of `component` in the release, with their IP and named `http` port.
+/// The Ready pods of `component` in the release, with their IP and named `http` port.
 async fn kube_pods(
     a: &StatusArgs,
+    (client, ns): &(kube::Client, String),
     component: &str,
 ) -> anyhow::Result<Vec<(String, Option<String>)>> {
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{Api, ListParams};
-    let (client, ns) = kube_client(a).await?;
-    let pods: Api<Pod> = Api::namespaced(client, &ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let sel = format!(
         "app.kubernetes.io/name=preheat,app.kubernetes.io/instance={},app.kubernetes.io/component={component}",
         a.release
@@ -364,6 +378,15 @@ async fn kube_pods(
         .with_context(|| format!("--kube: listing pods {sel} in {ns}"))?;
     let mut out = Vec::new();
     for p in list {
+        // A pod going away, or not Ready, is not the one serving.
+        let ready = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        if p.metadata.deletion_timestamp.is_some() || !ready {
+            continue;
+        }
         let Some(ip) = p.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
             continue;
         };
@@ -390,25 +413,46 @@ async fn kube_pods(
     Ok(out)
 }
 
-async fn kube_targets(a: &StatusArgs) -> anyhow::Result<Targets> {
-    let scalers = kube_pods(a, "scaler").await?;
+async fn kube_targets(a: &StatusArgs, k: &(kube::Client, String)) -> anyhow::Result<Targets> {
+    let scaler = kube_pods(a, k, "scaler")
+        .await?
+        .into_iter()
+        .next()
+        .map(|(u, _)| u);
+    if scaler.is_none() {
+        anyhow::bail!(
+            "--kube: no Ready scaler pod of release {:?} in namespace {} (labels app.kubernetes.io/instance={}, app.kubernetes.io/component=scaler; see --release, --namespace)",
+            a.release,
+            k.1,
+            a.release
+        );
+    }
     Ok(Targets {
-        scaler: scalers.into_iter().next().map(|(u, _)| u),
-        agents: kube_pods(a, "warmpool").await?,
+        scaler,
+        agents: kube_pods(a, k, "warmpool").await?,
     })
+}
+
+/// The chart's name for the release's cluster token Secret (its `preheat.fullname`:
+/// `<release>-preheat`, cut to 52 characters).
+fn token_secret_name(release: &str) -> String {
+    let full: String = format!("{release}-preheat").chars().take(52).collect();
+    format!("{}-cluster-token", full.trim_end_matches('-'))
 }
 
 /// The cluster token from the release's Secret (the chart's name for it, or
 /// `--token-secret`), as an operator with `kubectl get secret` rights reads it.
-async fn kube_token(a: &StatusArgs) -> anyhow::Result<ClusterToken> {
+async fn kube_token(
+    a: &StatusArgs,
+    (client, ns): &(kube::Client, String),
+) -> anyhow::Result<ClusterToken> {
     use k8s_openapi::api::core::v1::Secret;
     use kube::api::Api;
-    let (client, ns) = kube_client(a).await?;
     let name = a
         .token_secret
         .clone()
-        .unwrap_or_else(|| format!("{}-preheat-cluster-token", a.release));
-    let secret = Api::<Secret>::namespaced(client, &ns)
+        .unwrap_or_else(|| token_secret_name(&a.release));
+    let secret = Api::<Secret>::namespaced(client.clone(), ns)
         .get(&name)
         .await
         .with_context(|| format!("--kube: reading the cluster token Secret {ns}/{name} (or give --cluster-token-file)"))?;
@@ -425,6 +469,21 @@ mod tests {
     use super::*;
     use preheat_scaler::grpc::SloView;
     use preheat_scaler::policy::LoadView;
+
+    #[test]
+    fn the_token_secret_is_named_as_the_chart_names_it() {
+        assert_eq!(token_secret_name("llm"), "llm-preheat-cluster-token");
+        let long = "r".repeat(60);
+        assert_eq!(
+            token_secret_name(&long),
+            format!("{}-cluster-token", "r".repeat(52))
+        );
+        // The cut may leave a trailing '-', which the chart trims.
+        assert_eq!(
+            token_secret_name(&"r".repeat(51)),
+            format!("{}-cluster-token", "r".repeat(51))
+        );
+    }
 
     #[test]
     fn the_human_view_names_every_pool_blind_pools_failing_endpoints_and_unreadable_parts() {

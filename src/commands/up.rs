@@ -261,6 +261,8 @@ struct PoolState {
     backoff: RestartBackoff,
     /// This run's cluster token, named in each worker's environment.
     token_file: PathBuf,
+    /// Parked standbys ready at the last report.
+    parked: usize,
 }
 
 impl PoolState {
@@ -550,6 +552,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                         .with_token(Some((Arc::clone(&token), token_file.clone()))),
                     backoff: RestartBackoff::default(),
                     token_file: token_file.clone(),
+                    parked: 0,
                 })
             })
             .collect::<anyhow::Result<_>>()?;
@@ -662,6 +665,12 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 if let Err(e) = p.standby.reconcile().await {
                     tracing::warn!(pool = p.role, error = %e, "standbys not kept");
                 }
+                // A promotion is reported with the replicas; a new parked one here.
+                let parked = p.standby.ready();
+                if parked > p.parked {
+                    println!("[{:>7.1}s] {}: standby parked ({parked} ready)", started.elapsed().as_secs_f64(), p.role);
+                }
+                p.parked = parked;
             }
         }
         println!("stopping: draining workers");

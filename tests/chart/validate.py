@@ -97,6 +97,34 @@ def check_dashboard(variant, merged, by_kind):
                 fail(variant, f"dashboard panel {panel['title']!r} does not use the datasource variable")
 
 
+def check_monitoring(variant, merged, by_kind):
+    """With serviceMonitor.enabled, everything that serves is scraped: the Services'
+    pods, and the standbys inside the agents' pods (a PodMonitor on their named ports);
+    both carry serviceMonitor.labels (a Prometheus that selects by label finds them)."""
+    sm = merged["serviceMonitor"]
+    sb = merged["warmpool"]["standbys"]
+    want_standbys = sm["enabled"] and merged["warmpool"]["enabled"] and (sb["prefill"] > 0 or sb["decode"] > 0)
+    pms = by_kind.get("PodMonitor", [])
+    if want_standbys != bool(pms):
+        fail(variant, f"standbys' PodMonitor {'missing' if want_standbys else 'rendered'}")
+    for o in by_kind.get("ServiceMonitor", []) + pms:
+        labels = o["metadata"].get("labels", {})
+        for k, v in (sm.get("labels") or {}).items():
+            if labels.get(k) != v:
+                fail(variant, f'{o["kind"]}/{o["metadata"]["name"]} lacks serviceMonitor.labels {k}={v}')
+    for pm in pms:
+        ds = by_kind.get("DaemonSet", [])
+        ports = {p["name"]: p["containerPort"] for c in ds[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])} if ds else {}
+        scraped = [e["port"] for e in pm["spec"]["podMetricsEndpoints"]]
+        want = sorted(n for n in ports if n.startswith("sb-"))
+        if sorted(scraped) != want or len(want) != sb["prefill"] + sb["decode"]:
+            fail(variant, f"PodMonitor scrapes {scraped}, the agents' standby ports are {want}")
+        for role, i in (("prefill", 0), ("decode", 1)):
+            for j in range(sb[role]):
+                if ports.get(f"sb-{role[0]}-{j}") != sb["basePort"] + 1000 * i + 2 * j:
+                    fail(variant, f"standby port sb-{role[0]}-{j} is not where standby {j} of {role} listens")
+
+
 def deep_merge(base, over):
     out = dict(base)
     for k, v in over.items():
@@ -229,6 +257,12 @@ def check_variant(variant, values, defaults, schema, dump):
         elif o["kind"] == "ServiceMonitor":
             if not o["spec"].get("endpoints"):
                 fail(variant, f"{name} has no endpoints")
+            # The dashboard's per-node view reads `node`.
+            for ep in o["spec"]["endpoints"]:
+                if "node" not in {r.get("targetLabel") for r in ep.get("relabelings", [])}:
+                    fail(variant, f"{name}: an endpoint without the `node` relabeling the dashboard reads")
+        elif o["kind"] == "PodMonitor":
+            pass  # checked below against the DaemonSet's standby ports
         elif o["kind"] == "PrometheusRule":
             check_rules(variant, name, o)
         else:
@@ -237,6 +271,7 @@ def check_variant(variant, values, defaults, schema, dump):
             except kubernetes_validate.ValidationError as e:
                 fail(variant, f"{name} fails the Kubernetes {KUBE_VERSION} schema: {e.message} at {list(e.path)}")
     check_dashboard(variant, merged, by_kind)
+    check_monitoring(variant, merged, by_kind)
     if dump:
         for o in by_kind.get("PrometheusRule", []):
             d = os.path.join(dump, variant)

@@ -2,6 +2,7 @@
 
 pub mod error;
 pub mod openai;
+pub mod unread_fields;
 
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
@@ -243,6 +244,7 @@ async fn completions(
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body, st.max_body).await?;
+    unread_fields::check(&req.rest, unread_fields::Endpoint::Completions)?;
     let e = st.engine()?;
     check_model(e, req.common.model.as_deref())?;
     if req.echo {
@@ -276,6 +278,7 @@ async fn chat_completions(
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body, st.max_body).await?;
+    unread_fields::check(&req.rest, unread_fields::Endpoint::Chat)?;
     let e = st.engine()?;
     check_model(e, req.common.model.as_deref())?;
     let top = if req.logprobs {

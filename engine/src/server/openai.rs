@@ -65,6 +65,11 @@ pub struct CompletionRequest {
     pub echo: bool,
     #[serde(flatten)]
     pub common: Common,
+    /// Every other field: checked by [`super::unread_fields`], never dropped. (After
+    /// `common`: serde hands a flattened map only what the flattened structs before it
+    /// did not take.)
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -77,6 +82,9 @@ pub struct ChatRequest {
     pub add_generation_prompt: bool,
     #[serde(flatten)]
     pub common: Common,
+    /// As [`CompletionRequest::rest`].
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 fn yes() -> bool {
@@ -88,6 +96,9 @@ pub struct RawMessage {
     pub role: String,
     #[serde(default)]
     pub content: Value,
+    /// `name`, `tool_calls`, …: checked by [`super::unread_fields::check_message`].
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 impl RawMessage {
@@ -127,7 +138,9 @@ pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
         ));
     }
     raw.iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
+            super::unread_fields::check_message(&m.rest, i)?;
             Ok(ChatMessage {
                 role: m.role.clone(),
                 content: m.text()?,
@@ -143,6 +156,12 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         && n != 1
     {
         return Err(inv("only n = 1 is supported".into(), "n"));
+    }
+    if c.stream_options.is_some() && !c.stream {
+        return Err(inv(
+            "stream_options is only allowed when stream is true".into(),
+            "stream_options",
+        ));
     }
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
         None => default_max,

@@ -151,9 +151,15 @@ pub fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
 #[must_use]
 pub fn fraction_within(buckets: &[(f64, f64)], x: f64) -> Option<f64> {
     let total = buckets.last()?.1;
-    if total <= 0.0 {
+    if total.is_nan() || total <= 0.0 || x.is_nan() {
         return None;
     }
+    fraction_within_unclamped(buckets, x, total).map(|f| f.clamp(0.0, 1.0))
+}
+
+/// [`fraction_within`] before clamping: buckets that are not cumulative (a broken
+/// exposition) could push it outside [0, 1].
+fn fraction_within_unclamped(buckets: &[(f64, f64)], x: f64, total: f64) -> Option<f64> {
     let mut prev = (0.0, 0.0);
     for &(le, count) in buckets {
         if x <= le {

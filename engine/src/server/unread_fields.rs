@@ -1,0 +1,241 @@
+//! Request fields the server does not act on: refused by name, never dropped.
+//!
+//! A client that asks for `tools`, `response_format: json_object` or a
+//! `presence_penalty` and gets a plain answer back has a wrong answer that looks right.
+//! So every field of the OpenAI chat and completions APIs (and of the vLLM extensions
+//! clients send) that [`super::openai`] does not read is either harmless here —
+//! metadata, or the value that asks for nothing (`presence_penalty: 0`, `tools: []`,
+//! `response_format: {"type": "text"}`; clients such as LangChain send those by
+//! default) — or answered with a 400 whose `param` names it. Fields nobody defined get
+//! OpenAI's own answer: "Unrecognized request argument supplied".
+
+use serde_json::{Map, Value};
+
+use crate::{EngineError, Result};
+
+/// Which endpoint a body was sent to (a few fields exist on one only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// What a field the server does not read may hold.
+#[derive(Clone, Copy)]
+enum Allowed {
+    /// Anything: it describes the request and changes no output (`user`, `metadata`).
+    Any,
+    /// Only the value that asks for nothing (or null).
+    Neutral(fn(&Value) -> bool),
+}
+
+fn zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+fn one(v: &Value) -> bool {
+    v.as_f64() == Some(1.0)
+}
+fn is_false(v: &Value) -> bool {
+    v == &Value::Bool(false)
+}
+fn is_true(v: &Value) -> bool {
+    v == &Value::Bool(true)
+}
+fn empty(v: &Value) -> bool {
+    v.as_array().is_some_and(Vec::is_empty)
+        || v.as_object().is_some_and(Map::is_empty)
+        || v.as_str() == Some("")
+}
+fn never(_: &Value) -> bool {
+    false
+}
+fn text_format(v: &Value) -> bool {
+    v.get("type").and_then(Value::as_str) == Some("text")
+}
+/// With no tools offered, asking the model to choose among them asks for nothing.
+fn no_tool_choice(v: &Value) -> bool {
+    matches!(v.as_str(), Some("none" | "auto"))
+}
+fn text_only(v: &Value) -> bool {
+    v.as_array()
+        .is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))
+}
+fn default_tier(v: &Value) -> bool {
+    matches!(v.as_str(), Some("auto" | "default"))
+}
+
+/// Fields of both endpoints that [`super::openai`] does not read, and what they may hold.
+const SHARED: &[(&str, Allowed)] = &[
+    // Metadata: identifies or labels the request, changes nothing in the answer.
+    ("user", Allowed::Any),
+    ("metadata", Allowed::Any),
+    ("safety_identifier", Allowed::Any),
+    ("prompt_cache_key", Allowed::Any),
+    ("request_id", Allowed::Any),
+    ("service_tier", Allowed::Neutral(default_tier)),
+    // Nothing is stored for later retrieval.
+    ("store", Allowed::Neutral(is_false)),
+    // Sampling controls not implemented yet: only their "off" value.
+    ("frequency_penalty", Allowed::Neutral(zero)),
+    ("presence_penalty", Allowed::Neutral(zero)),
+    ("repetition_penalty", Allowed::Neutral(one)),
+    ("logit_bias", Allowed::Neutral(empty)),
+    ("min_tokens", Allowed::Neutral(zero)),
+    ("bad_words", Allowed::Neutral(empty)),
+    ("allowed_token_ids", Allowed::Neutral(never)),
+    ("use_beam_search", Allowed::Neutral(is_false)),
+    ("length_penalty", Allowed::Neutral(one)),
+    ("best_of", Allowed::Neutral(one)),
+    ("prompt_logprobs", Allowed::Neutral(never)),
+    ("truncate_prompt_tokens", Allowed::Neutral(never)),
+    ("include_stop_str_in_output", Allowed::Neutral(is_false)),
+    ("skip_special_tokens", Allowed::Neutral(is_true)),
+    ("spaces_between_special_tokens", Allowed::Neutral(is_true)),
+    ("priority", Allowed::Neutral(zero)),
+    // Structured outputs (vLLM's and OpenAI's).
+    ("response_format", Allowed::Neutral(text_format)),
+    ("guided_json", Allowed::Neutral(never)),
+    ("guided_regex", Allowed::Neutral(never)),
+    ("guided_choice", Allowed::Neutral(never)),
+    ("guided_grammar", Allowed::Neutral(never)),
+    ("guided_decoding_backend", Allowed::Neutral(never)),
+    ("structured_outputs", Allowed::Neutral(never)),
+];
+
+/// Chat only.
+const CHAT: &[(&str, Allowed)] = &[
+    ("tools", Allowed::Neutral(empty)),
+    ("tool_choice", Allowed::Neutral(no_tool_choice)),
+    ("parallel_tool_calls", Allowed::Any),
+    ("functions", Allowed::Neutral(empty)),
+    ("function_call", Allowed::Neutral(no_tool_choice)),
+    ("modalities", Allowed::Neutral(text_only)),
+    ("audio", Allowed::Neutral(never)),
+    ("prediction", Allowed::Neutral(never)),
+    ("reasoning_effort", Allowed::Neutral(never)),
+    ("verbosity", Allowed::Neutral(never)),
+    ("web_search_options", Allowed::Neutral(never)),
+    ("echo", Allowed::Neutral(is_false)),
+    ("continue_final_message", Allowed::Neutral(is_false)),
+    ("chat_template", Allowed::Neutral(never)),
+    ("chat_template_kwargs", Allowed::Neutral(empty)),
+    ("documents", Allowed::Neutral(never)),
+];
+
+/// Completions only.
+const COMPLETIONS: &[(&str, Allowed)] = &[("suffix", Allowed::Neutral(empty))];
+
+/// Fields of a chat message besides `role` and `content`.
+const MESSAGE: &[(&str, Allowed)] = &[
+    ("name", Allowed::Neutral(never)),
+    ("tool_calls", Allowed::Neutral(empty)),
+    ("tool_call_id", Allowed::Neutral(never)),
+    ("function_call", Allowed::Neutral(never)),
+    ("refusal", Allowed::Neutral(never)),
+    ("audio", Allowed::Neutral(never)),
+];
+
+/// Refuses the first field of `rest` (what the body held beyond the fields read)
+/// that would change the answer, naming it.
+pub fn check(rest: &Map<String, Value>, endpoint: Endpoint) -> Result<()> {
+    let own = match endpoint {
+        Endpoint::Chat => CHAT,
+        Endpoint::Completions => COMPLETIONS,
+    };
+    check_in(rest, &[SHARED, own], "")
+}
+
+/// The same for the extra fields of message `i`.
+pub fn check_message(rest: &Map<String, Value>, i: usize) -> Result<()> {
+    check_in(rest, &[MESSAGE], &format!("messages[{i}]."))
+}
+
+fn check_in(rest: &Map<String, Value>, tables: &[&[(&str, Allowed)]], prefix: &str) -> Result<()> {
+    for (k, v) in rest {
+        let rule = tables
+            .iter()
+            .flat_map(|t| t.iter())
+            .find(|(name, _)| name == k)
+            .map(|(_, a)| *a);
+        let name = format!("{prefix}{k}");
+        match rule {
+            None => {
+                return Err(EngineError::invalid(
+                    format!("Unrecognized request argument supplied: {name}"),
+                    &name,
+                ));
+            }
+            Some(Allowed::Any) => {}
+            Some(Allowed::Neutral(ok)) => {
+                if !(v.is_null() || ok(v)) {
+                    return Err(EngineError::invalid(
+                        format!(
+                            "{name} is not supported by this server (only its default value is accepted); the request was not run"
+                        ),
+                        &name,
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn param(body: Value, e: Endpoint) -> Option<String> {
+        match check(body.as_object().unwrap(), e) {
+            Ok(()) => None,
+            Err(EngineError::InvalidRequest { param, .. }) => param,
+            Err(other) => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn defaults_pass_and_anything_else_is_refused_by_name() {
+        let neutral = json!({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u1",
+            "store": false, "n_unused": null});
+        // `n_unused` is unknown: refused even when null.
+        assert_eq!(
+            param(neutral.clone(), Endpoint::Chat).as_deref(),
+            Some("n_unused")
+        );
+        let mut neutral = neutral;
+        neutral.as_object_mut().unwrap().remove("n_unused");
+        assert_eq!(param(neutral, Endpoint::Chat), None);
+        for (k, v) in [
+            ("presence_penalty", json!(0.5)),
+            ("logit_bias", json!({"50256": -100})),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+            ("tool_choice", json!("required")),
+            ("response_format", json!({"type": "json_object"})),
+            ("guided_json", json!({"type": "object"})),
+            ("store", json!(true)),
+            ("temprature", json!(0.2)),
+        ] {
+            assert_eq!(
+                param(json!({ k: v }), Endpoint::Chat).as_deref(),
+                Some(k),
+                "{k}"
+            );
+        }
+        // Each endpoint's own fields only.
+        assert_eq!(
+            param(json!({"suffix": "x"}), Endpoint::Completions).as_deref(),
+            Some("suffix")
+        );
+        assert_eq!(
+            param(json!({"tools": []}), Endpoint::Completions).as_deref(),
+            Some("tools")
+        );
+        let e = check_message(json!({"tool_call_id": "c1"}).as_object().unwrap(), 2).unwrap_err();
+        assert!(e.to_string().contains("messages[2].tool_call_id"), "{e}");
+    }
+}
