@@ -100,7 +100,7 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),
             ),
-            ("presence_penalty", json!(1.0)),
+            ("response_format", json!({"type": "json_object"})),
         ] {
             let mut body =
                 json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]});

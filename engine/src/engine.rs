@@ -15,7 +15,8 @@ use crate::backend::{Backend, ForwardBatch, SeqSlice};
 use crate::kv::transfer::{self, KvHeader, KvMessage, TransferError};
 use crate::kv::{BlockId, BlockPool};
 use crate::metrics::EngineMetrics;
-use crate::sampling::{Rng, SamplingParams, sample};
+use crate::sampling::penalties::History;
+use crate::sampling::{Rng, SamplingParams, sample, sample_with_history};
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqState};
 use crate::tokenizer::{IncrementalDetokenizer, StopMatcher, StopOutcome, Tokenizer};
 use crate::{EngineError, Result};
@@ -513,6 +514,7 @@ impl Engine {
                 "kv",
             ));
         }
+        h.params.check_vocab(self.vocab_size)?;
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (out, events) = tmpsc::unbounded_channel();
@@ -558,6 +560,7 @@ impl Engine {
                 "prompt",
             ));
         }
+        req.params.check_vocab(vocab)?;
         let total = req.prompt.len() + req.params.max_tokens;
         if total > self.max_model_len {
             return Err(EngineError::invalid(
@@ -858,7 +861,19 @@ impl Worker {
         let Some(live) = self.live.get_mut(&id) else {
             return;
         };
-        let s = sample(logits, &live.params, &mut live.rng);
+        let s = match self.sched.get(id) {
+            Some(seq) => sample_with_history(
+                logits,
+                &live.params,
+                &mut live.rng,
+                History {
+                    prompt: &seq.tokens[..seq.prompt_len],
+                    generated: &seq.tokens[seq.prompt_len..],
+                },
+                self.tokenizer.eos_ids(),
+            ),
+            None => sample(logits, &live.params, &mut live.rng),
+        };
         if live.prefill_only.is_some() {
             self.ship(id, s.token, s.logprob, s.top);
             return;

@@ -362,10 +362,10 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
     let honoured = 200;
     let chat: Vec<(&str, Value, u16)> = vec![
         ("audio", json!({"voice": "alloy", "format": "wav"}), 400),
-        ("frequency_penalty", json!(0.5), 400),
+        ("frequency_penalty", json!(0.5), honoured),
         ("function_call", json!({"name": "f"}), 400),
         ("functions", json!([{"name": "f"}]), 400),
-        ("logit_bias", json!({"1": 5}), 400),
+        ("logit_bias", json!({"1": 5}), honoured),
         ("logprobs", json!(true), honoured),
         ("max_completion_tokens", json!(3), honoured),
         ("max_tokens", json!(3), honoured),
@@ -379,7 +379,7 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
             json!({"type": "content", "content": "x"}),
             400,
         ),
-        ("presence_penalty", json!(0.5), 400),
+        ("presence_penalty", json!(0.5), honoured),
         ("prompt_cache_key", json!("k"), honoured),
         ("reasoning_effort", json!("low"), 400),
         ("response_format", json!({"type": "json_object"}), 400),
@@ -420,10 +420,10 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         ("include_stop_str_in_output", json!(true), 400),
         ("length_penalty", json!(2.0), 400),
         ("min_p", json!(0.1), honoured),
-        ("min_tokens", json!(2), 400),
+        ("min_tokens", json!(2), honoured),
         ("priority", json!(1), 400),
         ("prompt_logprobs", json!(1), 400),
-        ("repetition_penalty", json!(1.2), 400),
+        ("repetition_penalty", json!(1.2), honoured),
         ("request_id", json!("r-1"), honoured),
         ("return_tokens_as_token_ids", json!(true), honoured),
         ("skip_special_tokens", json!(false), 400),
@@ -438,14 +438,14 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
     ];
     let completions: Vec<(&str, Value, u16)> = vec![
         ("best_of", json!(2), 400),
-        ("echo", json!(true), 400),
-        ("frequency_penalty", json!(0.5), 400),
-        ("logit_bias", json!({"1": 5}), 400),
+        ("echo", json!(true), honoured),
+        ("frequency_penalty", json!(0.5), honoured),
+        ("logit_bias", json!({"1": 5}), honoured),
         ("logprobs", json!(2), honoured),
         ("max_tokens", json!(3), honoured),
         ("model", json!("m"), honoured),
         ("n", json!(2), 400),
-        ("presence_penalty", json!(0.5), 400),
+        ("presence_penalty", json!(0.5), honoured),
         ("seed", json!(7), honoured),
         ("stop", json!("zz"), honoured),
         ("stream", json!(false), honoured),
@@ -455,7 +455,7 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         ("top_p", json!(0.9), honoured),
         ("user", json!("u-1"), honoured),
         ("tools", tool.clone(), 400),
-        ("repetition_penalty", json!(1.2), 400),
+        ("repetition_penalty", json!(1.2), honoured),
         ("guided_json", json!({"type": "object"}), 400),
         ("messages", json!([{"role": "user", "content": "hi"}]), 400),
     ];
@@ -512,6 +512,130 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         (400, &json!("messages[0].name")),
         "{r}"
     );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_biases_and_min_tokens_change_what_is_generated() {
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let prompt: Vec<u32> = (10..40).collect();
+    let run = |extra: Value| {
+        let mut body = greedy_body(&prompt, 12);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let (_, plain) = s.post("/v1/completions", run(json!({}))).await;
+    let plain = token_ids_of(&plain);
+    // A +100 bias makes a token the greedy choice every time; -100 removes it.
+    let (_, biased) = s
+        .post("/v1/completions", run(json!({"logit_bias": {"77": 100}})))
+        .await;
+    assert_eq!(token_ids_of(&biased), vec![77; 12]);
+    let first = plain[0];
+    let (_, banned) = s
+        .post(
+            "/v1/completions",
+            run(json!({"logit_bias": {first.to_string(): -100}})),
+        )
+        .await;
+    assert!(!token_ids_of(&banned).contains(&first), "{banned}");
+    // A strong repetition penalty: no token of the prompt or the output comes again
+    // while others are left (greedy on a tiny random model repeats without it).
+    let (_, rep) = s
+        .post("/v1/completions", run(json!({"repetition_penalty": 100.0})))
+        .await;
+    let rep = token_ids_of(&rep);
+    let mut seen: Vec<u32> = prompt.clone();
+    for t in &rep {
+        assert!(!seen.contains(t), "{t} repeated: {rep:?}");
+        seen.push(*t);
+    }
+    // Frequency/presence at their maximum: the output differs from plain greedy and
+    // repeats less.
+    let (_, pen) = s
+        .post(
+            "/v1/completions",
+            run(json!({"frequency_penalty": 2.0, "presence_penalty": 2.0})),
+        )
+        .await;
+    let pen = token_ids_of(&pen);
+    let distinct = |v: &[u32]| {
+        let mut d = v.to_vec();
+        d.sort_unstable();
+        d.dedup();
+        d.len()
+    };
+    assert!(distinct(&pen) >= distinct(&plain), "{pen:?} vs {plain:?}");
+    // min_tokens holds EOS back: EOS (id 2) biased to always win still ends only after
+    // 3 tokens.
+    let mut body = run(json!({"logit_bias": {"2": 100}, "min_tokens": 3}));
+    body["ignore_eos"] = json!(false);
+    let (st, r) = s.post("/v1/completions", body).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        r["usage"]["completion_tokens"], 4,
+        "3 held back, then EOS: {r}"
+    );
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    // echo: the prompt's text, then the completion (whole and streamed); with logprobs
+    // (prompt logprobs) refused by name.
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello there", "max_tokens": 3, "echo": true}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let text = r["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("hello there") && text.len() > "hello there".len(),
+        "{r}"
+    );
+    let sse = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&json!({"prompt": "hello there", "max_tokens": 3, "echo": true, "stream": true}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let first: Value =
+        serde_json::from_str(sse.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
+    assert!(
+        first["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("hello there"),
+        "{sse}"
+    );
+    let (st, e) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "echo": true, "logprobs": 1}),
+        )
+        .await;
+    assert_eq!((st, &e["error"]["param"]), (400, &json!("echo")), "{e}");
+    // Out of range: refused by name.
+    for (body, param) in [
+        (run(json!({"presence_penalty": 2.5})), "presence_penalty"),
+        (run(json!({"repetition_penalty": 0})), "repetition_penalty"),
+        (run(json!({"logit_bias": {"1": 101}})), "logit_bias"),
+        (run(json!({"logit_bias": {"x": 1}})), "logit_bias"),
+        (run(json!({"logit_bias": {"600": 1}})), "logit_bias"),
+        (run(json!({"min_tokens": 13})), "min_tokens"),
+        (run(json!({"min_tokens": -1})), "min_tokens"),
+    ] {
+        let (st, e) = s.post("/v1/completions", body.clone()).await;
+        assert_eq!(
+            (st, &e["error"]["param"]),
+            (400, &json!(param)),
+            "{body} → {e}"
+        );
+    }
     s.stop().await;
 }
 

@@ -247,12 +247,26 @@ async fn completions(
     unread_fields::check(&req.rest, unread_fields::Endpoint::Completions)?;
     let e = st.engine()?;
     check_model(e, req.common.model.as_deref())?;
-    if req.echo {
-        return Err(EngineError::invalid("echo is not supported", "echo").into());
+    if req.echo && req.logprobs.is_some() {
+        // Echo with logprobs asks for the prompt tokens' logprobs, not computed here.
+        return Err(EngineError::invalid(
+            "echo together with logprobs (prompt logprobs) is not supported",
+            "echo",
+        )
+        .into());
     }
     // The cheap checks first: nothing is tokenised for a request refused anyway.
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
     let tok = Arc::clone(&e.tokenizer);
+    let echo_text = match (&req.prompt, req.echo) {
+        (_, false) => None,
+        (Prompt::Text(t), true) => Some(t.clone()),
+        (Prompt::Texts(v), true) => v.first().cloned(),
+        (Prompt::Tokens(ids), true) => Some(e.tokenizer.decode(ids)?),
+        (Prompt::TokenLists(v), true) => {
+            v.first().map(|ids| e.tokenizer.decode(ids)).transpose()?
+        }
+    };
     let prompt = match req.prompt {
         Prompt::Text(t) => off_runtime(move || tok.encode(&t)).await?,
         Prompt::Tokens(ids) => ids,
@@ -270,7 +284,8 @@ async fn completions(
         }
     };
     let style = Style::new(false, params.logprobs.is_some(), &req.common);
-    Ok(generate(e, prompt, params, style, req.common.stream).await?)
+    let handle = e.submit(GenerateRequest { prompt, params })?;
+    Ok(respond(e.clone(), handle, style, req.common.stream, echo_text).await?)
 }
 
 async fn chat_completions(
@@ -324,7 +339,7 @@ async fn generate(
     stream: bool,
 ) -> Result<Response> {
     let handle = e.submit(GenerateRequest { prompt, params })?;
-    respond(e.clone(), handle, style, stream).await
+    respond(e.clone(), handle, style, stream, None).await
 }
 
 fn token_str(e: &Engine, id: u32, style: Style) -> String {
@@ -382,11 +397,14 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
+/// Answers a queued request; `echo` (completions' `echo`: the prompt's text) comes
+/// before the generated text.
 async fn respond(
     e: Engine,
     mut handle: RequestHandle,
     style: Style,
     stream: bool,
+    echo: Option<String>,
 ) -> Result<Response> {
     let id = request_id(if style.chat { "chatcmpl" } else { "cmpl" }, handle.id);
     if stream {
@@ -403,9 +421,9 @@ async fn respond(
             }
             Some(ev) => ev,
         };
-        Ok(Sse::new(sse_stream(e, handle, first, style, id)).into_response())
+        Ok(Sse::new(sse_stream(e, handle, first, style, id, echo)).into_response())
     } else {
-        collect(e, handle, style, id).await
+        collect(e, handle, style, id, echo).await
     }
 }
 
@@ -414,8 +432,9 @@ async fn collect(
     mut handle: RequestHandle,
     style: Style,
     id: String,
+    echo: Option<String>,
 ) -> Result<Response> {
-    let mut text = String::new();
+    let mut text = echo.unwrap_or_default();
     let mut tokens = Vec::new();
     loop {
         match handle.events.recv().await {
@@ -488,6 +507,7 @@ fn sse_stream(
     first_event: Event,
     style: Style,
     id: String,
+    echo: Option<String>,
 ) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
     struct St {
         e: Engine,
@@ -499,6 +519,8 @@ fn sse_stream(
         first: bool,
         off: usize,
         done: bool,
+        /// Not sent yet: goes before the first text.
+        echo: Option<String>,
     }
     let st = St {
         e,
@@ -509,6 +531,7 @@ fn sse_stream(
         first: true,
         off: 0,
         done: false,
+        echo,
     };
     stream::unfold(st, |mut st| async move {
         if st.done {
@@ -522,11 +545,13 @@ fn sse_stream(
         match next {
             Some(Event::Delta { tokens, text }) => {
                 let lp = if st.style.logprobs { logprobs_json(&st.e, &tokens, st.style, &mut st.off) } else { Value::Null };
+                let text = st.echo.take().unwrap_or_default() + &text;
                 out.push(chunk(&st.e, &st.id, st.style, Some(&text), st.first, lp, None));
                 st.first = false;
             }
             Some(Event::Finished { reason, usage }) => {
-                let text = if st.style.chat { None } else { Some("") };
+                let echo = st.echo.take().unwrap_or_default();
+                let text = if st.style.chat { None } else { Some(echo.as_str()) };
                 out.push(chunk(&st.e, &st.id, st.style, text, st.first, Value::Null, Some(reason)));
                 if st.style.include_usage {
                     out.push(json!({

@@ -54,6 +54,14 @@ pub struct Common {
     pub n: Option<i64>,
     #[serde(default)]
     pub return_tokens_as_token_ids: bool,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    /// vLLM's.
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string, OpenAI's form) → bias in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// vLLM's.
+    pub min_tokens: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -221,6 +229,25 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         Some(StopField::One(s)) => vec![s.clone()],
         Some(StopField::Many(v)) => v.clone(),
     };
+    let logit_bias = c
+        .logit_bias
+        .iter()
+        .flatten()
+        .map(|(k, v)| {
+            let t = k.trim().parse::<u32>().map_err(|_| {
+                inv(
+                    format!("logit_bias keys must be token ids, got {k:?}"),
+                    "logit_bias",
+                )
+            })?;
+            Ok((t, *v as f32))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let min_tokens = match c.min_tokens {
+        None => 0,
+        Some(m) => usize::try_from(m)
+            .map_err(|_| inv(format!("min_tokens must be >= 0, got {m}"), "min_tokens"))?,
+    };
     let params = SamplingParams {
         temperature: temperature as f32,
         top_k,
@@ -232,6 +259,11 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         stop_token_ids: c.stop_token_ids.clone(),
         ignore_eos: c.ignore_eos,
         logprobs,
+        presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+        logit_bias,
+        min_tokens,
     };
     params.check()?;
     Ok(params)

@@ -1,10 +1,10 @@
 //! Request fields the server does not act on: refused by name, never dropped.
 //!
-//! A client that asks for `tools`, `response_format: json_object` or a
-//! `presence_penalty` and gets a plain answer back has a wrong answer that looks right.
+//! A client that asks for `tools`, `response_format: json_object` or `best_of: 4`
+//! and gets a plain answer back has a wrong answer that looks right.
 //! So every field of the OpenAI chat and completions APIs (and of the vLLM extensions
 //! clients send) that [`super::openai`] does not read is either harmless here —
-//! metadata, or the value that asks for nothing (`presence_penalty: 0`, `tools: []`,
+//! metadata, or the value that asks for nothing (`best_of: 1`, `tools: []`,
 //! `response_format: {"type": "text"}`; clients such as LangChain send those by
 //! default) — or answered with a 400 whose `param` names it. Fields nobody defined get
 //! OpenAI's own answer: "Unrecognized request argument supplied".
@@ -76,11 +76,6 @@ const SHARED: &[(&str, Allowed)] = &[
     // Nothing is stored for later retrieval.
     ("store", Allowed::Neutral(is_false)),
     // Sampling controls not implemented yet: only their "off" value.
-    ("frequency_penalty", Allowed::Neutral(zero)),
-    ("presence_penalty", Allowed::Neutral(zero)),
-    ("repetition_penalty", Allowed::Neutral(one)),
-    ("logit_bias", Allowed::Neutral(empty)),
-    ("min_tokens", Allowed::Neutral(zero)),
     ("bad_words", Allowed::Neutral(empty)),
     ("allowed_token_ids", Allowed::Neutral(never)),
     ("use_beam_search", Allowed::Neutral(is_false)),
@@ -196,7 +191,7 @@ mod tests {
 
     #[test]
     fn defaults_pass_and_anything_else_is_refused_by_name() {
-        let neutral = json!({"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+        let neutral = json!({"best_of": 1, "bad_words": [], "use_beam_search": false,
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u1",
             "store": false, "n_unused": null});
         // `n_unused` is unknown: refused even when null.
@@ -208,8 +203,8 @@ mod tests {
         neutral.as_object_mut().unwrap().remove("n_unused");
         assert_eq!(param(neutral, Endpoint::Chat), None);
         for (k, v) in [
-            ("presence_penalty", json!(0.5)),
-            ("logit_bias", json!({"50256": -100})),
+            ("best_of", json!(3)),
+            ("bad_words", json!(["x"])),
             (
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),

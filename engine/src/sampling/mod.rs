@@ -1,5 +1,8 @@
 //! Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, with a
-//! per-request seed so the same seed gives the same output, and logprobs.
+//! per-request seed so the same seed gives the same output, and logprobs; penalties and
+//! biases first ([`penalties`]).
+
+pub mod penalties;
 
 /// Sampling controls of one request (OpenAI + vLLM fields).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -17,6 +20,26 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Number of top logprobs to return per token (`None`: no logprobs).
     pub logprobs: Option<usize>,
+    /// OpenAI's: subtracted once from the logit of every token already generated.
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted per occurrence in the generated tokens.
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// vLLM's (transformers'): divides positive, multiplies negative logits of tokens
+    /// in the prompt or output; 1 = off.
+    #[serde(default = "one")]
+    pub repetition_penalty: f32,
+    /// Added to the logits of these token ids.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// EOS and `stop_token_ids` cannot end the sequence before this many tokens.
+    #[serde(default)]
+    pub min_tokens: usize,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 impl Default for SamplingParams {
@@ -32,9 +55,17 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
+
+/// At most this many `logit_bias` entries (each applied per token on the engine thread).
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// At most this many stop strings (as OpenAI), each of at most [`MAX_STOP_BYTES`]:
 /// every generated token is checked against each of them on the engine thread.
@@ -99,6 +130,51 @@ impl SamplingParams {
                 "stop",
             );
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return inv(format!("{name} must be in [-2, 2], got {v}"), name);
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return inv(
+                format!(
+                    "repetition_penalty must be > 0, got {}",
+                    self.repetition_penalty
+                ),
+                "repetition_penalty",
+            );
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return inv(
+                format!(
+                    "at most {MAX_LOGIT_BIAS} logit_bias entries, got {}",
+                    self.logit_bias.len()
+                ),
+                "logit_bias",
+            );
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return inv(
+                format!("logit_bias values must be in [-100, 100], got {b} for token {t}"),
+                "logit_bias",
+            );
+        }
+        if self.min_tokens > self.max_tokens {
+            return inv(
+                format!(
+                    "min_tokens ({}) must not exceed max_tokens ({})",
+                    self.min_tokens, self.max_tokens
+                ),
+                "min_tokens",
+            );
+        }
         if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
             return inv(
                 format!(
@@ -107,6 +183,17 @@ impl SamplingParams {
                 ),
                 "stop_token_ids",
             );
+        }
+        Ok(())
+    }
+
+    /// Token ids the request names must index the model's vocabulary of `vocab`.
+    pub fn check_vocab(&self, vocab: usize) -> crate::Result<()> {
+        if let Some((t, _)) = self.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return Err(crate::EngineError::invalid(
+                format!("logit_bias names token id {t}, outside the vocabulary (size {vocab})"),
+                "logit_bias",
+            ));
         }
         Ok(())
     }
@@ -179,10 +266,34 @@ fn argmax(x: &[f32]) -> usize {
 
 /// Picks the next token from `logits`.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+    sample_adjusted(logits, logits, p, rng)
+}
+
+/// Picks the next token of a sequence holding `history` from the model's `logits`,
+/// after the request's penalties, biases and `min_tokens` ([`penalties`]); logprobs
+/// are the model's own.
+pub fn sample_with_history(
+    logits: &[f32],
+    p: &SamplingParams,
+    rng: &mut Rng,
+    history: penalties::History<'_>,
+    eos: &[u32],
+) -> Sampled {
+    if !p.adjusts_logits() {
+        return sample(logits, p, rng);
+    }
+    let mut adjusted = logits.to_vec();
+    penalties::apply(&mut adjusted, p, history, eos);
+    sample_adjusted(&adjusted, logits, p, rng)
+}
+
+/// Chooses from `choose` and reports logprobs of `report`.
+fn sample_adjusted(choose: &[f32], report: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
+    let logits = report;
     let token = if p.temperature <= 0.0 || p.top_k == 1 {
-        argmax(logits)
+        argmax(choose)
     } else {
-        sample_stochastic(logits, p, rng)
+        sample_stochastic(choose, p, rng)
     };
     let (logprob, top) = match p.logprobs {
         None => (None, Vec::new()),
