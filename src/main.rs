@@ -16,7 +16,7 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 /// When this process began, for start-up phases: the spawner's clock when it passed
-/// `preheat_warmpool::standby::SPAWNED_AT_ENV` (so exec and dynamic loading count),
+/// `preheat_warmpool::worker_process::SPAWNED_AT_ENV` (so exec and dynamic loading count),
 /// else now.
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
@@ -26,7 +26,7 @@ pub(crate) fn process_started() -> std::time::Instant {
 
 fn main() -> ExitCode {
     let now = std::time::Instant::now();
-    let spawned_ago = preheat_warmpool::standby::spawned_ago();
+    let spawned_ago = preheat_warmpool::worker_process::spawned_ago();
     let _ = STARTED.set(spawned_ago.and_then(|d| now.checked_sub(d)).unwrap_or(now));
     let cli = cli::Cli::parse();
     // Logs go to stderr so stdout stays clean for human output and --json.

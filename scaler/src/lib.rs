@@ -16,6 +16,7 @@ mod error;
 pub mod grpc;
 pub mod grpc_incoming;
 pub mod kube;
+pub mod percentile;
 pub mod policy;
 pub mod profile;
 pub mod prom;

@@ -310,7 +310,15 @@ async fn regression_direct_mode_restart_scaled_blind_pools_to_zero() {
     let state = restarted_state();
     let url = fake_api(state.clone()).await;
     let (_grpc, stop) = start_scaler(pools_yaml(&url, "direct")).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Until it has held both pools (what it must do), nothing it patched may shrink.
+    eventually("both pools held", || {
+        let f = state.lock().unwrap();
+        f.history.contains(&("m-prefill".to_owned(), 3))
+            && f.history.contains(&("m-decode".to_owned(), 2))
+    })
+    .await;
+    // A few more ticks (interval 0.1 s): still nothing shrinks.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let f = state.lock().unwrap();
     for (deploy, replicas) in &f.history {
         let had = if deploy == "m-prefill" { 3 } else { 2 };

@@ -315,6 +315,21 @@ impl PackedIndex {
         (HEADER_LEN + self.chunks.len() * ENTRY_LEN) as u64
     }
 
+    /// The same, read from the first bytes of a packed file (its fixed-size header:
+    /// [`PackedIndex::HEADER_LEN`]), before the table is fetched; `None` when the
+    /// header is short or its chunk count overflows. Nothing is checked but the
+    /// arithmetic: [`PackedIndex::parse`] checks the rest.
+    #[must_use]
+    pub fn prefix_len_from_header(head: &[u8]) -> Option<u64> {
+        let count = u64::from_le_bytes(head.get(32..40)?.try_into().ok()?);
+        count
+            .checked_mul(ENTRY_LEN as u64)?
+            .checked_add(HEADER_LEN as u64)
+    }
+
+    /// Length of the fixed-size header every packed file starts with.
+    pub const HEADER_LEN: usize = HEADER_LEN;
+
     /// Parses header and table from the start of a packed file of `file_len` bytes.
     /// The chunks must tile the original exactly and lie inside the file.
     pub fn parse(b: &[u8], file_len: u64) -> Result<Self> {

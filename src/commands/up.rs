@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,7 @@ use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
 use preheat_warmpool::config::{AgentConfig, ModelSpec, StandbySpec};
 use preheat_warmpool::restart_backoff::{RestartBackoff, log_tail};
 use preheat_warmpool::standby::StandbyPool;
+use preheat_warmpool::worker_process::worker_command;
 use tokio::process::{Child, Command};
 
 use crate::cli::UpArgs;
@@ -280,37 +281,40 @@ impl PoolState {
 
     fn start(&mut self, snap: &Path, gw: &str, logs: &Path, kv_mib: usize) -> anyhow::Result<()> {
         let port = free_port()?;
-        let mut cmd = Command::new(std::env::current_exe()?);
-        preheat_warmpool::standby::die_with_parent(&mut cmd);
-        let (k, v) = preheat_warmpool::standby::spawned_at_now();
-        cmd.env(k, v)
-            .env(preheat_edge::token::TOKEN_FILE_ENV, &self.token_file)
-            .kill_on_drop(true)
-            .args(["engine", self.role, "--model"])
-            .arg(snap)
-            .args([
+        let mut args: Vec<std::ffi::OsString> = ["engine", self.role, "--model"]
+            .iter()
+            .map(Into::into)
+            .collect();
+        args.push(snap.into());
+        let (port_s, kv_mib_s) = (port.to_string(), kv_mib.to_string());
+        args.extend(
+            [
                 "--host",
                 "127.0.0.1",
                 "--port",
-                &port.to_string(),
+                &port_s,
                 "--gateway",
                 gw,
-            ])
-            .args([
                 "--kv-cache-mib",
-                &kv_mib.to_string(),
+                &kv_mib_s,
                 "--served-model-name",
                 MODEL,
-            ]);
+            ]
+            .iter()
+            .map(Into::into),
+        );
         if self.pool == Pool::Prefill {
-            cmd.args(["--kv-port", &free_port()?.to_string()]);
+            args.extend(["--kv-port".into(), free_port()?.to_string().into()]);
         }
         let log_path = logs.join(format!("{}-{port}.log", self.role));
-        let log = std::fs::File::create(&log_path)?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
+        let cmd = worker_command(
+            std::env::current_exe()?,
+            args,
+            Some(&self.token_file),
+            Some(&log_path),
+        )?;
+        let child = Command::from(cmd)
+            .kill_on_drop(true)
             .spawn()
             .context("starting a worker")?;
         self.replicas.push(Replica {

@@ -83,6 +83,9 @@ def check_dashboard(variant, merged, by_kind):
                 fail(variant, f"dashboard ConfigMap lacks the sidecar label {k}={v}")
         with open(DASHBOARD) as f:
             shipped = json.load(f)
+        gen = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "dashboard.py")], capture_output=True, text=True)
+        if gen.returncode != 0 or json.loads(gen.stdout) != shipped:
+            fail(variant, "dashboards/preheat.json is not what scripts/dashboard.py writes (run it)")
         if json.loads(cm["data"]["preheat.json"]) != shipped:
             fail(variant, "the dashboard ConfigMap is not dashboards/preheat.json")
         names = {v["name"] for v in shipped["templating"]["list"]}

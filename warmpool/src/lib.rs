@@ -30,6 +30,7 @@ pub mod restart_backoff;
 pub mod stage;
 pub mod standby;
 pub mod store;
+pub mod worker_process;
 
 pub use error::{Error, Result};
 pub use fetch::{Fetcher, Source};

@@ -28,8 +28,6 @@ use crate::{Error, Result};
 
 /// File extension of a published snapshot.
 pub const EXTENSION: &str = "preheat";
-const PACKED_HEADER: u64 = 64;
-const PACKED_ENTRY: u64 = 48;
 /// Journal entries are only written after the data they describe is synced; syncing
 /// this often bounds what an interruption can lose.
 const SYNC_EVERY_BYTES: u64 = 64 << 20;
@@ -158,16 +156,19 @@ fn side_path(dir: &Path, name: &str, what: &str) -> PathBuf {
 pub async fn plan(fetcher: &Fetcher, piece_bytes: u64) -> Result<Plan> {
     let total = fetcher.len().await?;
     let bad = |m: String| Error::Corrupt(fetcher.source().to_string(), m);
-    if total < 64 {
+    // Both encodings start with a fixed header of the same size.
+    const HEAD: usize = format::HEADER_LEN;
+    const _: () = assert!(HEAD == PackedIndex::HEADER_LEN);
+    if total < HEAD as u64 {
         return Err(bad(format!("{total} bytes: too short to be a snapshot")));
     }
-    let head = fetcher.read(0, 64).await?;
+    let head = fetcher.read(0, HEAD as u64).await?;
     if head[..8] == format::MAGIC {
         let h = format::Header::decode(&head, total)?;
         if h.manifest_len > MAX_PREFIX {
             return Err(bad(format!("manifest of {} bytes", h.manifest_len)));
         }
-        let prefix = fetcher.read(0, 64 + h.manifest_len).await?;
+        let prefix = fetcher.read(0, HEAD as u64 + h.manifest_len).await?;
         preheat_snapshot::parse_prefix(&prefix, total)?;
         let step = piece_bytes.max(format::ALIGN);
         let pieces = (0..total.div_ceil(step))
@@ -225,12 +226,9 @@ pub(crate) async fn read_packed_index(
     total: u64,
 ) -> Result<(PackedIndex, Vec<u8>)> {
     let bad = |m: String| Error::Corrupt(fetcher.source().to_string(), m);
-    let count = u64::from_le_bytes(head[32..40].try_into().expect("8 bytes"));
-    let prefix_len = count
-        .checked_mul(PACKED_ENTRY)
-        .and_then(|t| t.checked_add(PACKED_HEADER))
+    let prefix_len = PackedIndex::prefix_len_from_header(head)
         .filter(|&n| n <= total && n <= MAX_PREFIX)
-        .ok_or_else(|| bad(format!("chunk table of {count} entries is past the end")))?;
+        .ok_or_else(|| bad("the chunk table is past the end of the source".into()))?;
     let prefix = fetcher.read(0, prefix_len).await?;
     let index = PackedIndex::parse(&prefix, total)?;
     if let Some(c) = index

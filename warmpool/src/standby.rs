@@ -16,6 +16,7 @@ use tokio::process::{Child, Command};
 
 use crate::config::StandbySpec;
 use crate::restart_backoff::{RestartBackoff, log_tail};
+use crate::worker_process::worker_command;
 use crate::{Error, Result};
 
 #[derive(Debug)]
@@ -202,28 +203,15 @@ impl StandbyPool {
             let (prog, rest) = args
                 .split_first()
                 .ok_or_else(|| Error::Invalid("empty standby command".into()))?;
-            let mut cmd = Command::new(prog);
-            die_with_parent(&mut cmd);
-            let (k, v) = spawned_at_now();
-            cmd.args(rest).kill_on_drop(true).env(k, v);
-            match &self.token {
-                Some((_, file)) => {
-                    cmd.env(preheat_edge::token::TOKEN_FILE_ENV, file);
-                }
-                // An agent run without a token (as it was told to) runs its standbys
-                // the same way; they would refuse to start otherwise.
-                None => {
-                    cmd.env("PREHEAT_INSECURE_NO_TOKEN", "true");
-                }
-            }
-            let mut log = None;
-            if let Some(dir) = &self.log_dir {
-                let path = dir.join(format!("{}-standby-{port}.log", self.spec.pool));
-                let f = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
-                cmd.stdout(std::process::Stdio::null()).stderr(f);
-                log = Some(path);
-            }
-            let child = cmd
+            let log = self
+                .log_dir
+                .as_ref()
+                .map(|dir| dir.join(format!("{}-standby-{port}.log", self.spec.pool)));
+            let token = self.token.as_ref().map(|(_, file)| file.as_path());
+            let std_cmd = worker_command(prog, rest, token, log.as_deref())
+                .map_err(|e| Error::io(log.as_deref().unwrap_or(Path::new(prog.as_str())), e))?;
+            let child = Command::from(std_cmd)
+                .kill_on_drop(true)
                 .spawn()
                 .map_err(|e| Error::Invalid(format!("starting standby {prog}: {e}")))?;
             tracing::info!(pool = %self.spec.pool, port, pid = child.id(), "standby started");
@@ -349,52 +337,6 @@ pub async fn drain_children(children: &mut [Child], grace: Duration, what: &str)
             let _ = c.kill().await;
         }
     }
-}
-
-/// Set by whoever spawns a replica, read by the replica: the spawner's clock at the
-/// spawn, so start-up phases count exec and dynamic loading too, not only from `main`.
-pub const SPAWNED_AT_ENV: &str = "PREHEAT_SPAWNED_AT_UNIX_MS";
-
-/// `(SPAWNED_AT_ENV, now)` for a `Command::env` call at the spawn.
-#[must_use]
-pub fn spawned_at_now() -> (&'static str, String) {
-    (SPAWNED_AT_ENV, unix_ms().to_string())
-}
-
-/// In the replica: how long ago its spawner stamped it; `None` when unset, or stale or
-/// skewed (over 10 minutes, or in the future), which is ignored rather than trusted.
-#[must_use]
-pub fn spawned_ago() -> Option<std::time::Duration> {
-    let at: u128 = std::env::var(SPAWNED_AT_ENV).ok()?.parse().ok()?;
-    let ago = unix_ms().checked_sub(at)?;
-    (ago < 600_000).then(|| std::time::Duration::from_millis(u64::try_from(ago).unwrap_or(0)))
-}
-
-fn unix_ms() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
-}
-
-/// Makes the child receive SIGTERM (and drain) when the process that started it
-/// dies, even by SIGKILL: parked and promoted replicas never outlive their manager.
-/// (Linux ties this to the thread that forks; tokio's runtime threads, which spawn
-/// here, live as long as the process.)
-pub fn die_with_parent(cmd: &mut Command) {
-    #[cfg(target_os = "linux")]
-    // SAFETY: the closure runs in the forked child before exec and only calls prctl,
-    // which is async-signal-safe; it touches no memory of the parent.
-    #[allow(unsafe_code)]
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = cmd;
 }
 
 /// Whether `port` can be bound on loopback now (another process may hold it).

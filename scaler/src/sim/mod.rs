@@ -775,12 +775,8 @@ impl<'a> Sim<'a> {
         let span = (t - oldest.t).max(1.0);
         let d = |f: fn(&Counters) -> f64| (f(&self.now) - f(&oldest)) / span;
         let quant = |xs: &VecDeque<(f64, f64)>, q: f64| {
-            if xs.is_empty() {
-                return None;
-            }
             let mut v: Vec<f64> = xs.iter().map(|x| x.1).collect();
-            v.sort_by(f64::total_cmp);
-            Some(v[((v.len() - 1) as f64 * q).round() as usize])
+            crate::percentile::percentile(&mut v, q)
         };
         let arrived = self.now.arrived - oldest.arrived;
         let mean_prompt_len =
@@ -1013,13 +1009,8 @@ impl<'a> Sim<'a> {
                 attained[i] = true;
             }
         }
-        let pct = |v: &mut Vec<f64>, q: f64| {
-            if v.is_empty() {
-                return f64::NAN;
-            }
-            v.sort_by(f64::total_cmp);
-            v[((v.len() - 1) as f64 * q).round() as usize]
-        };
+        let pct =
+            |v: &mut Vec<f64>, q: f64| crate::percentile::percentile(v, q).unwrap_or(f64::NAN);
         let n = self.trace.len().max(1);
         let [p, d] = &self.ctl;
         let report = PolicyReport {

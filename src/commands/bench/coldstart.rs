@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,25 +81,32 @@ fn bench_token() -> anyhow::Result<&'static (preheat_edge::ClusterToken, std::pa
 fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Replica> {
     let port = free_port()?;
     let internal = free_port()?;
-    let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.args(["engine", "serve", "--model"])
-        .arg(model)
-        .env(preheat_edge::token::TOKEN_FILE_ENV, &bench_token()?.1)
-        .args([
-            "--port",
-            &port.to_string(),
-            "--internal-port",
-            &internal.to_string(),
-            "--kv-cache-mib",
-            &kv_mib.to_string(),
-        ])
-        .envs([preheat_warmpool::standby::spawned_at_now()])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    if standby {
-        cmd.arg("--standby");
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "engine".into(),
+        "serve".into(),
+        "--model".into(),
+        model.into(),
+    ];
+    for a in [
+        "--port".to_owned(),
+        port.to_string(),
+        "--internal-port".to_owned(),
+        internal.to_string(),
+        "--kv-cache-mib".to_owned(),
+        kv_mib.to_string(),
+    ] {
+        args.push(a.into());
     }
+    if standby {
+        args.push("--standby".into());
+    }
+    let mut cmd = preheat_warmpool::worker_process::worker_command(
+        std::env::current_exe()?,
+        args,
+        Some(&bench_token()?.1),
+        None,
+    )?;
+    cmd.env("RUST_LOG", "warn");
     Ok(Replica {
         child: cmd.spawn().context("starting a replica")?,
         base: format!("http://127.0.0.1:{port}"),
@@ -272,8 +279,7 @@ fn read_all(path: &Path) -> anyhow::Result<f64> {
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+    preheat_scaler::percentile::percentile(&mut v, 0.5).unwrap_or(0.0)
 }
 
 /// The snapshot to start from and the files a replica without preheat downloads.

@@ -24,9 +24,10 @@ use serde_json::json;
 use crate::cli::{BenchScalerArgs, Callers};
 use crate::output::{outln, print_json};
 
+/// The `q` percentile of `sorted` latencies, in ms (0 without any).
 fn pct(sorted: &[Duration], q: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i].as_secs_f64() * 1e3
+    let ms: Vec<f64> = sorted.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    preheat_scaler::percentile::of_sorted(&ms, q).unwrap_or(0.0)
 }
 
 /// What a vLLM (0.10, V1 engine) pod serves on `/metrics`, for pod `i`: the Python

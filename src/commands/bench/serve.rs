@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
+use preheat_scaler::percentile::percentile as pct;
 use preheat_scaler::sim::trace;
 use serde::Serialize;
 
@@ -351,14 +352,6 @@ fn plot(r: &Report, outcomes: &[Outcome]) -> String {
         "seconds",
         &panels,
     )
-}
-
-fn pct(v: &mut [f64], q: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some(v[((v.len() - 1) as f64 * q).round() as usize])
 }
 
 pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
