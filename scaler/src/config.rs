@@ -163,6 +163,22 @@ fn default_metrics_port() -> u16 {
     8000
 }
 
+impl Default for PoolConfig {
+    /// A pool with no metrics source of its own (one supplied at run time, as local
+    /// mode does) and the default policy.
+    fn default() -> Self {
+        PoolConfig {
+            endpoints: Vec::new(),
+            selector: None,
+            metrics_port: default_metrics_port(),
+            metrics_path: default_metrics_path(),
+            prometheus_selector: None,
+            deployment: None,
+            policy: PoolPolicy::default(),
+        }
+    }
+}
+
 fn default_metrics_path() -> String {
     "/metrics".into()
 }

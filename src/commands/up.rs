@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use crate::signals::shutdown_signal;
 use anyhow::{Context, bail};
 use preheat_engine::disagg::gateway::{self, GatewayOptions};
-use preheat_scaler::config::Config;
+use preheat_scaler::config::{Config, ModelConfig, PoolConfig};
 use preheat_scaler::controller::SharedEndpoints;
 use preheat_scaler::policy::Pool;
+use preheat_scaler::policy::PoolPolicy;
 use preheat_scaler::profile::Profile;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
@@ -410,18 +411,61 @@ impl PoolState {
 /// and kept hot, with the kernel cache beside it.
 fn agent_config(o: &Options, source: &Path, name: &str) -> anyhow::Result<AgentConfig> {
     let bytes = std::fs::metadata(source)?.len();
-    let mut cfg = AgentConfig::from_yaml("{}", None)?;
-    cfg.dir = o.cache.join("node");
-    cfg.disk_budget = bytes.saturating_mul(4).max(1 << 30);
-    cfg.memory_budget = bytes.saturating_mul(2).max(256 << 20);
-    cfg.listen = o.agent;
-    cfg.refresh = Duration::from_secs(5);
-    cfg.kernel_cache_dir = Some(o.cache.join("kernels"));
-    cfg.models = vec![ModelSpec {
-        name: name.to_owned(),
-        source: preheat_warmpool::Source::Path(source.to_path_buf()),
-        hot: true,
-    }];
+    Ok(AgentConfig {
+        dir: o.cache.join("node"),
+        disk_budget: bytes.saturating_mul(4).max(1 << 30),
+        memory_budget: bytes.saturating_mul(2).max(256 << 20),
+        listen: o.agent,
+        refresh: Duration::from_secs(5),
+        kernel_cache_dir: Some(o.cache.join("kernels")),
+        models: vec![ModelSpec {
+            name: name.to_owned(),
+            source: preheat_warmpool::Source::Path(source.to_path_buf()),
+            hot: true,
+        }],
+        ..AgentConfig::default()
+    })
+}
+
+/// The scaler's config for this machine: both pools' endpoints come from the driver at
+/// run time (`run_with`), quick ticks, this run's SLOs and limits.
+fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result<Config> {
+    let pool = |(min, max): (u32, u32)| PoolConfig {
+        policy: PoolPolicy {
+            min_replicas: min,
+            max_replicas: max,
+            idle_grace_s: o.idle_grace_s,
+            scale_down_stabilization_s: 30.0,
+            default_lead_s: 2.0,
+            slo_ttft_s: o.slo_ttft,
+            slo_itl_s: o.slo_itl,
+            ..PoolPolicy::default()
+        },
+        ..PoolConfig::default()
+    };
+    let cfg = Config {
+        grpc_listen: o.scaler,
+        http_listen: o.scaler_http,
+        // `/status` names endpoints: behind this run's token like the rest.
+        cluster_token_file: Some(token_file.to_path_buf()),
+        interval_s: 0.5,
+        window_s: 10.0,
+        models: vec![ModelConfig {
+            name: MODEL.to_owned(),
+            metrics_model_name: None,
+            gateway: vec![format!("{gw_url}/metrics")],
+            gateway_selector: None,
+            gateway_port: PoolConfig::default().metrics_port,
+            standbys: None,
+            prefill: pool(o.limits[0]),
+            decode: pool(o.limits[1]),
+        }],
+        ..Config::default()
+    };
+    let problems = cfg.problems(true);
+    if !problems.is_empty() {
+        bail!("scaler config: {}", problems.join("; "));
+    }
     Ok(cfg)
 }
 
@@ -560,28 +604,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        let pool_yaml = |min: u32, max: u32| {
-            format!(
-                "{{min_replicas: {min}, max_replicas: {max}, idle_grace_s: {}, scale_down_stabilization_s: 30, default_lead_s: 2, slo_ttft_s: {}, slo_itl_s: {}}}",
-                o.idle_grace_s, o.slo_ttft, o.slo_itl
-            )
-        };
-        let cfg = Config::load(
-            None,
-            &[
-                format!("grpc_listen={}", o.scaler),
-                format!("http_listen={}", o.scaler_http),
-                // `/status` names endpoints: behind this run's token like the rest.
-                format!("cluster_token_file={}", token_file.display()),
-                "interval_s=0.5".into(),
-                "window_s=10".into(),
-                format!(
-                    "models=[{{name: {MODEL}, gateway: [{gw_url}/metrics], prefill: {}, decode: {}}}]",
-                    pool_yaml(o.limits[0].0, o.limits[0].1),
-                    pool_yaml(o.limits[1].0, o.limits[1].1)
-                ),
-            ],
-        )?;
+        let cfg = scaler_config(&o, &gw_url, &token_file)?;
         let shared = pools
             .iter()
             .map(|p| (MODEL.to_owned(), p.pool, Arc::clone(&p.endpoints)))

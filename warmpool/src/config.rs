@@ -192,6 +192,14 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     Ok(v as u64)
 }
 
+impl Default for AgentConfig {
+    /// What an empty config file means: the defaults of every setting, no models.
+    fn default() -> Self {
+        Self::from_raw(Raw::default(), None, &|_| None)
+            .expect("every default setting is valid (tested)")
+    }
+}
+
 impl AgentConfig {
     /// Parses and validates YAML; `node_name_env` stands for `$NODE_NAME` (the
     /// downward API) when the file names no node.
@@ -207,6 +215,15 @@ impl AgentConfig {
     ) -> Result<Self> {
         let raw: Raw =
             serde_yaml::from_str(text).map_err(|e| Error::Config(vec![e.to_string()]))?;
+        Self::from_raw(raw, node_name_env, env)
+    }
+
+    /// Validates what the YAML said (every problem at once).
+    fn from_raw(
+        raw: Raw,
+        node_name_env: Option<String>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
         let mut errs = Vec::new();
         let mut size = |what: &str, v: Option<&String>, default: u64| match v {
             None => default,
@@ -350,6 +367,17 @@ impl AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_is_the_empty_file() {
+        let d = AgentConfig::default();
+        let e = AgentConfig::from_yaml("{}", None).unwrap();
+        assert_eq!(
+            (d.disk_budget, d.memory_budget, d.listen),
+            (e.disk_budget, e.memory_budget, e.listen)
+        );
+        assert!(d.models.is_empty() && d.standbys.is_empty());
+    }
 
     #[test]
     fn sizes() {
