@@ -2,8 +2,11 @@
 //! `commands`, so every subcommand's raw flags are readable in one place.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+
+use crate::duration::duration_arg;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -127,8 +130,8 @@ pub struct UpArgs {
     #[arg(long, default_value = "127.0.0.1:9092")]
     pub agent_listen: String,
     /// Idle time before a pool goes to zero (e.g. 90s, 5m).
-    #[arg(long, default_value = "60s")]
-    pub idle_grace: String,
+    #[arg(long, default_value = "60s", value_parser = duration_arg)]
+    pub idle_grace: Duration,
     #[arg(long, default_value_t = 0)]
     pub prefill_min: u32,
     #[arg(long, default_value_t = 2)]
@@ -183,12 +186,21 @@ pub struct StatusArgs {
     /// Refresh until interrupted (in place on a terminal).
     #[arg(long)]
     pub watch: bool,
-    /// How often --watch refreshes (`2s`, `500ms`).
-    #[arg(long, default_value = "2s")]
-    pub interval: String,
+    /// How often --watch refreshes.
+    #[arg(long, default_value = "2s", value_parser = duration_arg)]
+    pub interval: Duration,
     /// Print JSON instead of the table.
     #[arg(long)]
     pub json: bool,
+}
+
+impl BenchScalerArgs {
+    /// `--interval`, or the old `--interval-ms`.
+    #[must_use]
+    pub fn poll_interval(&self) -> Duration {
+        self.interval_ms
+            .map_or(self.interval, Duration::from_millis)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -372,13 +384,13 @@ pub struct GatewayArgs {
     /// asks for `Authorization: Bearer <key>`.
     #[arg(long, env = "PREHEAT_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
-    /// Seconds a request waits for a decode worker when none is registered; then
+    /// How long a request waits for a decode worker when none is registered; then
     /// 503 with Retry-After.
-    #[arg(long, default_value_t = 300)]
-    pub hold_timeout_secs: u64,
-    /// Seconds SIGTERM waits for in-flight (and held) requests before exiting.
-    #[arg(long, default_value_t = 30)]
-    pub drain_grace_secs: u64,
+    #[arg(long, alias = "hold-timeout-secs", default_value = "300s", value_parser = duration_arg)]
+    pub hold_timeout: Duration,
+    /// How long SIGTERM waits for in-flight (and held) requests before exiting.
+    #[arg(long, alias = "drain-grace-secs", default_value = "30s", value_parser = duration_arg)]
+    pub drain_grace: Duration,
     /// Kubernetes: find the workers as the Ready endpoints of these Services' pods
     /// (EndpointSlices in --discover-namespace) instead of taking registrations; every
     /// gateway replica sees the same workers. Needs --model.
@@ -402,9 +414,9 @@ pub struct GatewayArgs {
     /// Prompts shorter than this are prefilled on the decode worker itself.
     #[arg(long, default_value_t = 32)]
     pub disagg_min_tokens: usize,
-    /// Seconds without a heartbeat before a worker is dropped.
-    #[arg(long, default_value_t = 3.0)]
-    pub worker_timeout_secs: f64,
+    /// Time without a heartbeat before a worker is dropped.
+    #[arg(long, alias = "worker-timeout-secs", default_value = "3s", value_parser = duration_arg)]
+    pub worker_timeout: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -419,11 +431,11 @@ pub struct WorkerArgs {
     /// http://HOST:PORT).
     #[arg(long)]
     pub advertise: Option<String>,
-    /// Seconds a decode worker waits for a prefill worker's K/V, its blocks reserved;
+    /// How long a decode worker waits for a prefill worker's K/V, its blocks reserved;
     /// then they are released and the gateway retries elsewhere or prefills on the
     /// decode worker.
-    #[arg(long, default_value_t = 60)]
-    pub transfer_timeout_secs: u64,
+    #[arg(long, alias = "transfer-timeout-secs", default_value = "60s", value_parser = duration_arg)]
+    pub transfer_timeout: Duration,
     /// Prefill workers: port of the TCP KV transport (default: --port + 1).
     #[arg(long)]
     pub kv_port: Option<u16>,
@@ -456,9 +468,9 @@ pub struct ServeArgs {
     /// Queued requests beyond which new ones get 429.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
-    /// Seconds SIGTERM waits for in-flight requests before exiting.
-    #[arg(long, default_value_t = 30)]
-    pub drain_grace_secs: u64,
+    /// How long SIGTERM waits for in-flight requests before exiting.
+    #[arg(long, alias = "drain-grace-secs", default_value = "30s", value_parser = duration_arg)]
+    pub drain_grace: Duration,
     /// Load, page in and park without serving (workers: without registering) until
     /// `POST /internal/promote`.
     #[arg(long)]
@@ -689,9 +701,9 @@ pub struct BenchServeArgs {
     pub slo_ttft: f64,
     #[arg(long, default_value_t = 0.05)]
     pub slo_itl: f64,
-    /// Seconds before a request counts as failed.
-    #[arg(long, default_value_t = 300.0)]
-    pub timeout_s: f64,
+    /// Time after which a request counts as failed.
+    #[arg(long, alias = "timeout-s", default_value = "300s", value_parser = duration_arg)]
+    pub timeout: Duration,
     /// Include every request's outcome in the JSON.
     #[arg(long)]
     pub per_request: bool,
@@ -711,9 +723,12 @@ pub struct BenchScalerArgs {
     /// GetMetrics calls per ScaledObject.
     #[arg(long, default_value_t = 10)]
     pub polls: usize,
-    /// Milliseconds between one ScaledObject's polls (KEDA's default is 30,000).
-    #[arg(long, default_value_t = 1000)]
-    pub interval_ms: u64,
+    /// Time between one ScaledObject's polls (KEDA's default is 30s).
+    #[arg(long, default_value = "1s", value_parser = duration_arg)]
+    pub interval: Duration,
+    /// The same in milliseconds (the old spelling).
+    #[arg(long, hide = true, conflicts_with = "interval")]
+    pub interval_ms: Option<u64>,
     /// Pods scraped per tick (half prefill, half decode).
     #[arg(long, default_value_t = 1000)]
     pub pods: usize,

@@ -2,6 +2,7 @@
 
 mod cli;
 mod commands;
+mod duration;
 mod endpoint_slices;
 mod output;
 mod plot;

@@ -203,6 +203,19 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             let (a, b) = (get(&gw).await, get(&serve).await);
             same_answer(&a, &b);
         }
+        // Penalties and biases travel with the K/V: the first token is chosen on the
+        // prefill worker, the rest on the decode worker, as the colocated engine does.
+        for case in refj["cases"].as_array().unwrap() {
+            let body = json!({"prompt": case["input_ids"], "max_tokens": 6, "temperature": 0,
+                              "ignore_eos": true, "logprobs": 2, "repetition_penalty": 1.5,
+                              "frequency_penalty": 1.0, "presence_penalty": 0.5,
+                              "logit_bias": {"5": 3.0}, "min_tokens": 2});
+            let get = async |base: &str| -> Value {
+                c.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap()
+            };
+            let (a, b) = (get(&gw).await, get(&serve).await);
+            same_answer(&a, &b);
+        }
         // The decode worker holds nothing afterwards.
         let dm = format!("http://127.0.0.1:{dport}/metrics");
         wait_for("decode KV released", 10, async || {

@@ -15,8 +15,8 @@ use crate::backend::{Backend, ForwardBatch, SeqSlice};
 use crate::kv::transfer::{self, KvHeader, KvMessage, TransferError};
 use crate::kv::{BlockId, BlockPool};
 use crate::metrics::EngineMetrics;
-use crate::sampling::penalties::History;
-use crate::sampling::{Rng, SamplingParams, sample, sample_with_history};
+use crate::sampling::penalties;
+use crate::sampling::{Rng, SamplingParams, sample_with_state};
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqState};
 use crate::tokenizer::{IncrementalDetokenizer, StopMatcher, StopOutcome, Tokenizer};
 use crate::{EngineError, Result};
@@ -132,6 +132,8 @@ struct Live {
     last_token: Option<Instant>,
     stopped_by_string: bool,
     prefill_only: Option<String>,
+    /// What the penalties read of the sequence, kept as tokens are appended.
+    penalties: penalties::State,
 }
 
 /// A handle to the running engine; cheap to clone.
@@ -693,6 +695,7 @@ impl Worker {
                 prefill_only,
             } => {
                 let rng = req.params.seed.map_or_else(Rng::entropy, Rng::new);
+                let penalties = penalties::State::new(&req.params, &req.prompt);
                 self.live.insert(
                     id,
                     Live {
@@ -706,6 +709,7 @@ impl Worker {
                         last_token: None,
                         stopped_by_string: false,
                         prefill_only,
+                        penalties,
                     },
                 );
                 self.sched.add(SeqState::new(id, req.prompt));
@@ -861,19 +865,13 @@ impl Worker {
         let Some(live) = self.live.get_mut(&id) else {
             return;
         };
-        let s = match self.sched.get(id) {
-            Some(seq) => sample_with_history(
-                logits,
-                &live.params,
-                &mut live.rng,
-                History {
-                    prompt: &seq.tokens[..seq.prompt_len],
-                    generated: &seq.tokens[seq.prompt_len..],
-                },
-                self.tokenizer.eos_ids(),
-            ),
-            None => sample(logits, &live.params, &mut live.rng),
-        };
+        let s = sample_with_state(
+            logits,
+            &live.params,
+            &mut live.rng,
+            &live.penalties,
+            self.tokenizer.eos_ids(),
+        );
         if live.prefill_only.is_some() {
             self.ship(id, s.token, s.logprob, s.top);
             return;
@@ -957,9 +955,11 @@ impl Worker {
         for (b, hash) in blocks.iter().zip(&h.block_hashes) {
             self.sched.pool.register(*b, *hash);
         }
+        let penalties = penalties::State::new(&h.params, &h.prompt);
         self.live.insert(
             id,
             Live {
+                penalties,
                 stop: StopMatcher::new(h.params.stop.clone()),
                 rng: Rng::from_state(h.rng_state),
                 params: h.params,
@@ -1001,6 +1001,7 @@ impl Worker {
             return;
         };
         seq.tokens.push(s.token);
+        live.penalties.push(s.token);
         let n_gen = seq.generated().len();
         let at_context_end =
             seq.tokens.len() >= self.backend.config().max_position_embeddings as usize;
@@ -1013,9 +1014,14 @@ impl Worker {
                 .next(&self.tokenizer, seq.generated())
                 .unwrap_or_default()
         };
-        let (text, stopped_by_string) = match live.stop.push(&text) {
-            StopOutcome::Emit(t) => (t, false),
-            StopOutcome::Stopped(t) => (t, true),
+        // Stop strings count only once min_tokens are out (as vLLM).
+        let (text, stopped_by_string) = if n_gen < live.params.min_tokens {
+            (text, false)
+        } else {
+            match live.stop.push(&text) {
+                StopOutcome::Emit(t) => (t, false),
+                StopOutcome::Stopped(t) => (t, true),
+            }
         };
         live.stopped_by_string = stopped_by_string;
         let tok = TokenOut {

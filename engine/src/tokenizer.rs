@@ -12,6 +12,9 @@ use crate::{EngineError, Result};
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The participant's name (OpenAI's `name`), for templates that show it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// A tokenizer as it travels between processes (a worker hands it to the gateway).

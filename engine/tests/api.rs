@@ -500,16 +500,38 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         )
         .await;
     assert_eq!(st, 200, "{r}");
-    // Message fields too.
+    // Message fields too: `name` goes to the template (as vLLM); the rest is refused.
     let (st, r) = s
         .post(
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),
+            json!({"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]}),
         )
         .await;
     assert_eq!(
         (st, &r["error"]["param"]),
-        (400, &json!("messages[0].name")),
+        (400, &json!("messages[0].tool_call_id")),
+        "{r}"
+    );
+    // An option of stream_options nobody implements is refused too.
+    let (st, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": true}}),
+        )
+        .await;
+    assert_eq!(st, 400, "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("continuous_usage_stats"),
         "{r}"
     );
     s.stop().await;
@@ -567,6 +589,7 @@ async fn penalties_biases_and_min_tokens_change_what_is_generated() {
         d.dedup();
         d.len()
     };
+    assert_ne!(pen, plain, "the penalties changed nothing");
     assert!(distinct(&pen) >= distinct(&plain), "{pen:?} vs {plain:?}");
     // min_tokens holds EOS back: EOS (id 2) biased to always win still ends only after
     // 3 tokens.
@@ -579,6 +602,33 @@ async fn penalties_biases_and_min_tokens_change_what_is_generated() {
         "3 held back, then EOS: {r}"
     );
     assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    // Stop strings count only once min_tokens are out: a stop string that every
+    // output contains (its first character) cannot end it before 3 tokens.
+    let (_, free) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello there", "max_tokens": 8, "temperature": 0}),
+        )
+        .await;
+    let first_char: String = free["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .chars()
+        .take(1)
+        .collect();
+    if !first_char.is_empty() {
+        let (st, r) = s
+            .post(
+                "/v1/completions",
+                json!({"prompt": "hello there", "max_tokens": 8, "temperature": 0, "stop": [first_char], "min_tokens": 3}),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert!(
+            r["usage"]["completion_tokens"].as_u64().unwrap() >= 3,
+            "{r}"
+        );
+    }
     // echo: the prompt's text, then the completion (whole and streamed); with logprobs
     // (prompt logprobs) refused by name.
     let (st, r) = s
@@ -626,6 +676,10 @@ async fn penalties_biases_and_min_tokens_change_what_is_generated() {
         (run(json!({"logit_bias": {"1": 101}})), "logit_bias"),
         (run(json!({"logit_bias": {"x": 1}})), "logit_bias"),
         (run(json!({"logit_bias": {"600": 1}})), "logit_bias"),
+        (
+            run(json!({"logit_bias": {"1": 60, "01": 60}})),
+            "logit_bias",
+        ),
         (run(json!({"min_tokens": 13})), "min_tokens"),
         (run(json!({"min_tokens": -1})), "min_tokens"),
     ] {

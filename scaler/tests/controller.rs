@@ -127,6 +127,9 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // ...and keeps holding them (not passing through 2 on the way down).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(desired(&mut client, "decode").await, 2, "blind: still held");
     // The prefill pool has no replicas and no traffic: inactive after its idle grace.
     let mut active = client
         .stream_is_active(sref("prefill"))

@@ -84,8 +84,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     let mut errs = Vec::new();
-    if !(a.worker_timeout_secs.is_finite() && a.worker_timeout_secs > 0.0) {
-        errs.push("--worker-timeout-secs must be > 0".to_owned());
+    if a.worker_timeout.is_zero() {
+        errs.push("--worker-timeout must be > 0".to_owned());
     }
     if a.block_size == 0 {
         errs.push("--block-size must be > 0".to_owned());
@@ -135,10 +135,10 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     let mut opts = gateway::GatewayOptions {
         cluster_token: deployment_token(&a.token, a.open, Some("the gateway"))?,
         api_keys,
-        worker_timeout: Duration::from_secs_f64(a.worker_timeout_secs),
-        hold_timeout: Duration::from_secs(a.hold_timeout_secs),
+        worker_timeout: a.worker_timeout,
+        hold_timeout: a.hold_timeout,
         disagg_min_tokens: a.disagg_min_tokens,
-        drain_grace: Duration::from_secs(a.drain_grace_secs),
+        drain_grace: a.drain_grace,
         model,
         ..gateway::GatewayOptions::default()
     };
@@ -280,7 +280,7 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
             .map(|g| g.trim_end_matches('/').to_owned()),
         advertise: advertise.trim_end_matches('/').to_owned(),
         heartbeat: Duration::from_secs(1),
-        transfer_timeout: Duration::from_secs(a.transfer_timeout_secs),
+        transfer_timeout: a.transfer_timeout,
     };
     runtime()?.block_on(async move {
         let l = tokio::net::TcpListener::bind(serve.addr)
@@ -412,7 +412,7 @@ pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<Serve
         max_running: a.max_running,
         max_waiting: a.max_waiting,
     };
-    o.drain_grace = Duration::from_secs(a.drain_grace_secs);
+    o.drain_grace = a.drain_grace;
     o.standby = a.standby;
     o.device = Device::parse(&a.device).context("checked by clap")?;
     o.kernel_cache = a.kernel_cache.clone();

@@ -56,14 +56,10 @@ struct Targets {
 }
 
 pub fn run(a: &StatusArgs) -> anyhow::Result<ExitCode> {
-    let interval = crate::commands::up::parse_duration(&a.interval)
-        .filter(|s| *s >= 0.1)
-        .with_context(|| {
-            format!(
-                "--interval {:?}: want a duration of at least 100ms, e.g. 2s",
-                a.interval
-            )
-        })?;
+    if a.interval < Duration::from_millis(100) {
+        anyhow::bail!("--interval {:?}: want at least 100ms", a.interval);
+    }
+    let interval = a.interval.as_secs_f64();
     if a.kube && (a.scaler.is_some() || !a.agent.is_empty()) {
         anyhow::bail!(
             "--kube finds the scaler and the agents itself: give it or --scaler/--agent, not both"

@@ -35,26 +35,6 @@ use crate::process::{free_port, free_port_run};
 
 const MODEL: &str = "default";
 
-/// `60`, `60s`, `500ms`, `2m`, `1h` → seconds.
-pub fn parse_duration(s: &str) -> Option<f64> {
-    let s = s.trim();
-    if let Some(ms) = s.strip_suffix("ms") {
-        return parse_duration(ms)
-            .filter(|_| !ms.ends_with(|c: char| c.is_ascii_alphabetic()))
-            .map(|v| v / 1000.0);
-    }
-    let (num, mul) = match s.chars().last()? {
-        's' => (&s[..s.len() - 1], 1.0),
-        'm' => (&s[..s.len() - 1], 60.0),
-        'h' => (&s[..s.len() - 1], 3600.0),
-        _ => (s, 1.0),
-    };
-    num.parse::<f64>()
-        .ok()
-        .filter(|v| v.is_finite() && *v >= 0.0)
-        .map(|v| v * mul)
-}
-
 struct Options {
     gateway: SocketAddr,
     gateway_internal: SocketAddr,
@@ -97,13 +77,6 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
     };
     let scaler_http = addr("scaler-http", &a.scaler_http);
     let agent = addr("agent-listen", &a.agent_listen);
-    let idle = parse_duration(&a.idle_grace);
-    if idle.is_none() {
-        errs.push(format!(
-            "--idle-grace {:?}: expected e.g. 90s, 5m",
-            a.idle_grace
-        ));
-    }
     for (name, min, max) in [
         ("prefill", a.prefill_min, a.prefill_max),
         ("decode", a.decode_min, a.decode_max),
@@ -131,7 +104,7 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
         scaler: scaler.context("checked")?,
         scaler_http: scaler_http.context("checked")?,
         agent: agent.context("checked")?,
-        idle_grace_s: idle.context("checked")?,
+        idle_grace_s: a.idle_grace.as_secs_f64(),
         limits: [(a.prefill_min, a.prefill_max), (a.decode_min, a.decode_max)],
         cache: a.cache_dir.clone(),
         model: a.model.clone(),
@@ -726,23 +699,5 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::FAILURE)
         }
         None => Ok(ExitCode::SUCCESS),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("90"), Some(90.0));
-        assert_eq!(parse_duration("90s"), Some(90.0));
-        assert_eq!(parse_duration("2m"), Some(120.0));
-        assert_eq!(parse_duration("1h"), Some(3600.0));
-        assert_eq!(parse_duration("0.5s"), Some(0.5));
-        assert_eq!(parse_duration("500ms"), Some(0.5));
-        for bad in ["", "s", "-1s", "abc", "1d", "ms", "5sms", "-5ms"] {
-            assert_eq!(parse_duration(bad), None, "{bad}");
-        }
     }
 }

@@ -358,8 +358,8 @@ def check_variant(variant, values, defaults, schema, dump):
             if f'--block-size={merged["kvBlockSize"]}' not in args:
                 fail(variant, "gateway: --block-size does not follow kvBlockSize")
             drain = merged["gateway"]["drainGraceSeconds"]
-            if f"--drain-grace-secs={drain}" not in args:
-                fail(variant, "gateway: --drain-grace-secs does not follow gateway.drainGraceSeconds")
+            if f"--drain-grace={drain}s" not in args:
+                fail(variant, "gateway: --drain-grace does not follow gateway.drainGraceSeconds")
             if pod.get("terminationGracePeriodSeconds", 30) <= drain:
                 fail(variant, "gateway: grace period does not cover the drain")
             if "preStop" not in c.get("lifecycle", {}):

@@ -9,7 +9,8 @@ use std::process::{Command, Stdio};
 
 /// A worker command: `program args…` with the token file `token` in its environment
 /// (`None`: run it with `PREHEAT_INSECURE_NO_TOKEN`, as its parent runs), stderr to
-/// `log` (else nowhere), no stdin or stdout, receiving SIGTERM when the parent dies.
+/// `log` (stdout then nowhere; without a log both are the parent's, so an agent's
+/// standbys log with it), no stdin, receiving SIGTERM when the parent dies.
 /// Callers add what is theirs (more env) and spawn it; a tokio caller converts it with
 /// `tokio::process::Command::from` and sets `kill_on_drop`.
 pub fn worker_command<I, S>(
@@ -37,13 +38,11 @@ where
             cmd.env("PREHEAT_INSECURE_NO_TOKEN", "true");
         }
     }
-    let stderr = match log {
-        Some(path) => Stdio::from(std::fs::File::create(path)?),
-        None => Stdio::null(),
-    };
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr);
+    cmd.stdin(Stdio::null());
+    if let Some(path) = log {
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(path)?));
+    }
     Ok(cmd)
 }
 

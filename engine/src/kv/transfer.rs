@@ -25,7 +25,9 @@ use crate::sampling::SamplingParams;
 
 pub const MAGIC: &[u8; 4] = b"PHKV";
 /// Bumped whenever the header or payload layout changes.
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: sampling parameters carry the penalties, `logit_bias` and `min_tokens` (a
+/// version-1 peer would drop them without a word).
+pub const FORMAT_VERSION: u32 = 2;
 pub const MAX_HEADER: usize = 16 << 20;
 
 /// Why a message was refused.

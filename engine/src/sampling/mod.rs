@@ -269,21 +269,21 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
     sample_adjusted(logits, logits, p, rng)
 }
 
-/// Picks the next token of a sequence holding `history` from the model's `logits`,
-/// after the request's penalties, biases and `min_tokens` ([`penalties`]); logprobs
-/// are the model's own.
-pub fn sample_with_history(
+/// Picks the next token of a sequence in `state` from the model's `logits`, after the
+/// request's biases, `min_tokens` and penalties ([`penalties`]); logprobs are the
+/// model's own.
+pub fn sample_with_state(
     logits: &[f32],
     p: &SamplingParams,
     rng: &mut Rng,
-    history: penalties::History<'_>,
+    state: &penalties::State,
     eos: &[u32],
 ) -> Sampled {
-    if !p.adjusts_logits() {
+    if !p.adjusts_logits(state.generated()) {
         return sample(logits, p, rng);
     }
     let mut adjusted = logits.to_vec();
-    penalties::apply(&mut adjusted, p, history, eos);
+    penalties::apply(&mut adjusted, p, state, eos);
     sample_adjusted(&adjusted, logits, p, rng)
 }
 

@@ -1,66 +1,80 @@
 //! The penalties and biases a request may ask for, applied to a copy of the logits
-//! before sampling, in vLLM's order: repetition penalty (over prompt and output
-//! tokens: a positive logit is divided by it, a negative one multiplied —
-//! transformers' `RepetitionPenaltyLogitsProcessor`), then frequency and presence
-//! penalties (over output tokens: `logit −= frequency · count + presence · [count > 0]`,
-//! OpenAI's formula), then `logit_bias` (added), then `min_tokens` (EOS and
-//! `stop_token_ids` impossible until that many tokens were generated). Logprobs stay
-//! those of the model's own distribution, as vLLM reports them by default.
+//! before sampling, in vLLM's order: `logit_bias` (added) and `min_tokens` (EOS and
+//! `stop_token_ids` impossible until that many tokens were generated) first, then the
+//! repetition penalty (over prompt and output tokens: a positive logit is divided by it,
+//! a negative one multiplied — transformers' `RepetitionPenaltyLogitsProcessor`), then
+//! frequency and presence penalties (over output tokens:
+//! `logit −= frequency · count + presence · [count > 0]`, OpenAI's formula). Logprobs
+//! stay those of the model's own distribution, as vLLM reports them by default.
+//!
+//! What they read of a sequence ([`State`]) is kept up to date as tokens are appended,
+//! not rebuilt from the whole prompt at every step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::SamplingParams;
 
-/// What a sequence holds so far.
-#[derive(Clone, Copy, Debug)]
-pub struct History<'a> {
-    pub prompt: &'a [u32],
-    pub generated: &'a [u32],
+/// What the penalties need of one sequence: the distinct tokens of its prompt and
+/// output (repetition penalty), each output token's count (frequency and presence),
+/// and how many were generated. Only what the request's parameters use is kept.
+#[derive(Clone, Debug, Default)]
+pub struct State {
+    seen: Option<HashSet<u32>>,
+    counts: Option<HashMap<u32, u32>>,
+    generated: usize,
+}
+
+impl State {
+    /// The state of a sequence with `prompt` and nothing generated yet.
+    #[must_use]
+    pub fn new(p: &SamplingParams, prompt: &[u32]) -> Self {
+        State {
+            seen: (p.repetition_penalty != 1.0).then(|| prompt.iter().copied().collect()),
+            counts: (p.frequency_penalty != 0.0 || p.presence_penalty != 0.0).then(HashMap::new),
+            generated: 0,
+        }
+    }
+
+    /// Tokens generated so far.
+    #[must_use]
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+
+    /// Records a generated token.
+    pub fn push(&mut self, token: u32) {
+        self.generated += 1;
+        if let Some(s) = &mut self.seen {
+            s.insert(token);
+        }
+        if let Some(c) = &mut self.counts {
+            *c.entry(token).or_default() += 1;
+        }
+    }
 }
 
 impl SamplingParams {
-    /// Whether any penalty, bias or `min_tokens` changes the logits.
+    /// Whether any penalty, bias or (with `generated` tokens so far) `min_tokens`
+    /// changes the next logits.
     #[must_use]
-    pub fn adjusts_logits(&self) -> bool {
+    pub fn adjusts_logits(&self, generated: usize) -> bool {
         self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
             || !self.logit_bias.is_empty()
-            || self.min_tokens > 0
+            || generated < self.min_tokens
     }
 }
 
-/// Applies `p`'s penalties, biases and `min_tokens` to `logits` in place; `eos` are the
-/// model's end-of-sequence ids.
-pub fn apply(logits: &mut [f32], p: &SamplingParams, h: History<'_>, eos: &[u32]) {
-    if p.repetition_penalty != 1.0 {
-        let mut seen: Vec<u32> = h.prompt.iter().chain(h.generated).copied().collect();
-        seen.sort_unstable();
-        seen.dedup();
-        let r = p.repetition_penalty;
-        for t in seen {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l = if *l > 0.0 { *l / r } else { *l * r };
-            }
-        }
-    }
-    if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
-        let mut counts: HashMap<u32, u32> = HashMap::new();
-        for &t in h.generated {
-            *counts.entry(t).or_default() += 1;
-        }
-        for (t, n) in counts {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l -= p.frequency_penalty * n as f32 + p.presence_penalty;
-            }
-        }
-    }
+/// Applies `p`'s biases, `min_tokens` and penalties to `logits` in place, for a
+/// sequence in `state`; `eos` are the model's end-of-sequence ids.
+pub fn apply(logits: &mut [f32], p: &SamplingParams, state: &State, eos: &[u32]) {
     for &(t, b) in &p.logit_bias {
         if let Some(l) = logits.get_mut(t as usize) {
             *l += b;
         }
     }
-    if h.generated.len() < p.min_tokens {
+    if state.generated < p.min_tokens {
         let stops = eos
             .iter()
             .filter(|_| !p.ignore_eos)
@@ -68,6 +82,21 @@ pub fn apply(logits: &mut [f32], p: &SamplingParams, h: History<'_>, eos: &[u32]
         for &t in stops {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    if let Some(seen) = &state.seen {
+        let r = p.repetition_penalty;
+        for &t in seen {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+        }
+    }
+    if let Some(counts) = &state.counts {
+        for (&t, &n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= p.frequency_penalty * n as f32 + p.presence_penalty;
             }
         }
     }
@@ -101,8 +130,12 @@ mod tests {
     const LOGITS: [f32; 8] = [2.0, -1.0, 0.5, -0.25, 3.0, 0.0, -2.0, 1.5];
 
     fn run(p: &SamplingParams, prompt: &[u32], generated: &[u32]) -> Vec<f32> {
+        let mut state = State::new(p, prompt);
+        for &t in generated {
+            state.push(t);
+        }
         let mut l = LOGITS.to_vec();
-        apply(&mut l, p, History { prompt, generated }, &[7]);
+        apply(&mut l, p, &state, &[7]);
         l
     }
 
@@ -167,6 +200,24 @@ mod tests {
             ..SamplingParams::default()
         };
         assert_eq!(run(&p, &[0], &[]), LOGITS.to_vec());
-        assert!(!SamplingParams::default().adjusts_logits());
+        assert!(!SamplingParams::default().adjusts_logits(0));
+    }
+
+    #[test]
+    fn the_bias_comes_before_the_repetition_penalty_as_in_vllm() {
+        // Logit -1 of a repeated token, bias +5, penalty 1.3: (-1 + 5) / 1.3.
+        let p = SamplingParams {
+            logit_bias: vec![(1, 5.0)],
+            repetition_penalty: 1.3,
+            ..SamplingParams::default()
+        };
+        let got = run(&p, &[1], &[]);
+        assert!((got[1] - (LOGITS[1] + 5.0) / 1.3).abs() < 1e-6, "{got:?}");
+        // min_tokens counts only while it matters.
+        let m = SamplingParams {
+            min_tokens: 2,
+            ..SamplingParams::default()
+        };
+        assert!(m.adjusts_logits(1) && !m.adjusts_logits(2));
     }
 }

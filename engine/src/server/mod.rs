@@ -258,14 +258,11 @@ async fn completions(
     // The cheap checks first: nothing is tokenised for a request refused anyway.
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
     let tok = Arc::clone(&e.tokenizer);
-    let echo_text = match (&req.prompt, req.echo) {
-        (_, false) => None,
+    // A text prompt echoes as sent; token ids are decoded below, once known to be one.
+    let mut echo_text = match (&req.prompt, req.echo) {
         (Prompt::Text(t), true) => Some(t.clone()),
         (Prompt::Texts(v), true) => v.first().cloned(),
-        (Prompt::Tokens(ids), true) => Some(e.tokenizer.decode(ids)?),
-        (Prompt::TokenLists(v), true) => {
-            v.first().map(|ids| e.tokenizer.decode(ids)).transpose()?
-        }
+        _ => None,
     };
     let prompt = match req.prompt {
         Prompt::Text(t) => off_runtime(move || tok.encode(&t)).await?,
@@ -283,6 +280,10 @@ async fn completions(
             .into());
         }
     };
+    if req.echo && echo_text.is_none() {
+        let (tok, ids) = (Arc::clone(&e.tokenizer), prompt.clone());
+        echo_text = Some(off_runtime(move || tok.decode(&ids)).await?);
+    }
     let style = Style::new(false, params.logprobs.is_some(), &req.common);
     let handle = e.submit(GenerateRequest { prompt, params })?;
     Ok(respond(e.clone(), handle, style, req.common.stream, echo_text).await?)
@@ -303,7 +304,7 @@ async fn chat_completions(
     };
     // The cheap checks first: nothing is rendered or tokenised for a request refused
     // anyway (the real default for max_tokens needs the prompt's length, below).
-    openai::sampling(&req.common, top, 1)?;
+    openai::sampling(&req.common, top, e.max_model_len)?;
     let messages = openai::to_messages(&req.messages)?;
     let tok = Arc::clone(&e.tokenizer);
     let add_generation_prompt = req.add_generation_prompt;

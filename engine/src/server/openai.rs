@@ -26,6 +26,7 @@ pub enum StopField {
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
@@ -104,6 +105,9 @@ pub struct RawMessage {
     pub role: String,
     #[serde(default)]
     pub content: Value,
+    /// Handed to the chat template (as vLLM does).
+    #[serde(default)]
+    pub name: Option<String>,
     /// `name`, `tool_calls`, …: checked by [`super::unread_fields::check_message`].
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
@@ -152,6 +156,7 @@ pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
             Ok(ChatMessage {
                 role: m.role.clone(),
                 content: m.text()?,
+                name: m.name.clone(),
             })
         })
         .collect()
@@ -243,6 +248,15 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
             Ok((t, *v as f32))
         })
         .collect::<Result<Vec<_>>>()?;
+    // "1" and "01" name one token: refused rather than summed past the limit.
+    let mut ids: Vec<u32> = logit_bias.iter().map(|(t, _)| *t).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(inv(
+            format!("logit_bias names token {} twice", w[0]),
+            "logit_bias",
+        ));
+    }
     let min_tokens = match c.min_tokens {
         None => 0,
         Some(m) => usize::try_from(m)

@@ -122,7 +122,6 @@ const COMPLETIONS: &[(&str, Allowed)] = &[("suffix", Allowed::Neutral(empty))];
 
 /// Fields of a chat message besides `role` and `content`.
 const MESSAGE: &[(&str, Allowed)] = &[
-    ("name", Allowed::Neutral(never)),
     ("tool_calls", Allowed::Neutral(empty)),
     ("tool_call_id", Allowed::Neutral(never)),
     ("function_call", Allowed::Neutral(never)),

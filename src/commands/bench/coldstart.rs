@@ -106,7 +106,9 @@ fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Rep
         Some(&bench_token()?.1),
         None,
     )?;
-    cmd.env("RUST_LOG", "warn");
+    cmd.env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
     Ok(Replica {
         child: cmd.spawn().context("starting a replica")?,
         base: format!("http://127.0.0.1:{port}"),

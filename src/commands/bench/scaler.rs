@@ -184,7 +184,7 @@ async fn poll_get_metrics(
             let model = models[i / 2].clone();
             let pool = if i % 2 == 0 { "prefill" } else { "decode" };
             let polls = args.polls;
-            let every = Duration::from_millis(args.interval_ms);
+            let every = args.poll_interval();
             let offset = every.mul_f64(i as f64 / args.objects as f64);
             tokio::spawn(async move {
                 tokio::time::sleep(offset).await;
@@ -271,7 +271,7 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
             cmd.args(["bench", "scaler", "--json", "--call-server", &addr])
                 .args(["--objects", &args.objects.to_string()])
                 .args(["--polls", &args.polls.to_string()])
-                .args(["--interval-ms", &args.interval_ms.to_string()]);
+                .args(["--interval", &format!("{}ms", args.poll_interval().as_millis())]);
             let out = tokio::task::spawn_blocking(move || cmd.output()).await??;
             if !out.status.success() {
                 anyhow::bail!("the caller process failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -322,7 +322,7 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
         let worst_tick = ticks.iter().max().copied().unwrap_or_default();
         let best_tick = ticks.iter().min().copied().unwrap_or_default();
         Ok::<_, anyhow::Error>(json!({
-            "scaled_objects": args.objects, "polls_each": args.polls, "interval_ms": args.interval_ms,
+            "scaled_objects": args.objects, "polls_each": args.polls, "interval_ms": args.poll_interval().as_millis() as u64,
             "get_metrics": get_metrics,
             "pods": args.pods, "ticks": args.ticks,
             "tick_best_s": best_tick.as_secs_f64(), "tick_worst_s": worst_tick.as_secs_f64(),
@@ -339,7 +339,7 @@ pub fn run(args: &BenchScalerArgs) -> anyhow::Result<std::process::ExitCode> {
             outln!(
                 "  GetMetrics, {} ScaledObjects polling every {} ms, {} polls each, callers in the {}: p50 {:.3} ms, p99 {:.3} ms (target < 1 ms), max {:.3} ms, {:.0} calls/s",
                 args.objects,
-                args.interval_ms,
+                args.poll_interval().as_millis(),
                 args.polls,
                 callers.replace('_', " "),
                 g("p50_ms"),

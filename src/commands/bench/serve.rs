@@ -360,7 +360,7 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let timeout = Duration::from_secs_f64(a.timeout_s.max(0.001));
+    let timeout = a.timeout.max(Duration::from_millis(1));
     let bar = indicatif::ProgressBar::new(planned.len() as u64);
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_style(
