@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::duration::duration_arg;
 
@@ -208,10 +208,9 @@ pub struct SimulateArgs {
     /// Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL.
     #[arg(long)]
     pub trace: PathBuf,
-    /// Policies to compare, comma-separated: preheat, static-peak, hpa-utilization,
-    /// keda-queue, kpa, sla-planner, or all.
-    #[arg(long, value_delimiter = ',', default_value = "all")]
-    pub policy: Vec<String>,
+    /// Policies to compare, comma-separated, or all.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
+    pub policy: Vec<PolicyFlag>,
     /// Capacity profile JSON (`preheat engine profile`); default: the GPU-class profile.
     #[arg(long)]
     pub profile: Option<PathBuf>,
@@ -230,8 +229,8 @@ pub struct SimulateArgs {
     pub slo_itl: Option<f64>,
     /// How warm new replicas start: cold, staged, hot or standby (start-up time from
     /// the profile).
-    #[arg(long, default_value = "hot")]
-    pub start: String,
+    #[arg(long, value_enum, default_value_t = StartFlag::Hot)]
+    pub start: StartFlag,
     /// With `--start standby`: parked standbys kept per pool (their GPU time counts);
     /// scale-ups beyond them start hot.
     #[arg(long, default_value_t = 1)]
@@ -254,8 +253,8 @@ pub enum SnapshotCmd {
         #[arg(short, long)]
         output: PathBuf,
         /// Stored dtype: keep the source's (quantised GGUF tensors become f32), or convert.
-        #[arg(long, default_value = "keep", value_parser = ["keep", "f32", "f16", "bf16"])]
-        dtype: String,
+        #[arg(long, value_enum, default_value_t = DTypeFlag::Keep)]
+        dtype: DTypeFlag,
         #[command(flatten)]
         out: OutputArgs,
     },
@@ -310,8 +309,8 @@ pub enum SnapshotCmd {
         preset: String,
         #[arg(short, long)]
         output: PathBuf,
-        #[arg(long, default_value = "bf16", value_parser = ["f32", "f16", "bf16"])]
-        dtype: String,
+        #[arg(long, value_enum, default_value_t = DTypeFlag::Bf16)]
+        dtype: DTypeFlag,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[command(flatten)]
@@ -477,8 +476,8 @@ pub struct ServeArgs {
     pub standby: bool,
     /// Where the model runs: auto (the GPU when built with `--features cuda` and a
     /// driver and device are present, else the CPU), cpu, or cuda (the GPU or fail).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda"])]
-    pub device: String,
+    #[arg(long, value_enum, default_value_t = DeviceFlag::Auto)]
+    pub device: DeviceFlag,
     /// Directory of compiled GPU kernels kept across restarts (the warm-pool agent's
     /// kernel cache on the node).
     #[arg(long, env = "PREHEAT_KERNEL_CACHE")]
@@ -633,12 +632,14 @@ pub struct BenchColdstartArgs {
     pub work_dir: PathBuf,
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// How the replicas start, comma-separated.
     #[arg(
         long,
+        value_enum,
         value_delimiter = ',',
         default_value = "convert,staged,hot,standby"
     )]
-    pub sources: Vec<String>,
+    pub sources: Vec<SourceFlag>,
     #[arg(long, default_value_t = 64)]
     pub kv_cache_mib: usize,
     /// Write the phase breakdown per source as an SVG chart.
@@ -793,4 +794,75 @@ pub struct OutputArgs {
     /// Print machine-readable JSON on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Flags that take one of a few values: parsed by clap (which lists them in `--help`
+/// and names the wrong one), then handed to the parts as their own types or names.
+macro_rules! value_enum {
+    ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+        pub enum $name {
+            $(#[value(name = $s)] $variant),+
+        }
+
+        impl $name {
+            /// The spelling on the command line.
+            #[must_use]
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $s),+
+                }
+            }
+        }
+    };
+}
+
+value_enum!(
+    /// `--device`.
+    DeviceFlag { Auto => "auto", Cpu => "cpu", Cuda => "cuda" }
+);
+value_enum!(
+    /// `snapshot convert|synth --dtype`.
+    DTypeFlag { Keep => "keep", F32 => "f32", F16 => "f16", Bf16 => "bf16" }
+);
+value_enum!(
+    /// `simulate --start`: how warm new replicas start.
+    StartFlag { Cold => "cold", Staged => "staged", Hot => "hot", Standby => "standby" }
+);
+value_enum!(
+    /// `bench coldstart --sources`.
+    SourceFlag { Convert => "convert", Staged => "staged", Hot => "hot", Standby => "standby" }
+);
+value_enum!(
+    /// `simulate --policy` (the simulator's registry, `sim::autoscalers::POLICIES`).
+    PolicyFlag {
+        All => "all",
+        Preheat => "preheat",
+        StaticPeak => "static-peak",
+        Clairvoyant => "clairvoyant",
+        HpaUtilization => "hpa-utilization",
+        KedaQueue => "keda-queue",
+        Kpa => "kpa",
+        SlaPlanner => "sla-planner",
+    }
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_flag_is_a_simulator_policy_and_back() {
+        let flags: Vec<&str> = PolicyFlag::value_variants()
+            .iter()
+            .map(|p| p.as_str())
+            .filter(|p| *p != "all")
+            .collect();
+        let mut known = preheat_scaler::sim::autoscalers::POLICIES.to_vec();
+        known.sort_unstable();
+        let mut flags_sorted = flags.clone();
+        flags_sorted.sort_unstable();
+        assert_eq!(flags_sorted, known);
+    }
 }

@@ -103,19 +103,23 @@ fn simulate_bad_input_is_a_clear_error() {
     .unwrap();
     for (args, want) in [
         (vec!["--trace", bad.to_str().unwrap()], "bad.csv:3:"),
+        // Flags of a few values are clap's: it names the value, the flag and the choices.
         (
             vec!["--trace", bad.to_str().unwrap(), "--policy", "magic"],
-            "unknown policy",
+            "invalid value 'magic' for '--policy <POLICY>'\n  [possible values: all, preheat,",
         ),
         (
-            vec![
-                "--trace",
-                bad.to_str().unwrap(),
-                "--start",
-                "tepid",
-                "--slo-ttft=-1",
-            ],
-            "slo_ttft_s must be > 0\n--start \"tepid\"",
+            vec!["--trace", bad.to_str().unwrap(), "--start", "tepid"],
+            "invalid value 'tepid' for '--start <START>'",
+        ),
+        // Every problem of the values themselves at once.
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--slo-ttft=-1", "--slo-itl=-1"],
+            "slo_ttft_s must be > 0",
+        ),
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--slo-ttft=-1", "--slo-itl=-1"],
+            "slo_itl_s must be > 0",
         ),
         (vec!["--trace", "/nonexistent.csv"], "/nonexistent.csv"),
     ] {

@@ -414,7 +414,7 @@ pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<Serve
     };
     o.drain_grace = a.drain_grace;
     o.standby = a.standby;
-    o.device = Device::parse(&a.device).context("checked by clap")?;
+    o.device = Device::parse(a.device.as_str()).context("checked by clap")?;
     o.kernel_cache = a.kernel_cache.clone();
     o.started = crate::process_started();
     // `engine serve` has internal endpoints only as a standby with a control port;

@@ -51,20 +51,9 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     }
     errs.extend(prefill.validate("prefill"));
     errs.extend(decode.validate("decode"));
-    let start = StartClass::parse(&a.start);
-    if start.is_none() {
-        errs.push(format!(
-            "--start {:?}: expected cold, staged, hot or standby",
-            a.start
-        ));
-    }
+    let start = StartClass::parse(a.start.as_str());
     if a.policy.is_empty() {
         errs.push("--policy: name at least one policy".into());
-    }
-    for p in &a.policy {
-        if p != "all" && !sim::autoscalers::POLICIES.contains(&p.as_str()) {
-            errs.push(sim::UnknownPolicy(p.clone()).to_string());
-        }
     }
     let (Some(profile), Some(start), true) = (profile, start, errs.is_empty()) else {
         bail!("{}", errs.join("\n"));
@@ -80,7 +69,7 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     }
     Ok(Options {
         sim,
-        policies: a.policy.clone(),
+        policies: a.policy.iter().map(|p| p.as_str().to_owned()).collect(),
     })
 }
 

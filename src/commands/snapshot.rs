@@ -23,7 +23,7 @@ pub fn run(cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {
             dtype,
             out,
         } => {
-            let target: TargetDtype = dtype.parse()?;
+            let target: TargetDtype = dtype.as_str().parse()?;
             let t = Instant::now();
             let s = preheat_snapshot::convert(&src, &output, target, &Bar::new())
                 .with_context(|| format!("converting {}", src.display()))?;
@@ -136,7 +136,7 @@ pub fn run(cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {
             out,
         } => {
             let opts = SynthOptions {
-                dtype: dtype.parse::<DType>()?,
+                dtype: dtype.as_str().parse::<DType>()?,
                 seed,
                 ..SynthOptions::default()
             };
