@@ -114,11 +114,21 @@ fn simulate_bad_input_is_a_clear_error() {
         ),
         // Every problem of the values themselves at once.
         (
-            vec!["--trace", bad.to_str().unwrap(), "--slo-ttft=-1", "--slo-itl=-1"],
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--slo-ttft=-1",
+                "--slo-itl=-1",
+            ],
             "slo_ttft_s must be > 0",
         ),
         (
-            vec!["--trace", bad.to_str().unwrap(), "--slo-ttft=-1", "--slo-itl=-1"],
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--slo-ttft=-1",
+                "--slo-itl=-1",
+            ],
             "slo_itl_s must be > 0",
         ),
         (vec!["--trace", "/nonexistent.csv"], "/nonexistent.csv"),

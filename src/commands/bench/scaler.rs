@@ -1,6 +1,6 @@
 //! `preheat bench scaler`: KEDA-facing latency and control-loop cost at fleet scale.
 //! (1) `GetMetrics` latency with 1,000 ScaledObjects each polling on its own schedule
-//! (open loop, every `--interval-ms`; KEDA's default is every 30 s), the callers in the
+//! (open loop, every `--interval`; KEDA's default is every 30 s), the callers in the
 //! scaler's process and then in a process of their own; (2) one scrape-and-decide tick
 //! over 1,000 pods served by a local fake `/metrics` server with what vLLM exposes, and
 //! the parsing share of it.
