@@ -161,10 +161,10 @@ pub struct UpArgs {
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// The scaler's HTTP endpoint (`preheat up --scaler-http`, the chart's `scaler.httpPort`).
-    #[arg(long)]
-    pub scaler: Option<String>,
+    #[arg(long, default_value = "http://127.0.0.1:9091", conflicts_with = "kube")]
+    pub scaler: String,
     /// A warm-pool agent's API (repeat for each node).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "kube")]
     pub agent: Vec<String>,
     #[command(flatten)]
     pub token: ClusterTokenArgs,

@@ -44,10 +44,11 @@ async fn query(
         Some("1000")
     } else if q.starts_with("sum(rate(vllm:prefix_cache_hits_total") {
         Some("250")
-    } else if q.starts_with(
-        "histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket",
-    ) {
-        Some("0.8")
+    } else if q.starts_with("sum by (le) (increase(vllm:time_to_first_token_seconds_bucket") {
+        // 9 of 10 requests by 0.8 s: the 0.9 quantile is 0.8.
+        let b = |le: &str, n: &str| json!({"metric": {"le": le}, "value": [1_700_000_000.0, n]});
+        return axum::Json(json!({"status": "success", "data": {"resultType": "vector",
+            "result": [b("+Inf", "10"), b("0.8", "9")]}}));
     } else if q.starts_with("avg(vllm:kv_cache_usage_perc") {
         Some("NaN")
     } else if q.starts_with("max(preheat:startup_phase_seconds") {

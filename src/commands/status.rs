@@ -60,11 +60,6 @@ pub fn run(a: &StatusArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("--interval {:?}: want at least 100ms", a.interval);
     }
     let interval = a.interval.as_secs_f64();
-    if a.kube && (a.scaler.is_some() || !a.agent.is_empty()) {
-        anyhow::bail!(
-            "--kube finds the scaler and the agents itself: give it or --scaler/--agent, not both"
-        );
-    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -129,7 +124,7 @@ pub fn run(a: &StatusArgs) -> anyhow::Result<ExitCode> {
 fn given_targets(a: &StatusArgs) -> Targets {
     let trim = |u: &str| u.trim_end_matches('/').to_owned();
     Targets {
-        scaler: Some(trim(a.scaler.as_deref().unwrap_or("http://127.0.0.1:9091"))),
+        scaler: Some(trim(&a.scaler)),
         agents: a.agent.iter().map(|u| (trim(u), None)).collect(),
     }
 }
