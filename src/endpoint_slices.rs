@@ -160,7 +160,6 @@ fn ready_urls(slice: &EndpointSlice) -> Vec<String> {
     slice
         .endpoints
         .iter()
-        .flatten()
         .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
         .filter_map(|e| e.addresses.first())
         .map(|a| {

@@ -8,11 +8,11 @@
 //! (`kv_is_taken_only_for_its_request_and_hashed_here`, engine worker unit tests),
 //! oversized KV frames, stalled KV peers, a KV peer without the token and the
 //! connection cap (`the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections`,
-//! engine/tests/transfer.rs), credentials in a source URL
+//! engine/tests/it/transfer.rs), credentials in a source URL
 //! (`regression_credentials_in_a_source_url_reached_errors_and_logs`, cli_warmpool),
 //! every sampling bound (`every_bound_is_refused_by_its_field`, engine), prefill addresses
 //! no gateway announced (`regression_a_decode_worker_pulled_kv_from_any_address_a_body_named`,
-//! engine/tests/disagg_worker.rs), the connection
+//! engine/tests/it/disagg_worker.rs), the connection
 //! cap and body deadline (`slow_peers_are_cut_off_and_connections_capped`, edge), planted
 //! kernels (`a_keyed_cache_takes_only_entries_signed_for_their_id`, snapshot).
 

@@ -2,6 +2,10 @@
 //! `StreamIsActive` push within 1 s of the first request at zero, that request
 //! answered, a burst scaling decode up, idleness bringing both pools back to zero, and
 //! no request failing.
+//!
+//! Why one file over 600 lines: every test drives the same `preheat up` stack through its
+//! own scenario (KEDA's view, the operators' view with a real Prometheus, restarts), and
+//! they share its helpers here.
 
 mod harness;
 

@@ -10,6 +10,9 @@
 //!
 //! Needs Docker and the Helm SDK (`.ci/fetch-tools`); without them each test says so and
 //! passes (CI sets PREHEAT_REQUIRE_FETCHED, which turns that into a failure).
+//!
+//! Why one file over 600 lines: each scenario reads top to bottom as an operator would
+//! run it against the same emulated cluster, and the scenarios share its set-up here.
 
 mod harness;
 

@@ -3,19 +3,29 @@
 //! The bundled engine: Llama-family models (Llama 2/3, Mistral, Qwen2) computed on a
 //! [`backend::Backend`] over a paged [`kv`] cache, with tokenisation, sampling and
 //! continuous batching, served through an OpenAI-compatible API.
+//!
+//! - [`engine`]: the [`Engine`] handle and the thread that owns the model and KV cache;
+//! - [`api`]: the OpenAI-compatible HTTP API over a [`Frontend`] (the engine, or a
+//!   gateway's front);
+//! - [`colocated`]: `engine serve`, one process with prefill and decode together;
+//! - [`disagg`]: the disaggregated path (gateway, prefill and decode workers, KV
+//!   transfer).
 
+pub mod api;
 pub mod backend;
+pub mod colocated;
 pub mod disagg;
 pub mod engine;
 mod error;
+pub mod frontend;
 pub mod kv;
 pub mod metrics;
 pub mod model;
 pub mod profile;
 pub mod sampling;
 pub mod scheduler;
-pub mod serve;
-pub mod server;
 pub mod tokenizer;
 
+pub use engine::Engine;
 pub use error::{EngineError, Result};
+pub use frontend::Frontend;

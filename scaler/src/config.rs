@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use serde_yaml::Value;
+use serde_json::Value;
 
 use crate::policy::PoolPolicy;
 use crate::{Result, ScalerError};
@@ -131,32 +131,109 @@ pub struct ModelConfig {
     pub decode: PoolConfig,
 }
 
+/// One pool: where its metrics come from, what it scales, and its policy.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "PoolFile", into = "PoolFile")]
 pub struct PoolConfig {
-    /// Static `/metrics` URLs of this pool's replicas.
-    #[serde(default)]
-    pub endpoints: Vec<String>,
-    /// Label selector of this pool's pods (watched through the Kubernetes API).
-    #[serde(default)]
-    pub selector: Option<String>,
+    pub source: MetricsSource,
     /// Port and path of a discovered pod's metrics.
-    #[serde(default = "default_metrics_port")]
     pub metrics_port: u16,
-    #[serde(default = "default_metrics_path")]
     pub metrics_path: String,
-    /// PromQL label matchers of this pool's series (`namespace="llm",pool="decode"`),
-    /// read from `prometheus_url` instead of scraping.
-    #[serde(default)]
-    pub prometheus_selector: Option<String>,
     /// The pool's Deployment. Its replicas are read whenever the metrics cannot say
     /// how many the pool has (a restart, a watch not yet listed, a Prometheus
     /// outage), so a pool is held at its real size; in direct mode the scaler also
     /// sets them.
-    #[serde(default)]
     pub deployment: Option<String>,
-    #[serde(flatten)]
     pub policy: PoolPolicy,
+}
+
+/// Where a pool's metrics come from.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum MetricsSource {
+    /// None named: a pool with no replicas of its own (local mode supplies its
+    /// endpoints at run time; the gateway's held requests still wake it).
+    #[default]
+    Unset,
+    /// Static `/metrics` URLs of the pool's replicas (`endpoints`).
+    Endpoints(Vec<String>),
+    /// The pool's pods, watched through the Kubernetes API (`selector`).
+    Pods { selector: String },
+    /// PromQL label matchers of the pool's series, read from `prometheus_url` instead
+    /// of scraping (`prometheus_selector`).
+    Prometheus { selector: String },
+    /// The file named several of the keys above, which are alternatives: refused by
+    /// [`Config::problems`] (with every other problem), never used.
+    Conflicting(Vec<&'static str>),
+}
+
+/// A pool as the config file spells it: the source's three keys side by side.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolFile {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    endpoints: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    selector: Option<String>,
+    #[serde(default = "default_metrics_port")]
+    metrics_port: u16,
+    #[serde(default = "default_metrics_path")]
+    metrics_path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    prometheus_selector: Option<String>,
+    #[serde(default)]
+    deployment: Option<String>,
+    #[serde(flatten)]
+    policy: PoolPolicy,
+}
+
+impl From<PoolFile> for PoolConfig {
+    fn from(f: PoolFile) -> Self {
+        let mut named = Vec::new();
+        if !f.endpoints.is_empty() {
+            named.push("endpoints");
+        }
+        if f.selector.is_some() {
+            named.push("selector");
+        }
+        if f.prometheus_selector.is_some() {
+            named.push("prometheus_selector");
+        }
+        let source = match (named.len(), f.selector, f.prometheus_selector) {
+            (0, _, _) => MetricsSource::Unset,
+            (1, Some(selector), _) => MetricsSource::Pods { selector },
+            (1, _, Some(selector)) => MetricsSource::Prometheus { selector },
+            (1, _, _) => MetricsSource::Endpoints(f.endpoints),
+            _ => MetricsSource::Conflicting(named),
+        };
+        PoolConfig {
+            source,
+            metrics_port: f.metrics_port,
+            metrics_path: f.metrics_path,
+            deployment: f.deployment,
+            policy: f.policy,
+        }
+    }
+}
+
+impl From<PoolConfig> for PoolFile {
+    fn from(p: PoolConfig) -> Self {
+        let (mut endpoints, mut selector, mut prometheus_selector) = (Vec::new(), None, None);
+        match p.source {
+            MetricsSource::Unset | MetricsSource::Conflicting(_) => {}
+            MetricsSource::Endpoints(e) => endpoints = e,
+            MetricsSource::Pods { selector: s } => selector = Some(s),
+            MetricsSource::Prometheus { selector: s } => prometheus_selector = Some(s),
+        }
+        PoolFile {
+            endpoints,
+            selector,
+            metrics_port: p.metrics_port,
+            metrics_path: p.metrics_path,
+            prometheus_selector,
+            deployment: p.deployment,
+            policy: p.policy,
+        }
+    }
 }
 
 fn default_metrics_port() -> u16 {
@@ -168,11 +245,9 @@ impl Default for PoolConfig {
     /// mode does) and the default policy.
     fn default() -> Self {
         PoolConfig {
-            endpoints: Vec::new(),
-            selector: None,
+            source: MetricsSource::Unset,
             metrics_port: default_metrics_port(),
             metrics_path: default_metrics_path(),
-            prometheus_selector: None,
             deployment: None,
             policy: PoolPolicy::default(),
         }
@@ -183,13 +258,16 @@ fn default_metrics_path() -> String {
     "/metrics".into()
 }
 
-impl PoolConfig {
-    /// How many metrics sources the pool names.
-    fn sources(&self) -> usize {
-        usize::from(!self.endpoints.is_empty())
-            + usize::from(self.selector.is_some())
-            + usize::from(self.prometheus_selector.is_some())
+/// Parses YAML text into a tree (an empty document is null), to be overridden before
+/// it becomes a [`Config`].
+fn parse_yaml(text: &str) -> std::result::Result<Value, String> {
+    let blank = text
+        .lines()
+        .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#') || l.trim() == "---");
+    if blank {
+        return Ok(Value::Null);
     }
+    serde_saphyr::from_str(text).map_err(|e| e.to_string())
 }
 
 /// Applies one `path=value` override to a YAML tree; `path` is dot-separated, with
@@ -198,29 +276,23 @@ fn apply_override(root: &mut Value, spec: &str) -> std::result::Result<(), Strin
     let (path, raw) = spec
         .split_once('=')
         .ok_or_else(|| format!("--set {spec:?}: expected path=value"))?;
-    let value: Value = serde_yaml::from_str(raw).map_err(|e| format!("--set {path}: {e}"))?;
+    let value = parse_yaml(raw).map_err(|e| format!("--set {path}: {e}"))?;
     let mut cur = root;
     let parts: Vec<&str> = path.split('.').collect();
     for (i, part) in parts.iter().enumerate() {
         let last = i + 1 == parts.len();
         if cur.is_null() {
-            *cur = Value::Mapping(Default::default());
+            *cur = Value::Object(serde_json::Map::new());
         }
         cur = match cur {
-            Value::Sequence(seq) => {
+            Value::Array(seq) => {
                 let idx: usize = part
                     .parse()
                     .map_err(|_| format!("--set {path}: {part:?} is not a list index"))?;
                 seq.get_mut(idx)
                     .ok_or_else(|| format!("--set {path}: index {idx} out of range"))?
             }
-            Value::Mapping(map) => {
-                let key = Value::String((*part).to_owned());
-                if !map.contains_key(&key) {
-                    map.insert(key.clone(), Value::Null);
-                }
-                map.get_mut(&key).expect("inserted above")
-            }
+            Value::Object(map) => map.entry(*part).or_insert(Value::Null),
             _ => return Err(format!("--set {path}: {part:?} is inside a scalar")),
         };
         if last {
@@ -252,20 +324,20 @@ impl Config {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| ScalerError::Config(vec![format!("{}: {e}", p.display())]))?;
-                serde_yaml::from_str(&text)
+                parse_yaml(&text)
                     .map_err(|e| ScalerError::Config(vec![format!("{}: {e}", p.display())]))?
             }
-            None => Value::Mapping(Default::default()),
+            None => Value::Object(serde_json::Map::new()),
         };
         if tree.is_null() {
-            tree = Value::Mapping(Default::default());
+            tree = Value::Object(serde_json::Map::new());
         }
         for o in overrides {
             if let Err(e) = apply_override(&mut tree, o) {
                 errs.push(e);
             }
         }
-        let cfg: Config = match serde_yaml::from_value(tree) {
+        let cfg: Config = match serde_json::from_value(tree) {
             Ok(c) => c,
             Err(e) => {
                 errs.push(e.to_string());
@@ -359,29 +431,30 @@ impl Config {
                 if !sources {
                     continue;
                 }
-                // No source at all is a static pool with no replicas (the gateway's
-                // held requests still wake it).
-                match p.sources() {
-                    0 | 1 => {}
-                    _ => e.push(format!(
-                        "{at}: endpoints, selector and prometheus_selector are alternatives; give one"
+                match &p.source {
+                    MetricsSource::Conflicting(named) => e.push(format!(
+                        "{at}: endpoints, selector and prometheus_selector are alternatives; give one (it names {})",
+                        named.join(", ")
                     )),
-                }
-                if p.prometheus_selector.is_some() && self.prometheus_url.is_none() {
-                    e.push(format!("{at}.prometheus_selector needs prometheus_url"));
+                    MetricsSource::Prometheus { .. } if self.prometheus_url.is_none() => {
+                        e.push(format!("{at}.prometheus_selector needs prometheus_url"));
+                    }
+                    MetricsSource::Endpoints(urls) => {
+                        for url in urls {
+                            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                                e.push(format!(
+                                    "models.{i}.{pool}.endpoints: {url:?} is not an http(s) URL"
+                                ));
+                            }
+                        }
+                    }
+                    _ => {}
                 }
                 if self.mode == Mode::Direct && p.deployment.is_none() {
                     e.push(format!("{at}.deployment is required in direct mode"));
                 }
                 if !p.metrics_path.starts_with('/') {
                     e.push(format!("{at}.metrics_path must start with /"));
-                }
-                for url in &p.endpoints {
-                    if !(url.starts_with("http://") || url.starts_with("https://")) {
-                        e.push(format!(
-                            "models.{i}.{pool}.endpoints: {url:?} is not an http(s) URL"
-                        ));
-                    }
                 }
             }
             for url in &m.gateway {
@@ -479,7 +552,11 @@ models:
         assert_eq!(c.window_s, 90.0);
         assert_eq!(c.models[0].decode.policy.max_replicas, 8);
         assert_eq!(c.models[0].prefill.policy.slo_ttft_s, 1.5);
-        assert_eq!(c.models[0].decode.endpoints.len(), 2);
+        assert!(
+            matches!(&c.models[0].decode.source, MetricsSource::Endpoints(e) if e.len() == 2),
+            "{:?}",
+            c.models[0].decode.source
+        );
         assert_eq!(c.grpc_listen.port(), 7000);
     }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::{Config, Mode, ModelConfig, PoolConfig};
+use crate::config::{Config, MetricsSource, Mode, ModelConfig, PoolConfig};
 use crate::grpc::{DecisionStore, PoolDecision, PoolStatus, SloView};
 use crate::kube::PodSet;
 use crate::policy::{Observation, Pool, PreheatPolicy};
@@ -120,9 +120,9 @@ impl Controller {
             || cfg.models.iter().any(|m| {
                 m.gateway_selector.is_some()
                     || m.standbys.is_some()
-                    || [&m.prefill, &m.decode]
-                        .iter()
-                        .any(|p| p.selector.is_some() || p.deployment.is_some())
+                    || [&m.prefill, &m.decode].iter().any(|p| {
+                        matches!(p.source, MetricsSource::Pods { .. }) || p.deployment.is_some()
+                    })
             })
     }
 
@@ -130,16 +130,18 @@ impl Controller {
         if let Some(list) = self.shared.get(&(model.to_owned(), pool)) {
             return Source::Shared(Arc::clone(list));
         }
-        match (&p.selector, &p.prometheus_selector, &self.kube) {
-            (Some(sel), _, Some(client)) => Source::Pods(PodSet::watch(
+        match (&p.source, &self.kube) {
+            (MetricsSource::Pods { selector }, Some(client)) => Source::Pods(PodSet::watch(
                 client.clone(),
                 &self.cfg.kubernetes.namespace,
-                sel,
+                selector,
                 p.metrics_port,
                 &p.metrics_path,
             )),
-            (None, Some(sel), _) => Source::Prometheus(sel.clone()),
-            _ => Source::Static(p.endpoints.clone()),
+            (MetricsSource::Prometheus { selector }, _) => Source::Prometheus(selector.clone()),
+            (MetricsSource::Endpoints(urls), _) => Source::Static(urls.clone()),
+            // Unset, or pods without a Kubernetes client (refused at start): no replicas.
+            _ => Source::Static(Vec::new()),
         }
     }
 

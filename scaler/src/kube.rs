@@ -38,11 +38,12 @@ pub async fn client(url: Option<&str>) -> Result<Client> {
                 .map_err(|e| ScalerError::Config(vec![format!("kubernetes.api_url {u:?}: {e}")]))?;
             Config::new(uri)
         }
-        None => Config::infer()
-            .await
-            .map_err(|e| ScalerError::Kube(format!("no cluster configuration: {e}")))?,
+        None => Config::infer().await?,
     };
-    Client::try_from(cfg).map_err(|e| ScalerError::Kube(e.to_string()))
+    Client::try_from(cfg).map_err(|source| ScalerError::Kube {
+        what: "client".into(),
+        source,
+    })
 }
 
 /// Pods matching one pool's selector, kept current by a watch.
@@ -145,7 +146,10 @@ pub async fn deployment_replicas(client: Client, namespace: &str, deployment: &s
     let scale = api
         .get_scale(deployment)
         .await
-        .map_err(|e| ScalerError::Kube(format!("read scale {namespace}/{deployment}: {e}")))?;
+        .map_err(|source| ScalerError::Kube {
+            what: format!("read scale {namespace}/{deployment}"),
+            source,
+        })?;
     Ok(scale
         .spec
         .and_then(|s| s.replicas)
@@ -165,7 +169,10 @@ pub async fn scale_deployment(
     let scale = api
         .patch_scale(deployment, &PatchParams::default(), &Patch::Merge(&patch))
         .await
-        .map_err(|e| ScalerError::Kube(format!("scale {namespace}/{deployment}: {e}")))?;
+        .map_err(|source| ScalerError::Kube {
+            what: format!("scale {namespace}/{deployment}"),
+            source,
+        })?;
     Ok(scale
         .spec
         .and_then(|s| s.replicas)

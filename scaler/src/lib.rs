@@ -23,7 +23,6 @@ pub mod prom;
 pub mod scrape;
 pub mod server;
 pub mod signals;
-pub mod sim;
 pub mod standbys;
 pub mod status;
 

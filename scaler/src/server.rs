@@ -140,5 +140,5 @@ pub async fn run_with(
     let r = grpc.await;
     controller.abort();
     let _ = http.await;
-    r.map_err(|e| ScalerError::Io(std::io::Error::other(e.to_string())))
+    r.map_err(ScalerError::Grpc)
 }

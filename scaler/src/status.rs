@@ -2,8 +2,6 @@
 //! dashboard) and `GET /status` (for `preheat status`), both read from the
 //! [`DecisionStore`] the control loop writes.
 
-use std::fmt::Write as _;
-
 use serde::{Deserialize, Serialize};
 
 use crate::grpc::DecisionStore;
@@ -78,91 +76,45 @@ pub fn report(store: &DecisionStore, models: &[String]) -> StatusReport {
     }
 }
 
-/// A pool's series of one family: extra labels (`,k="v"`) and the value.
+/// A pool's series of one family: the value of the family's extra label (empty when it
+/// has none) and the sample.
 type Series = Vec<(String, f64)>;
 
 /// The scaler's own metrics (names in [`crate::signals::names::own`]): what it decided
-/// for each pool, why, and what it saw.
+/// for each pool, why, and what it saw, in the text format the `prometheus` crate
+/// writes for the engine and the agent too.
 #[must_use]
 pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
     use crate::signals::names::own;
     let report = report(store, models);
-    let mut out = String::new();
-    let family =
-        |out: &mut String, name: &str, help: &str, value: &dyn Fn(&PoolReport) -> Series| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-            for m in &report.models {
-                for p in &m.pools {
-                    for (extra, v) in value(p) {
-                        let _ = writeln!(
-                            out,
-                            "{name}{{model=\"{}\",pool=\"{}\"{extra}}} {v}",
-                            escape(&m.model),
-                            p.pool
-                        );
+    let registry = prometheus::Registry::new();
+    let family = |name: &str,
+                  help: &str,
+                  extra: Option<&str>,
+                  value: &dyn Fn(&PoolReport) -> Series|
+     -> prometheus::Result<()> {
+        let labels: Vec<&str> = ["model", "pool"].into_iter().chain(extra).collect();
+        let g = prometheus::GaugeVec::new(prometheus::Opts::new(name, help), &labels)?;
+        for m in &report.models {
+            for p in &m.pools {
+                for (key, v) in value(p) {
+                    let mut values = vec![m.model.as_str(), p.pool.as_str()];
+                    if extra.is_some() {
+                        values.push(&key);
                     }
+                    g.get_metric_with_label_values(&values)?.set(v);
                 }
             }
-        };
+        }
+        registry.register(Box::new(g))
+    };
     let one = |v: f64| vec![(String::new(), v)];
     let some = |v: Option<f64>| v.map_or_else(Vec::new, one);
-    let labelled = |label: &str, vs: &[(&str, Option<f64>)]| -> Series {
+    let keyed = |vs: &[(&str, Option<f64>)]| -> Series {
         vs.iter()
-            .filter_map(|(k, v)| v.map(|v| (format!(",{label}=\"{k}\""), v)))
+            .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v)))
             .collect()
     };
-    family(
-        &mut out,
-        own::DESIRED,
-        "Replicas the policy wants per pool",
-        &|p| some(p.desired.map(f64::from)),
-    );
-    family(
-        &mut out,
-        own::ACTIVE,
-        "Whether the pool is active (KEDA activation)",
-        &|p| some(p.active.map(|a| f64::from(u8::from(a)))),
-    );
-    family(
-        &mut out,
-        own::CURRENT,
-        "Replicas the pool had at the last tick",
-        &|p| one(f64::from(p.current)),
-    );
-    family(
-        &mut out,
-        own::READY,
-        "Replicas serving at the last tick (ready pods, else endpoints that answered)",
-        &|p| one(f64::from(p.ready)),
-    );
-    family(
-        &mut out,
-        own::ENDPOINTS,
-        "Endpoints scraped in the last tick, by state",
-        &|p| {
-            vec![
-                (",state=\"ok\"".to_owned(), p.endpoints_ok as f64),
-                (",state=\"failed\"".to_owned(), p.endpoints_failed as f64),
-            ]
-        },
-    );
-    family(
-        &mut out,
-        own::BLIND,
-        "1 while every endpoint of the pool fails (held, not sized)",
-        &|p| one(f64::from(u8::from(p.blind))),
-    );
-    family(
-        &mut out,
-        own::DECISION,
-        "1 for the reason of the pool's last decision",
-        &|p| {
-            if p.reason.is_empty() {
-                return Vec::new();
-            }
-            vec![(format!(",reason=\"{}\"", escape(&p.reason)), 1.0)]
-        },
-    );
     // Each pool against the target it is sized for (prefill: TTFT, decode: ITL), once
     // it has been ticked (before, the targets are not read yet).
     let own_slo = |p: &PoolReport, ttft: Option<f64>, itl: Option<f64>| -> Series {
@@ -170,58 +122,111 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
             return Vec::new();
         }
         match Pool::parse(&p.pool) {
-            Some(Pool::Prefill) => labelled("slo", &[("ttft", ttft)]),
-            Some(Pool::Decode) => labelled("slo", &[("itl", itl)]),
+            Some(Pool::Prefill) => keyed(&[("ttft", ttft)]),
+            Some(Pool::Decode) => keyed(&[("itl", itl)]),
             None => Vec::new(),
         }
     };
-    family(
-        &mut out,
-        own::SLO_TARGET,
-        "Latency target the pool is sized for (prefill: ttft, decode: itl)",
-        &|p| own_slo(p, Some(p.slo.ttft_target_s), Some(p.slo.itl_target_s)),
-    );
-    family(
-        &mut out,
-        own::SLO_ATTAINMENT,
-        "Share of the window's requests (ttft, prefill) or tokens (itl, decode) within the pool's target",
-        &|p| own_slo(p, p.slo.ttft_attainment, p.slo.itl_attainment),
-    );
-    family(
-        &mut out,
-        own::LOAD,
-        "The pool's load now and forecast one lead time ahead, by kind (uncached prompt tokens/s for prefill, generated tokens/s for decode)",
-        &|p| {
-            let l = p.load;
-            labelled(
-                "kind",
-                &[
+    let families = [
+        family(
+            own::DESIRED,
+            "Replicas the policy wants per pool",
+            None,
+            &|p| some(p.desired.map(f64::from)),
+        ),
+        family(
+            own::ACTIVE,
+            "Whether the pool is active (KEDA activation)",
+            None,
+            &|p| some(p.active.map(|a| f64::from(u8::from(a)))),
+        ),
+        family(
+            own::CURRENT,
+            "Replicas the pool had at the last tick",
+            None,
+            &|p| one(f64::from(p.current)),
+        ),
+        family(
+            own::READY,
+            "Replicas serving at the last tick (ready pods, else endpoints that answered)",
+            None,
+            &|p| one(f64::from(p.ready)),
+        ),
+        family(
+            own::ENDPOINTS,
+            "Endpoints scraped in the last tick, by state",
+            Some("state"),
+            &|p| {
+                vec![
+                    ("ok".to_owned(), p.endpoints_ok as f64),
+                    ("failed".to_owned(), p.endpoints_failed as f64),
+                ]
+            },
+        ),
+        family(
+            own::BLIND,
+            "1 while every endpoint of the pool fails (held, not sized)",
+            None,
+            &|p| one(f64::from(u8::from(p.blind))),
+        ),
+        family(
+            own::DECISION,
+            "1 for the reason of the pool's last decision",
+            Some("reason"),
+            &|p| {
+                if p.reason.is_empty() {
+                    return Vec::new();
+                }
+                vec![(p.reason.clone(), 1.0)]
+            },
+        ),
+        family(
+            own::SLO_TARGET,
+            "Latency target the pool is sized for (prefill: ttft, decode: itl)",
+            Some("slo"),
+            &|p| own_slo(p, Some(p.slo.ttft_target_s), Some(p.slo.itl_target_s)),
+        ),
+        family(
+            own::SLO_ATTAINMENT,
+            "Share of the window's requests (ttft, prefill) or tokens (itl, decode) within the pool's target",
+            Some("slo"),
+            &|p| own_slo(p, p.slo.ttft_attainment, p.slo.itl_attainment),
+        ),
+        family(
+            own::LOAD,
+            "The pool's load now and forecast one lead time ahead, by kind (uncached prompt tokens/s for prefill, generated tokens/s for decode)",
+            Some("kind"),
+            &|p| {
+                let l = p.load;
+                keyed(&[
                     ("observed", l.map(|l| l.observed)),
                     ("forecast", l.map(|l| l.forecast)),
-                ],
-            )
-        },
-    );
-    family(
-        &mut out,
-        own::LEAD,
-        "Lead time the forecast looks ahead (a replica's start-up)",
-        &|p| some(p.load.map(|l| l.lead_s)),
-    );
-    family(
-        &mut out,
-        own::NEEDED,
-        "Replicas the load needs, before limits, rounding and damping",
-        &|p| some(p.load.map(|l| l.needed)),
-    );
-    out
-}
-
-/// A label value as the text format wants it.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+                ])
+            },
+        ),
+        family(
+            own::LEAD,
+            "Lead time the forecast looks ahead (a replica's start-up)",
+            None,
+            &|p| some(p.load.map(|l| l.lead_s)),
+        ),
+        family(
+            own::NEEDED,
+            "Replicas the load needs, before limits, rounding and damping",
+            None,
+            &|p| some(p.load.map(|l| l.needed)),
+        ),
+    ];
+    for e in families.into_iter().filter_map(Result::err) {
+        // Only a malformed name or label could fail, and those are constants here.
+        tracing::error!(error = %e, "a scaler metric family could not be built");
+    }
+    prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "encoding the scaler's metrics");
+            String::new()
+        })
 }
 
 #[cfg(test)]

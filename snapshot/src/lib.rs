@@ -30,6 +30,7 @@ mod reader;
 pub mod residency;
 pub mod source;
 pub mod synth;
+pub mod tensors;
 mod writer;
 
 pub use card::ModelCard;

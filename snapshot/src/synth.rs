@@ -74,36 +74,13 @@ pub fn preset_config(name: &str) -> Result<ModelConfig> {
     }
 }
 
-/// Tensor list of a Llama-shaped model in engine order.
+/// Tensor list of a Llama-shaped model in engine order ([`crate::tensors::all`]).
 #[must_use]
 pub fn llama_tensors(c: &ModelConfig, dtype: DType) -> Vec<TensorSpec> {
-    let (h, q, kv, ff) = (
-        c.hidden_size,
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.intermediate_size,
-    );
-    let t = |name: String, shape: Vec<u64>| TensorSpec { name, dtype, shape };
-    let mut v = vec![t("model.embed_tokens.weight".into(), vec![c.vocab_size, h])];
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        v.extend([
-            t(format!("{p}.input_layernorm.weight"), vec![h]),
-            t(format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            t(format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            t(format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            t(format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-            t(format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            t(format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
-            t(format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
-            t(format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
-        ]);
-    }
-    v.push(t("model.norm.weight".into(), vec![h]));
-    if !c.tie_word_embeddings {
-        v.push(t("lm_head.weight".into(), vec![c.vocab_size, h]));
-    }
-    v
+    crate::tensors::all(c, c.tie_word_embeddings)
+        .into_iter()
+        .map(|(name, shape)| TensorSpec { name, dtype, shape })
+        .collect()
 }
 
 /// GPT-2's reversible byte → printable-character map used by byte-level BPE.

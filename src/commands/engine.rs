@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
+use preheat_engine::colocated::{Device, ServeOptions, serve};
 use preheat_engine::scheduler::SchedulerConfig;
-use preheat_engine::serve::{Device, ServeOptions, serve};
 
 use crate::cli::{EngineCmd, GatewayArgs, ServeArgs, WorkerArgs};
 use crate::signals::shutdown_signal;

@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use preheat_scaler::config::Config;
 use preheat_scaler::policy::PoolPolicy;
 use preheat_scaler::profile::Profile;
-use preheat_scaler::sim::{self, SimConfig, SimReport, StartClass};
+use preheat_sim::{self as sim, SimConfig, SimReport, StartClass};
 
 use crate::cli::SimulateArgs;
 use crate::plot::{Panel, Series, svg};

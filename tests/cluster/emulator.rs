@@ -12,6 +12,9 @@
 //! by the emulator itself, for clients and for KEDA), and the service account's
 //! in-cluster credentials are a kubeconfig naming this API server (mounted where the
 //! chart automounts a token).
+//!
+//! Why one file over 600 lines: it is one emulator (pods, probes, Services and the API
+//! server share its state and lock), and splitting it would spread that state across files.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;

@@ -213,8 +213,12 @@ impl AgentConfig {
         node_name_env: Option<String>,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self> {
-        let raw: Raw =
-            serde_yaml::from_str(text).map_err(|e| Error::Config(vec![e.to_string()]))?;
+        let raw: Raw = if text.trim().is_empty() {
+            serde_saphyr::from_str("{}")
+        } else {
+            serde_saphyr::from_str(text)
+        }
+        .map_err(|e| Error::Config(vec![e.to_string()]))?;
         Self::from_raw(raw, node_name_env, env)
     }
 

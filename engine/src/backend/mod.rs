@@ -5,6 +5,8 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod rope;
+pub mod weights;
 
 use crate::kv::BlockId;
 use crate::{EngineError, Result};
@@ -99,8 +101,9 @@ pub trait Backend: Send {
     /// interchangeable K/V).
     fn weights_fingerprint(&self) -> u64;
     /// Appends `blocks`' K/V to `out`: for each layer, for each block, K then V, in
-    /// the layout of [`crate::kv`] (f32 little-endian).
-    fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>);
+    /// the layout of [`crate::kv`] (f32 little-endian). On failure nothing is
+    /// appended.
+    fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<()>;
     /// Writes K/V laid out as [`Backend::export_kv`] produces into `blocks`.
     fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()>;
 }

@@ -26,7 +26,7 @@ use preheat_edge::token::nonce;
 use super::protocol::{PrefillBody, WireError};
 use crate::EngineError;
 use crate::engine::{Engine, GenerateRequest};
-use crate::kv::transfer::KvMessage;
+use crate::kv::transfer::{KvMessage, TransferError};
 
 /// Largest request frame: a prompt's token ids and bounded sampling parameters as
 /// JSON (a 128k-token prompt is under 1 MiB).
@@ -40,6 +40,33 @@ const ANSWER_WRITE_TIMEOUT: Duration = Duration::from_secs(120);
 /// worker then prefills elsewhere or itself).
 pub const MAX_KV_CONNECTIONS: usize = 64;
 
+/// Why a pull brought no K/V. Every case is a prefill failure to the gateway, which
+/// then prefills elsewhere; the kinds are kept apart for logs and tests.
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    #[error("connect {addr}: {source}")]
+    Connect {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("no handshake answer (is the peer a prefill worker of this deployment?): {0}")]
+    NoHandshake(std::io::Error),
+    #[error("the peer could not prove it holds the cluster token")]
+    Unauthenticated,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The prefill worker answered with an error (its message).
+    #[error("{0}")]
+    Refused(String),
+    /// The peer broke the framing.
+    #[error("{0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Message(#[from] TransferError),
+    #[error("no K/V within {0} s")]
+    Timeout(u64),
+}
+
 /// Pulls one sequence's K/V from a prefill endpoint.
 pub trait KvTransport: Send + Sync {
     fn pull<'a>(
@@ -47,7 +74,7 @@ pub trait KvTransport: Send + Sync {
         endpoint: &'a str,
         req: &'a PrefillBody,
         engine: &'a Engine,
-    ) -> Pin<Box<dyn Future<Output = Result<KvMessage, String>> + Send + 'a>>;
+    ) -> Pin<Box<dyn Future<Output = Result<KvMessage, PullError>> + Send + 'a>>;
 }
 
 /// First bytes of an authenticated transfer.
@@ -66,22 +93,22 @@ pub struct TcpTransport {
 async fn authenticate_peer(
     s: &mut tokio::net::TcpStream,
     token: &ClusterToken,
-) -> Result<(), String> {
+) -> Result<(), PullError> {
     let mine = nonce();
     let mut hello = HELLO.to_vec();
     hello.extend_from_slice(&mine);
-    s.write_all(&hello).await.map_err(|e| e.to_string())?;
+    s.write_all(&hello).await?;
     let mut answer = [0u8; 48];
-    s.read_exact(&mut answer).await.map_err(|e| {
-        format!("no handshake answer (is the peer a prefill worker of this deployment?): {e}")
-    })?;
+    s.read_exact(&mut answer)
+        .await
+        .map_err(PullError::NoHandshake)?;
     let (theirs, proof) = answer.split_at(16);
     if !token.verify("kv-server", &[&mine, theirs], proof) {
-        return Err("the peer could not prove it holds the cluster token".into());
+        return Err(PullError::Unauthenticated);
     }
     s.write_all(&token.prove("kv-client", &[theirs, &mine]))
-        .await
-        .map_err(|e| e.to_string())
+        .await?;
+    Ok(())
 }
 
 /// Prefill side of the handshake, before anything of the request is read.
@@ -118,23 +145,30 @@ impl KvTransport for TcpTransport {
         endpoint: &'a str,
         req: &'a PrefillBody,
         engine: &'a Engine,
-    ) -> Pin<Box<dyn Future<Output = Result<KvMessage, String>> + Send + 'a>> {
+    ) -> Pin<Box<dyn Future<Output = Result<KvMessage, PullError>> + Send + 'a>> {
         Box::pin(async move {
             let addr = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
             let work = async {
                 let mut s = tokio::net::TcpStream::connect(addr)
                     .await
-                    .map_err(|e| format!("connect {addr}: {e}"))?;
-                s.set_nodelay(true).map_err(|e| e.to_string())?;
+                    .map_err(|source| PullError::Connect {
+                        addr: addr.to_owned(),
+                        source,
+                    })?;
+                s.set_nodelay(true)?;
                 if let Some(t) = &self.token {
                     authenticate_peer(&mut s, t).await?;
                 }
-                let body = serde_json::to_vec(req).map_err(|e| e.to_string())?;
+                let body =
+                    serde_json::to_vec(req).map_err(|e| PullError::Protocol(e.to_string()))?;
                 let mut frame = Vec::with_capacity(4 + body.len());
                 frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
                 frame.extend_from_slice(&body);
-                s.write_all(&frame).await.map_err(|e| e.to_string())?;
-                let kind = s.read_u8().await.map_err(|e| format!("no answer: {e}"))?;
+                s.write_all(&frame).await?;
+                let kind = s
+                    .read_u8()
+                    .await
+                    .map_err(|e| PullError::Protocol(format!("no answer: {e}")))?;
                 match kind {
                     // Bounded by the reservation the request holds (its prompt's
                     // blocks), checked from the header before any payload is read.
@@ -148,23 +182,24 @@ impl KvTransport for TcpTransport {
                         engine.kv_buffers().take(),
                     )
                     .await
-                    .map_err(|e| e.to_string()),
+                    .map_err(PullError::Message),
                     b'E' => {
-                        let n = s.read_u32_le().await.map_err(|e| e.to_string())? as usize;
+                        let n = s.read_u32_le().await? as usize;
                         if n > MAX_REQUEST {
-                            return Err("oversized error frame".to_owned());
+                            return Err(PullError::Protocol("oversized error frame".to_owned()));
                         }
                         let mut b = vec![0u8; n];
-                        s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
-                        let w: WireError = serde_json::from_slice(&b).map_err(|e| e.to_string())?;
-                        Err(w.message)
+                        s.read_exact(&mut b).await?;
+                        let w: WireError = serde_json::from_slice(&b)
+                            .map_err(|e| PullError::Protocol(e.to_string()))?;
+                        Err(PullError::Refused(w.message))
                     }
-                    other => Err(format!("unknown frame {other:#x}")),
+                    other => Err(PullError::Protocol(format!("unknown frame {other:#x}"))),
                 }
             };
             tokio::time::timeout(self.timeout, work)
                 .await
-                .map_err(|_| format!("no K/V within {} s", self.timeout.as_secs()))?
+                .map_err(|_| PullError::Timeout(self.timeout.as_secs()))?
         })
     }
 }

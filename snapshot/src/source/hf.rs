@@ -131,41 +131,7 @@ impl HfCheckpoint {
 
     /// Every tensor the engine will look up exists with the shape the config implies.
     fn check_tensors(&self) -> Result<()> {
-        let c = &self.config;
-        let (h, q, kv, ff) = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-            c.intermediate_size,
-        );
-        let mut want: Vec<(String, Vec<u64>)> = vec![
-            ("model.embed_tokens.weight".into(), vec![c.vocab_size, h]),
-            ("model.norm.weight".into(), vec![h]),
-        ];
-        if !self.tied() {
-            want.push(("lm_head.weight".into(), vec![c.vocab_size, h]));
-        }
-        for l in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            want.extend([
-                (format!("{p}.input_layernorm.weight"), vec![h]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![ff, h]),
-                (format!("{p}.mlp.up_proj.weight"), vec![ff, h]),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, ff]),
-            ]);
-            if c.attention_bias {
-                want.extend([
-                    (format!("{p}.self_attn.q_proj.bias"), vec![q]),
-                    (format!("{p}.self_attn.k_proj.bias"), vec![kv]),
-                    (format!("{p}.self_attn.v_proj.bias"), vec![kv]),
-                ]);
-            }
-        }
+        let want = crate::tensors::all(&self.config, self.tied());
         let mut errs = Vec::new();
         for (name, shape) in want {
             match self.tensors.get(&name) {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use preheat_engine::backend::cpu::CpuBackend;
 use preheat_engine::backend::cpu::matmul::linear;
-use preheat_engine::backend::cpu::weights::Weight;
+use preheat_engine::backend::weights::Weight;
 use preheat_engine::engine::{Engine, EngineConfig, Event, GenerateRequest};
 use preheat_engine::metrics::{EngineMetrics, Role};
 use preheat_engine::profile::{BLOCK, decode_rate, prefill_rate};
@@ -18,6 +18,7 @@ use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::tokenizer::Tokenizer;
 use preheat_snapshot::Snapshot;
 use preheat_snapshot::synth::{self, SynthOptions};
+use preheat_snapshot::tensors::{self, LayerTensors};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -46,35 +47,19 @@ fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
 /// the same `linear` (gemm) the backend uses.
 fn matmul_only_rate(snap: &Arc<Snapshot>, len: usize) -> anyhow::Result<f64> {
     let c = &snap.manifest().model;
-    let (h, ff) = (c.hidden_size as usize, c.intermediate_size as usize);
-    let (q, kv) = (
-        (c.num_attention_heads * c.head_dim) as usize,
-        (c.num_key_value_heads * c.head_dim) as usize,
-    );
-    let p = "model.layers.0";
-    let shapes = [
-        (format!("{p}.self_attn.q_proj.weight"), q, h),
-        (format!("{p}.self_attn.k_proj.weight"), kv, h),
-        (format!("{p}.self_attn.v_proj.weight"), kv, h),
-        (format!("{p}.self_attn.o_proj.weight"), h, q),
-        (format!("{p}.mlp.gate_proj.weight"), ff, h),
-        (format!("{p}.mlp.up_proj.weight"), ff, h),
-        (format!("{p}.mlp.down_proj.weight"), h, ff),
-    ];
+    let h = c.hidden_size as usize;
+    let l = LayerTensors::of(c, 0);
     let mut per_layer = Duration::ZERO;
-    for (name, n, k) in &shapes {
-        let w = Weight::load(snap, name, &[*n, *k])?;
+    for t in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+        let w = Weight::load_named(snap, t)?;
+        let (n, k) = (w.rows, w.cols);
         let x = vec![0.01f32; len * k];
         let mut y = vec![0f32; len * n];
         let t0 = Instant::now();
         linear(&x, len, &w, &mut y);
         per_layer += t0.elapsed();
     }
-    let head = Weight::load(
-        snap,
-        "model.embed_tokens.weight",
-        &[c.vocab_size as usize, h],
-    )?;
+    let head = Weight::load_named(snap, &tensors::embed(c))?;
     let x = vec![0.01f32; h];
     let mut y = vec![0f32; c.vocab_size as usize];
     let t0 = Instant::now();

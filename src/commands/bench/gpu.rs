@@ -56,7 +56,7 @@ mod on_gpu {
             anyhow::bail!("no GPU here ({:?})", CudaBackend::probe());
         }
         let (name, path, _) =
-            crate::commands::bench::coldstart::snapshot_for(&a.model, &a.work_dir)?;
+            crate::commands::bench::coldstart::prepare::snapshot_for(&a.model, &a.work_dir)?;
         let snap = Arc::new(preheat_snapshot::Snapshot::open(&path)?);
         // Upload from a hot page cache: the start this measures is the warm pool's.
         snap.populate()?;

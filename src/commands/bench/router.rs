@@ -9,8 +9,8 @@ use std::process::ExitCode;
 
 use preheat_engine::disagg::protocol::Load;
 use preheat_engine::disagg::router::{PrefixMemory, pick_prefill};
-use preheat_scaler::sim::cluster::PrefixCache;
-use preheat_scaler::sim::trace::{self, MOONCAKE_BLOCK_TOKENS};
+use preheat_sim::cluster::PrefixCache;
+use preheat_sim::trace::{self, MOONCAKE_BLOCK_TOKENS};
 use serde::Serialize;
 
 use crate::cli::BenchRouterArgs;

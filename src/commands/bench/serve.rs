@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use preheat_scaler::percentile::percentile as pct;
-use preheat_scaler::sim::trace;
+use preheat_sim::trace;
 use serde::Serialize;
 
 use crate::cli::BenchServeArgs;

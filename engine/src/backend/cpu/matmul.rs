@@ -5,11 +5,10 @@
 //! parallel over weight rows; with many rows (prefill) it is compute-bound and goes to
 //! the `gemm` crate, widening 16-bit weights one panel at a time.
 
-use half::{bf16, f16, slice::HalfFloatSliceExt};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::weights::{Elems, Weight};
+use crate::backend::weights::{Elems, Weight, bf16_to_f32, f16_to_f32};
 
 /// Token rows from which the gemm path wins over the matvec path.
 pub const GEMM_MIN_ROWS: usize = 8;
@@ -17,18 +16,6 @@ pub const GEMM_MIN_ROWS: usize = 8;
 const PANEL_ROWS: usize = 2048;
 /// Weight rows per parallel task on the matvec path.
 const TASK_ROWS: usize = 16;
-
-#[multiversion(targets("x86_64+avx2+fma", "x86_64+avx", "aarch64+neon"))]
-pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits(u32::from(s.to_bits()) << 16);
-    }
-}
-
-pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    // `half` picks F16C at run time when the CPU has it.
-    src.convert_to_f32_slice(dst);
-}
 
 /// Dot product with 16 independent accumulators, so it vectorises without
 /// reassociating float additions.

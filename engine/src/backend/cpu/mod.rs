@@ -3,7 +3,6 @@
 
 pub mod matmul;
 pub mod ops;
-pub mod weights;
 
 use std::sync::Arc;
 
@@ -11,10 +10,12 @@ use preheat_snapshot::{ModelConfig, Snapshot};
 use rayon::prelude::*;
 
 use self::matmul::{axpy, dot, linear};
-use self::weights::Weight;
+use preheat_snapshot::tensors::{self, LayerTensors, Named};
+
+use super::weights::Weight;
 use super::{Backend, Dims, ForwardBatch, KvLayout};
+use crate::Result;
 use crate::kv::BlockId;
-use crate::{EngineError, Result};
 
 #[derive(Debug)]
 struct Layer {
@@ -54,48 +55,37 @@ impl CpuBackend {
     pub fn new(snap: Arc<Snapshot>, num_blocks: usize, block_size: usize) -> Result<Self> {
         let c = snap.manifest().model.clone();
         let Dims {
-            hidden: h,
-            ffn: ff,
-            heads: nh,
             kv_heads: nkv,
             head_dim: hd,
-            vocab,
+            ..
         } = Dims::of(&c);
-        let w = |name: &str, shape: &[usize]| Weight::load(&snap, name, shape);
-        let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>> {
-            if snap.tensor(name).is_some() {
-                Ok(Some(Weight::load(&snap, name, &[n])?.to_f32_vec()))
-            } else if c.attention_bias {
-                Err(EngineError::Model(format!(
-                    "config declares q/k/v bias but {name} is missing"
-                )))
-            } else {
-                Ok(None)
-            }
+        let w = |t: &Named| Weight::load_named(&snap, t);
+        let bias = |t: &Named| -> Result<Option<Vec<f32>>> {
+            Ok(Weight::load_bias(&snap, &c, t)?.map(|b| b.to_f32_vec()))
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers as usize);
         for l in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{l}");
+            let t = LayerTensors::of(&c, l);
             layers.push(Layer {
-                input_norm: w(&format!("{p}.input_layernorm.weight"), &[h])?.to_f32_vec(),
-                post_norm: w(&format!("{p}.post_attention_layernorm.weight"), &[h])?.to_f32_vec(),
-                q: w(&format!("{p}.self_attn.q_proj.weight"), &[nh * hd, h])?,
-                k: w(&format!("{p}.self_attn.k_proj.weight"), &[nkv * hd, h])?,
-                v: w(&format!("{p}.self_attn.v_proj.weight"), &[nkv * hd, h])?,
-                o: w(&format!("{p}.self_attn.o_proj.weight"), &[h, nh * hd])?,
-                q_bias: bias(&format!("{p}.self_attn.q_proj.bias"), nh * hd)?,
-                k_bias: bias(&format!("{p}.self_attn.k_proj.bias"), nkv * hd)?,
-                v_bias: bias(&format!("{p}.self_attn.v_proj.bias"), nkv * hd)?,
-                gate: w(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
-                up: w(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
-                down: w(&format!("{p}.mlp.down_proj.weight"), &[h, ff])?,
+                input_norm: w(&t.input_norm)?.to_f32_vec(),
+                post_norm: w(&t.post_norm)?.to_f32_vec(),
+                q: w(&t.q)?,
+                k: w(&t.k)?,
+                v: w(&t.v)?,
+                o: w(&t.o)?,
+                q_bias: bias(&t.q_bias)?,
+                k_bias: bias(&t.k_bias)?,
+                v_bias: bias(&t.v_bias)?,
+                gate: w(&t.gate)?,
+                up: w(&t.up)?,
+                down: w(&t.down)?,
             });
         }
-        let embed = w("model.embed_tokens.weight", &[vocab, h])?;
+        let embed = w(&tensors::embed(&c))?;
         let lm_head = if c.tie_word_embeddings {
             embed.clone()
         } else {
-            w("lm_head.weight", &[vocab, h])?
+            w(&tensors::lm_head(&c))?
         };
         let layout = KvLayout {
             num_layers: layers.len(),
@@ -108,8 +98,8 @@ impl CpuBackend {
         let fingerprint = super::weights_fingerprint(snap.manifest());
         Ok(CpuBackend {
             fingerprint,
-            inv_freq: ops::inv_freq(&c),
-            final_norm: w("model.norm.weight", &[h])?.to_f32_vec(),
+            inv_freq: super::rope::inv_freq(&c),
+            final_norm: w(&tensors::final_norm(&c))?.to_f32_vec(),
             k_cache: (0..layers.len()).map(|_| vec![0f32; cache_len]).collect(),
             v_cache: (0..layers.len()).map(|_| vec![0f32; cache_len]).collect(),
             config: c,
@@ -184,7 +174,7 @@ impl Backend for CpuBackend {
         self.fingerprint
     }
 
-    fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>) {
+    fn export_kv(&self, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<()> {
         let n = self.layout.block_elems();
         out.reserve(self.layout.num_layers * blocks.len() * n * 8);
         for layer in 0..self.layout.num_layers {
@@ -194,6 +184,7 @@ impl Backend for CpuBackend {
                 out.extend_from_slice(bytemuck::cast_slice(v));
             }
         }
+        Ok(())
     }
 
     fn import_kv(&mut self, blocks: &[BlockId], data: &[u8]) -> Result<()> {

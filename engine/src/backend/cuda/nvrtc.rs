@@ -18,21 +18,7 @@ use crate::{EngineError, Result};
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Every `extern "C"` kernel in [`SOURCE`], as the backend looks them up.
-pub const KERNELS: [&str; 13] = [
-    "embed_f32",
-    "embed_f16",
-    "embed_bf16",
-    "rms_norm",
-    "rope",
-    "add_bias",
-    "add_inplace",
-    "silu_mul",
-    "f32_to_bf16",
-    "f32_to_f16",
-    "kv_write",
-    "paged_attention",
-    "gather_rows",
-];
+pub const KERNELS: &[&str] = super::kernels::NAMES;
 
 /// What one compilation produced.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,0 +1,349 @@
+//! The OpenAI-compatible HTTP API over a [`Frontend`]: the local engine, or a
+//! gateway's front.
+
+pub mod error;
+pub mod openai;
+mod respond;
+pub mod unread_fields;
+
+use std::convert::Infallible;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{Value, json};
+
+use self::error::ApiError;
+use self::openai::{ChatRequest, CompletionRequest, Prompt};
+use self::respond::{Style, generate, respond};
+use crate::engine::{Engine, Event, FinishReason, GenerateRequest, RequestHandle, TokenOut, Usage};
+use crate::frontend::Frontend;
+use crate::{EngineError, Result};
+
+/// Largest request body accepted.
+pub const DEFAULT_MAX_BODY: usize = 4 << 20;
+
+/// What requests are served through, shared by every connection.
+type Front = Arc<dyn Frontend>;
+
+/// Shared state of the API: the front once the model is loaded.
+#[derive(Clone)]
+pub struct ApiState {
+    engine: Arc<OnceLock<Front>>,
+    /// A standby's loaded engine, waiting for promotion.
+    parked: Arc<std::sync::Mutex<Option<Engine>>>,
+    max_body: usize,
+    /// The API's keys, when it asks for them (their per-key counts join `/metrics`).
+    api_keys: Option<Arc<preheat_edge::ApiKeys>>,
+}
+
+impl std::fmt::Debug for ApiState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiState")
+            .field("state", &self.state())
+            .field("max_body", &self.max_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ApiState {
+    #[must_use]
+    pub fn new(max_body: usize) -> Self {
+        ApiState {
+            engine: Arc::new(OnceLock::new()),
+            parked: Arc::default(),
+            max_body,
+            api_keys: None,
+        }
+    }
+
+    /// Asks clients of `/v1/*` for one of `keys` (see [`public_router`]).
+    #[must_use]
+    pub fn with_api_keys(mut self, keys: Option<Arc<preheat_edge::ApiKeys>>) -> Self {
+        self.api_keys = keys;
+        self
+    }
+
+    /// Installs the loaded engine; `/health` turns 200.
+    pub fn set_engine(&self, e: Engine) {
+        self.set_frontend(Arc::new(e));
+    }
+
+    /// Serves through `front` from now on (the first one installed stays).
+    pub fn set_frontend(&self, front: Front) {
+        let _ = self.engine.set(front);
+    }
+
+    /// Holds a loaded engine as a parked standby: `/health` stays 503 and the API
+    /// refuses requests until [`ApiState::promote`].
+    pub fn park(&self, e: Engine) {
+        *self.parked.lock().expect("no panics while held") = Some(e);
+    }
+
+    /// Serves the parked engine from now on; the start-up record restarts with
+    /// source `standby`. Returns the seconds promotion took, `None` when nothing is
+    /// parked.
+    pub fn promote(&self) -> Option<f64> {
+        let t0 = std::time::Instant::now();
+        let e = self.parked.lock().expect("no panics while held").take()?;
+        e.metrics.set_startup_origin(t0, "standby");
+        let m = Arc::clone(&e.metrics);
+        self.set_engine(e);
+        Some(m.mark_startup("ready"))
+    }
+
+    /// `loading`, `standby` or `serving`.
+    #[must_use]
+    pub fn state(&self) -> &'static str {
+        if self.engine.get().is_some() {
+            "serving"
+        } else if self.parked.lock().expect("no panics while held").is_some() {
+            "standby"
+        } else {
+            "loading"
+        }
+    }
+
+    pub fn engine(&self) -> Result<&Front> {
+        self.engine
+            .get()
+            .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))
+    }
+}
+
+/// The client-facing routes (OpenAI API, `/health`, `/metrics`) as a public listener
+/// serves them: `/internal/` answers 404 and, with API keys, `/v1/*` needs one.
+pub fn public_router(state: ApiState) -> Router {
+    let keys = state.api_keys.clone();
+    let r = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state);
+    preheat_edge::routes::public(r, keys)
+}
+
+/// A parked standby's control routes (`/internal/state`, `/internal/promote`) for an
+/// internal listener: the cluster token on all but `/health` and `/metrics`.
+pub fn control_router(state: ApiState, token: Option<Arc<preheat_edge::ClusterToken>>) -> Router {
+    let r = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/internal/state", get(state_route))
+        .route("/internal/promote", post(promote_route))
+        .with_state(state);
+    preheat_edge::routes::internal(r, token)
+}
+
+async fn state_route(State(st): State<ApiState>) -> Response {
+    axum::Json(serde_json::json!({"state": st.state()})).into_response()
+}
+
+async fn promote_route(State(st): State<ApiState>) -> Response {
+    match st.promote() {
+        Some(secs) => axum::Json(serde_json::json!({"state": "serving", "promote_ms": secs * 1e3}))
+            .into_response(),
+        None => (
+            StatusCode::CONFLICT,
+            axum::Json(
+                serde_json::json!({"state": st.state(), "error": "nothing parked to promote"}),
+            ),
+        )
+            .into_response(),
+    }
+}
+
+async fn health(State(st): State<ApiState>) -> Response {
+    health_of(st.engine.get().map(|f| &**f))
+}
+
+async fn metrics(State(st): State<ApiState>) -> Response {
+    if st.engine.get().is_none()
+        && let Some(e) = st.parked.lock().expect("no panics while held").as_ref()
+    {
+        // A standby reports its load phases while parked.
+        return metrics_of(Some(e as &dyn Frontend));
+    }
+    let mut r = metrics_of(st.engine.get().map(|f| &**f));
+    if let Some(keys) = &st.api_keys
+        && let Ok(more) = prometheus::TextEncoder::new().encode_to_string(&keys.registry().gather())
+    {
+        let body = std::mem::take(r.body_mut());
+        let mut text = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .unwrap_or_default()
+            .to_vec();
+        text.extend_from_slice(more.as_bytes());
+        *r.body_mut() = Body::from(text);
+    }
+    r
+}
+
+/// `/health`: 200 once an engine is loaded, 503 before.
+pub fn health_of(engine: Option<&dyn Frontend>) -> Response {
+    match engine {
+        Some(e) if e.is_alive() => (StatusCode::OK, "ok").into_response(),
+        Some(_) => (StatusCode::SERVICE_UNAVAILABLE, "engine failed").into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "loading").into_response(),
+    }
+}
+
+/// `/metrics` in the Prometheus text format (empty before the engine loads).
+pub fn metrics_of(engine: Option<&dyn Frontend>) -> Response {
+    let body = engine.map(|e| e.metrics().render()).unwrap_or_default();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn models(State(st): State<ApiState>) -> std::result::Result<Json<Value>, ApiError> {
+    let e = st.engine()?;
+    Ok(Json(json!({"object": "list", "data": [{
+        "id": e.model_name(), "object": "model", "created": now(), "owned_by": "preheat",
+        "root": e.model_name(), "max_model_len": e.max_model_len(),
+    }]})))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn request_id(prefix: &str, id: u64) -> String {
+    format!("{prefix}-{:x}{id:x}", now())
+}
+
+/// Reads and parses a JSON body, with the size limit and OpenAI-style errors.
+async fn parse_body<T: serde::de::DeserializeOwned>(body: Body, limit: usize) -> Result<T> {
+    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        EngineError::invalid(
+            format!("request body is larger than {limit} bytes or unreadable"),
+            "body",
+        )
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| EngineError::invalid(format!("invalid JSON body: {e}"), "body"))
+}
+
+/// Runs template rendering and tokenisation on the blocking pool: megabytes of text
+/// take milliseconds of CPU that would otherwise stall every connection sharing this
+/// runtime thread.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| EngineError::Internal(format!("tokenizer task: {e}")))?
+}
+
+fn check_model(e: &dyn Frontend, model: Option<&str>) -> Result<()> {
+    match model {
+        Some(m) if m != e.model_name() => Err(EngineError::UnknownModel(m.to_owned())),
+        _ => Ok(()),
+    }
+}
+
+async fn completions(
+    State(st): State<ApiState>,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(body, st.max_body).await?;
+    unread_fields::check(&req.rest, unread_fields::Endpoint::Completions)?;
+    let e = st.engine()?;
+    check_model(&**e, req.common.model.as_deref())?;
+    if req.echo && req.logprobs.is_some() {
+        // Echo with logprobs asks for the prompt tokens' logprobs, not computed here.
+        return Err(EngineError::invalid(
+            "echo together with logprobs (prompt logprobs) is not supported",
+            "echo",
+        )
+        .into());
+    }
+    // The cheap checks first: nothing is tokenised for a request refused anyway.
+    let params = openai::sampling(&req.common, req.logprobs, 16)?;
+    let tok = Arc::clone(e.tokenizer());
+    // A text prompt echoes as sent; token ids are decoded below, once known to be one.
+    let mut echo_text = match (&req.prompt, req.echo) {
+        (Prompt::Text(t), true) => Some(t.clone()),
+        (Prompt::Texts(v), true) => v.first().cloned(),
+        _ => None,
+    };
+    let prompt = match req.prompt {
+        Prompt::Text(t) => off_runtime(move || tok.encode(&t)).await?,
+        Prompt::Tokens(ids) => ids,
+        Prompt::Texts(mut v) if v.len() == 1 => {
+            let t = v.pop().unwrap_or_default();
+            off_runtime(move || tok.encode(&t)).await?
+        }
+        Prompt::TokenLists(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
+        _ => {
+            return Err(EngineError::invalid(
+                "batched prompts are not supported; send one prompt per request",
+                "prompt",
+            )
+            .into());
+        }
+    };
+    if req.echo && echo_text.is_none() {
+        let (tok, ids) = (Arc::clone(e.tokenizer()), prompt.clone());
+        echo_text = Some(off_runtime(move || tok.decode(&ids)).await?);
+    }
+    let style = Style::new(false, params.logprobs.is_some(), &req.common);
+    let handle = e.submit(GenerateRequest { prompt, params })?;
+    Ok(respond(e.clone(), handle, style, req.common.stream, echo_text).await?)
+}
+
+async fn chat_completions(
+    State(st): State<ApiState>,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
+    let req: ChatRequest = parse_body(body, st.max_body).await?;
+    unread_fields::check(&req.rest, unread_fields::Endpoint::Chat)?;
+    let e = st.engine()?;
+    check_model(&**e, req.common.model.as_deref())?;
+    let top = if req.logprobs {
+        Some(req.top_logprobs.unwrap_or(0))
+    } else {
+        None
+    };
+    // The cheap checks first: nothing is rendered or tokenised for a request refused
+    // anyway (the real default for max_tokens needs the prompt's length, below).
+    openai::sampling(&req.common, top, e.max_model_len())?;
+    let messages = openai::to_messages(&req.messages)?;
+    let tok = Arc::clone(e.tokenizer());
+    let add_generation_prompt = req.add_generation_prompt;
+    let prompt = off_runtime(move || {
+        let text = tok.apply_chat_template(&messages, add_generation_prompt)?;
+        // The template already placed BOS where the model wants it.
+        tok.encode_no_bos(&text)
+    })
+    .await?;
+    let default_max = e.max_model_len().saturating_sub(prompt.len()).max(1);
+    let params = openai::sampling(&req.common, top, default_max)?;
+    let style = Style::new(true, req.logprobs, &req.common);
+    Ok(generate(e, prompt, params, style, req.common.stream).await?)
+}
+
+/// Stops new requests and waits up to `grace` for in-flight ones to finish.
+pub async fn drain(state: &ApiState, grace: Duration) {
+    let Ok(e) = state.engine() else { return };
+    e.drain();
+    let deadline = tokio::time::Instant::now() + grace;
+    while e.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if e.in_flight() > 0 {
+        tracing::warn!(
+            in_flight = e.in_flight(),
+            "grace period over; exiting with requests in flight"
+        );
+    }
+}

@@ -1,0 +1,546 @@
+//! The gateway process: the OpenAI API (the same server code as `engine serve`) over a
+//! front ([`front`]) whose requests run on the workers ([`requests`]), the worker
+//! registry (registered through [`routes`] or found by [`discovery`]) and the
+//! announcements of which prefill workers decode workers may pull from ([`announce`]).
+
+mod announce;
+mod discovery;
+mod front;
+mod requests;
+mod routes;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures_util::StreamExt;
+use prometheus::IntGauge;
+
+use self::front::GatewayFront;
+use self::routes::{deregister, heartbeat, register, unannounceable, workers};
+use super::protocol::{
+    GenerateBody, Heartbeat, Load, ModelInfo, Registration, WireError, WireEvent, WorkerRole,
+    WorkerStatus,
+};
+use crate::api::{ApiState, DEFAULT_MAX_BODY, drain, public_router};
+use crate::disagg::peers::Announcement;
+use crate::disagg::router::{PrefixIndex, pick_decode, pick_prefill};
+use crate::engine::{Event, GenerateRequest};
+use crate::kv::block_hashes;
+use crate::metrics::{EngineMetrics, Role};
+use crate::tokenizer::Tokenizer;
+use crate::{EngineError, Result};
+use preheat_edge::{ApiKeys, ClusterToken, WithClusterToken};
+use preheat_snapshot::ModelCard;
+
+/// Gateway settings.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct GatewayOptions {
+    /// Missed-heartbeat horizon after which a registered worker is dropped (a
+    /// discovered one: at least [`DISCOVERED_SILENCE`] without an answer).
+    pub worker_timeout: Duration,
+    /// How long a request waits for a decode worker when there is none (scale from
+    /// zero) before failing.
+    pub hold_timeout: Duration,
+    /// Prompts shorter than this are prefilled on the decode worker itself.
+    pub disagg_min_tokens: usize,
+    /// Longest silence in a decode worker's stream before it counts as dead.
+    pub stream_idle_timeout: Duration,
+    pub drain_grace: Duration,
+    /// The model, known from the start (requests are then held even before the first
+    /// worker registers); otherwise the first worker's.
+    pub model: Option<ModelInfo>,
+    /// Set by whoever runs the workers when they cannot start.
+    pub outage: Arc<Outage>,
+    /// Where workers come from when they do not register themselves; with it the
+    /// gateway serves no registration endpoints. Needs `model` (workers are checked
+    /// against it before use).
+    pub discovery: Option<Arc<dyn WorkerSource>>,
+    /// The deployment's cluster token: registration asks for it, and every request to
+    /// a worker carries it.
+    pub cluster_token: Option<Arc<ClusterToken>>,
+    /// Keys the OpenAI API asks for.
+    pub api_keys: Option<Arc<ApiKeys>>,
+}
+
+/// The workers that may serve now, as a platform lists them (Kubernetes: the pools'
+/// EndpointSlices, Ready endpoints only). The gateway checks each one's model before
+/// sending it anything and polls its load; a worker that leaves the list leaves the
+/// rotation.
+pub trait WorkerSource: Send + Sync + std::fmt::Debug {
+    /// Base URLs of the listed workers, by the pool that lists them.
+    fn workers(&self) -> Vec<(WorkerRole, String)>;
+}
+
+/// Why no worker can be had, set by whoever runs the workers (local mode's driver,
+/// when a pool's workers keep dying at start) or by the gateway's own shutdown: held
+/// and new requests then fail at once with that reason (503 + Retry-After) instead of
+/// waiting out the hold time.
+#[derive(Debug, Default)]
+pub struct Outage(Mutex<Option<String>>);
+
+impl Outage {
+    /// Records why; the first reason stays (it is the cause, e.g. workers that cannot
+    /// start, rather than the shutdown that follows it).
+    pub fn set(&self, why: impl Into<String>) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_or_insert_with(|| why.into());
+    }
+
+    #[must_use]
+    pub fn reason(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl Default for GatewayOptions {
+    fn default() -> Self {
+        GatewayOptions {
+            worker_timeout: Duration::from_secs(3),
+            hold_timeout: Duration::from_secs(300),
+            disagg_min_tokens: 32,
+            stream_idle_timeout: Duration::from_secs(60),
+            drain_grace: Duration::from_secs(30),
+            model: None,
+            outage: Arc::default(),
+            discovery: None,
+            cluster_token: None,
+            api_keys: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    reg: Registration,
+    load: Load,
+    last_seen: Instant,
+    /// Decode workers: the prefill addresses last announced to them, and when that
+    /// announcement was sent. Only these are named to them in a request.
+    told: Option<(Instant, Vec<String>)>,
+}
+
+impl Entry {
+    fn new(reg: Registration, load: Load) -> Self {
+        Entry {
+            reg,
+            load,
+            last_seen: Instant::now(),
+            told: None,
+        }
+    }
+
+    /// Where a decode worker pulls this prefill worker's K/V from (its KV port, else
+    /// its URL).
+    fn kv_address(&self) -> String {
+        self.reg.kv.clone().unwrap_or_else(|| self.reg.url.clone())
+    }
+
+    /// The prefill addresses this decode worker still holds from this gateway.
+    fn told_now(&self) -> &[String] {
+        match &self.told {
+            Some((at, list)) if at.elapsed() < PEERS_TRUSTED => list,
+            _ => &[],
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    workers: HashMap<String, Entry>,
+    prefix: PrefixIndex,
+    compat: Option<String>,
+    block_size: usize,
+}
+
+/// Shared gateway state.
+pub struct Gateway {
+    reg: Mutex<Registry>,
+    client: reqwest::Client,
+    api: ApiState,
+    opts: GatewayOptions,
+    /// `preheat:gateway_pending_requests`: requests waiting for a worker.
+    pending: IntGauge,
+    /// `preheat:gateway_workers{role}`: the rotation's size.
+    workers_gauge: prometheus::IntGaugeVec,
+    front: OnceLock<()>,
+    /// This gateway's id in its announcements to decode workers (a restarted gateway
+    /// gets a new one; its old list expires there).
+    instance: String,
+    /// Wakes the announcer early: a worker joined.
+    announce_now: tokio::sync::Notify,
+    /// Sequence of this gateway's announcements (a late, older one is ignored).
+    announcements: std::sync::atomic::AtomicU64,
+    refusal_log: LogEvery,
+}
+
+/// Lets a repeated message through at most once per period.
+#[derive(Debug)]
+struct LogEvery {
+    period: Duration,
+    last: Mutex<Option<Instant>>,
+}
+
+impl LogEvery {
+    fn ready(&self) -> bool {
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|t| t.elapsed() < self.period) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
+    }
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Picked {
+    id: String,
+    url: String,
+    /// Where a decode worker pulls K/V from (the KV transport, else the URL).
+    kv: String,
+}
+
+impl Gateway {
+    /// Starts serving `info`'s model: the front engine the OpenAI API runs on.
+    fn install_front(self: &Arc<Self>, info: ModelInfo) -> Result<()> {
+        let tok = Tokenizer::from_parts(info.tokenizer)?;
+        let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
+        let _ = metrics.registry.register(Box::new(self.pending.clone()));
+        let _ = metrics
+            .registry
+            .register(Box::new(self.workers_gauge.clone()));
+        {
+            let mut g = self.lock();
+            g.compat = Some(info.compat.clone());
+            g.block_size = info.block_size;
+        }
+        if self.front.set(()).is_ok() {
+            self.api.set_frontend(Arc::new(GatewayFront::new(
+                Arc::clone(self),
+                tok,
+                info.model.clone(),
+                info.max_model_len,
+                info.vocab_size,
+                metrics,
+            )));
+            tracing::info!(model = %info.model, "gateway serving");
+        }
+        Ok(())
+    }
+
+    fn token(&self) -> Option<&ClusterToken> {
+        self.opts.cluster_token.as_deref()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.reg
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn drop_worker(&self, id: &str, why: &str) {
+        let mut g = self.lock();
+        // Its prefix memory goes too: ids are addresses, and a new pod may get this one.
+        g.prefix.0.remove(id);
+        if g.workers.remove(id).is_some() {
+            tracing::warn!(worker = %id, reason = why, "worker dropped");
+        }
+    }
+
+    /// Whether decode workers may pull from this prefill worker: with a token, K/V moves
+    /// only over a KV port (whose handshake keeps the token off the wire); a prefill
+    /// worker without one is not used, and its requests are prefilled on the decode
+    /// worker.
+    fn can_serve_kv(&self, e: &Entry) -> bool {
+        e.reg.role == WorkerRole::Prefill
+            && (self.opts.cluster_token.is_none()
+                || e.reg.kv.as_deref().is_some_and(|k| k.starts_with("tcp://")))
+    }
+}
+
+/// What workers serving the snapshot at `path` with `block_size` will report, read
+/// without loading weights (so a gateway can front the model before any worker runs).
+/// HF and GGUF sources are converted first, as a worker would.
+pub fn model_info(
+    path: &std::path::Path,
+    block_size: usize,
+    served_name: Option<&str>,
+) -> Result<ModelInfo> {
+    let (snap, _) = crate::model::open_model(path)?;
+    let name = served_name.map_or_else(|| crate::colocated::default_name(path), str::to_owned);
+    model_info_from_card(&ModelCard::of(&snap)?, block_size, &name)
+}
+
+/// What workers serving the model of `card` under `name` with `block_size` report:
+/// the gateway's view of its model from the manifest and tokenizer alone.
+pub fn model_info_from_card(card: &ModelCard, block_size: usize, name: &str) -> Result<ModelInfo> {
+    let c = &card.manifest.model;
+    let layout = crate::backend::KvLayout {
+        num_layers: c.num_hidden_layers as usize,
+        num_blocks: 0,
+        block_size,
+        num_kv_heads: c.num_key_value_heads as usize,
+        head_dim: c.head_dim as usize,
+    };
+    Ok(ModelInfo {
+        model: name.to_owned(),
+        compat: crate::kv::transfer::compat_hash(
+            crate::backend::weights_fingerprint(&card.manifest),
+            &layout,
+        ),
+        block_size,
+        max_model_len: c.max_position_embeddings as usize,
+        vocab_size: c.vocab_size as usize,
+        tokenizer: Tokenizer::from_card(card)?.to_parts()?,
+    })
+}
+
+/// How often a discovering gateway reads its source and its workers' load.
+const DISCOVERY_PERIOD: Duration = Duration::from_millis(500);
+/// A discovered worker silent this long leaves the rotation (it is re-admitted once
+/// it answers while still listed): several missed reads, not one slow one.
+const DISCOVERED_SILENCE: Duration = Duration::from_secs(10);
+/// Most bytes read from a listed peer's `/internal/load` (65,536 block hashes as JSON
+/// is about 1.3 MB) and `/internal/model` (its tokenizer): a peer cannot make the
+/// gateway buffer more.
+const MAX_STATUS_BYTES: usize = 4 << 20;
+const MAX_MODEL_BYTES: usize = 64 << 20;
+/// Longest line of a decode worker's event stream (a token with 20 top logprobs is
+/// a few KiB): a peer cannot make the gateway buffer without end.
+const MAX_EVENT_LINE: usize = 1 << 20;
+/// Most bytes of a worker's error body.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+/// Largest registration or heartbeat body (a heartbeat's 65,536 block hashes).
+const MAX_REGISTRY_BODY: usize = 2 << 20;
+/// Prefix-cache block hashes kept per prefill worker.
+const MAX_PEER_BLOCKS: usize = 65_536;
+
+/// A response body of at most `cap` bytes, refused (not truncated) beyond.
+async fn read_capped(r: reqwest::Response, cap: usize) -> std::result::Result<Vec<u8>, String> {
+    if r.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(format!("body larger than {cap} bytes"));
+    }
+    let mut body = Vec::new();
+    let mut stream = r.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        if body.len() + chunk.len() > cap {
+            return Err(format!("body larger than {cap} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+/// How long a decode worker keeps an announced prefill list without a refresh.
+const PEERS_TTL: Duration = Duration::from_secs(10);
+/// An announcement is repeated this often even when nothing changed.
+const PEERS_REFRESH: Duration = Duration::from_secs(3);
+/// The gateway names a prefill worker to a decode worker only while the list that
+/// holds it is this fresh (well inside its TTL there).
+const PEERS_TRUSTED: Duration = Duration::from_secs(6);
+/// Longest a request waits for a newly joined decode worker's first announcement.
+const FIRST_ANNOUNCEMENT_WAIT: Duration = Duration::from_secs(1);
+/// How often the gateway checks whether an announcement is due.
+const PEERS_TICK: Duration = Duration::from_millis(200);
+
+/// A listed worker that serves another model is asked again after this.
+const REFUSED_RETRY: Duration = Duration::from_secs(30);
+
+/// Runs the gateway until `stop` resolves: the OpenAI API on `public`, worker
+/// registration (when workers register rather than being discovered) on `internal`,
+/// behind the cluster token.
+pub async fn run(
+    public: tokio::net::TcpListener,
+    internal: Option<tokio::net::TcpListener>,
+    opts: GatewayOptions,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let listener = public;
+    let api = ApiState::new(DEFAULT_MAX_BODY).with_api_keys(opts.api_keys.clone());
+    let pending = IntGauge::new(
+        crate::metrics::names::GATEWAY_PENDING,
+        "Requests held at the gateway waiting for a worker",
+    )
+    .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let workers_gauge = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            crate::metrics::names::GATEWAY_WORKERS,
+            "Workers in this gateway's rotation, by role",
+        ),
+        &["role"],
+    )
+    .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let gw = Arc::new(Gateway {
+        workers_gauge,
+        reg: Mutex::new(Registry::default()),
+        // A worker that does not accept a connection within seconds is not there.
+        client: preheat_edge::client::internal()
+            .build()
+            .map_err(|e| EngineError::Internal(e.to_string()))?,
+        api: api.clone(),
+        opts: opts.clone(),
+        pending,
+        front: OnceLock::new(),
+        instance: format!(
+            "gw-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ),
+        announce_now: tokio::sync::Notify::new(),
+        announcements: std::sync::atomic::AtomicU64::new(1),
+        refusal_log: LogEvery {
+            period: Duration::from_secs(30),
+            last: Mutex::new(None),
+        },
+    });
+    if let Some(info) = opts.model.clone() {
+        gw.install_front(info)?;
+    }
+    let mut discovery = None;
+    let mut registration = None;
+    match &opts.discovery {
+        Some(source) => {
+            if opts.model.is_none() {
+                return Err(EngineError::Model(
+                    "a gateway that discovers its workers needs its model (--model) to check them against".into(),
+                ));
+            }
+            let gw = Arc::clone(&gw);
+            let source = Arc::clone(source);
+            discovery = Some(tokio::spawn(async move {
+                let mut refused = HashMap::new();
+                loop {
+                    gw.discover(source.as_ref(), &mut refused).await;
+                    tokio::time::sleep(DISCOVERY_PERIOD).await;
+                }
+            }));
+        }
+        None => {
+            let Some(internal) = internal else {
+                return Err(EngineError::Unavailable(
+                    "a gateway whose workers register needs an internal listener for them".into(),
+                ));
+            };
+            let routes = axum::Router::new()
+                .route("/internal/register", post(register))
+                .route("/internal/heartbeat", post(heartbeat))
+                .route("/internal/deregister", post(deregister))
+                .route("/internal/workers", axum::routing::get(workers))
+                .route("/health", axum::routing::get(|| async { "ok" }))
+                .layer(axum::extract::DefaultBodyLimit::max(MAX_REGISTRY_BODY))
+                .with_state(Arc::clone(&gw));
+            let app = preheat_edge::routes::internal(routes, opts.cluster_token.clone());
+            if opts.cluster_token.is_none() {
+                tracing::warn!(
+                    "no cluster token: worker registration accepts anyone (give --cluster-token-file)"
+                );
+            }
+            registration = Some(tokio::spawn(async move {
+                let limits = preheat_edge::listener::Limits::INTERNAL;
+                if let Err(e) =
+                    preheat_edge::listener::serve(internal, app, limits, std::future::pending())
+                        .await
+                {
+                    tracing::error!(error = %e, "the gateway's internal listener failed");
+                }
+            }));
+        }
+    }
+    let app = public_router(api.clone());
+    let announcer = {
+        let gw = Arc::clone(&gw);
+        tokio::spawn(async move {
+            loop {
+                gw.announce_peers().await;
+                tokio::select! {
+                    () = tokio::time::sleep(PEERS_TICK) => {}
+                    () = gw.announce_now.notified() => {}
+                }
+            }
+        })
+    };
+    // Drop workers whose heartbeats stopped.
+    let reaper = {
+        let gw = Arc::clone(&gw);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let horizon = if gw.opts.discovery.is_some() {
+                    gw.opts.worker_timeout.max(DISCOVERED_SILENCE)
+                } else {
+                    gw.opts.worker_timeout
+                };
+                let dead: Vec<String> = gw
+                    .lock()
+                    .workers
+                    .values()
+                    .filter(|e| e.last_seen.elapsed() > horizon)
+                    .map(|e| e.reg.id.clone())
+                    .collect();
+                for id in dead {
+                    gw.drop_worker(&id, "missed heartbeats");
+                }
+                let counts = {
+                    let g = gw.lock();
+                    [WorkerRole::Prefill, WorkerRole::Decode]
+                        .map(|r| (r, g.workers.values().filter(|e| e.reg.role == r).count()))
+                };
+                for (role, n) in counts {
+                    gw.workers_gauge
+                        .with_label_values(&[role.as_str()])
+                        .set(i64::try_from(n).unwrap_or(i64::MAX));
+                }
+            }
+        })
+    };
+    tracing::info!(addr = %listener.local_addr().map_err(|e| EngineError::Unavailable(e.to_string()))?, model_known = opts.model.is_some(), discovery = opts.discovery.is_some(), "gateway listening");
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let grace = opts.drain_grace;
+    let outage = Arc::clone(&opts.outage);
+    tokio::spawn(async move {
+        stop.await;
+        tracing::info!("gateway shutting down: draining in-flight requests");
+        // Held requests have not started: they get 503 + Retry-After now, and the
+        // client's retry reaches another replica, instead of a reset at the grace's end.
+        outage.set("this gateway is shutting down; retry");
+        drain(&api, grace).await;
+        let _ = stop_tx.send(());
+    });
+    let r = preheat_edge::listener::serve(
+        listener,
+        app,
+        preheat_edge::listener::Limits::PUBLIC,
+        async move {
+            let _ = stop_rx.await;
+        },
+    )
+    .await;
+    reaper.abort();
+    announcer.abort();
+    for t in [discovery, registration].into_iter().flatten() {
+        t.abort();
+    }
+    r.map_err(|e| EngineError::Unavailable(format!("gateway: {e}")))
+}

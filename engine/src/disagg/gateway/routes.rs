@@ -1,0 +1,125 @@
+//! The internal routes workers call: registration, heartbeats, leaving, and the
+//! operators' `/internal/workers` view.
+
+use super::*;
+
+pub(super) fn conflict(msg: String) -> Response {
+    (StatusCode::CONFLICT, msg).into_response()
+}
+
+/// Why a worker's addresses cannot be announced to decode workers, if they cannot.
+pub(super) fn unannounceable(url: &str, kv: Option<&str>) -> Option<String> {
+    let max = crate::disagg::peers::MAX_ADDRESS_LEN;
+    (url.len() > max || kv.is_some_and(|k| k.len() > max))
+        .then(|| format!("a worker's URL and KV address are at most {max} bytes"))
+}
+
+pub(super) async fn register(
+    State(gw): State<Arc<Gateway>>,
+    Json(r): Json<Registration>,
+) -> Response {
+    if let Some(why) = unannounceable(&r.url, r.kv.as_deref()) {
+        return (StatusCode::BAD_REQUEST, why).into_response();
+    }
+    let known = gw.lock().compat.clone();
+    match known {
+        Some(c) if c != r.compat => {
+            let msg = format!(
+                "worker {} ({} at {}) has KV compatibility hash {}, this gateway serves {}: another model or KV layout",
+                r.id, r.model, r.url, r.compat, c
+            );
+            tracing::warn!("refusing worker: {msg}");
+            return conflict(msg);
+        }
+        Some(_) => {}
+        None => {
+            // The first worker teaches the gateway its model.
+            let info: ModelInfo = match async {
+                gw.client
+                    .get(format!("{}/internal/model", r.url))
+                    .cluster_token(gw.token())
+                    .timeout(Duration::from_secs(30))
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .json()
+                    .await
+            }
+            .await
+            {
+                Ok(i) => i,
+                Err(e) => {
+                    return (
+                        StatusCode::BAD_GATEWAY,
+                        format!("reading {}/internal/model: {e}", r.url),
+                    )
+                        .into_response();
+                }
+            };
+            if info.compat != r.compat {
+                return conflict("the worker's model answer contradicts its registration".into());
+            }
+            if let Err(e) = gw.install_front(info) {
+                return (StatusCode::BAD_GATEWAY, e.to_string()).into_response();
+            }
+        }
+    }
+    tracing::info!(worker = %r.id, role = r.role.as_str(), url = %r.url, "worker registered");
+    gw.lock()
+        .workers
+        .insert(r.id.clone(), Entry::new(r, Load::default()));
+    gw.announce_now.notify_one();
+    StatusCode::OK.into_response()
+}
+
+pub(super) async fn heartbeat(
+    State(gw): State<Arc<Gateway>>,
+    Json(mut h): Json<Heartbeat>,
+) -> Response {
+    h.blocks.truncate(MAX_PEER_BLOCKS);
+    let mut g = gw.lock();
+    match g.workers.get_mut(&h.id) {
+        Some(e) => {
+            e.load = h.load;
+            e.last_seen = Instant::now();
+            if e.reg.role == WorkerRole::Prefill {
+                g.prefix.0.entry(h.id).or_default().replace(&h.blocks);
+            }
+            StatusCode::OK.into_response()
+        }
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct Deregister {
+    id: String,
+}
+
+pub(super) async fn deregister(
+    State(gw): State<Arc<Gateway>>,
+    Json(d): Json<Deregister>,
+) -> Response {
+    if gw.lock().workers.remove(&d.id).is_some() {
+        tracing::info!(worker = %d.id, "worker deregistered");
+    }
+    StatusCode::OK.into_response()
+}
+
+pub(super) async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
+    let g = gw.lock();
+    let mut list: Vec<_> = g
+        .workers
+        .values()
+        .map(|e| {
+            let mut w = serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load});
+            if e.reg.role == WorkerRole::Decode {
+                // How many prefill workers it was told it may pull from.
+                w["prefill_peers"] = e.told_now().len().into();
+            }
+            w
+        })
+        .collect();
+    list.sort_by_key(|v| v["id"].as_str().unwrap_or("").to_owned());
+    Json(serde_json::json!({"workers": list}))
+}

@@ -1,0 +1,500 @@
+//! The engine thread: one thread owns the scheduler and the backend, runs a forward
+//! pass per step, samples, detokenises, and streams events to each request's channel.
+//! A request whose channel is closed (client gone) is aborted and its blocks freed at
+//! the next step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc as tmpsc;
+
+use super::request::{Event, FinishReason, GenerateRequest, TokenOut, Usage};
+use crate::backend::{Backend, ForwardBatch, SeqSlice};
+use crate::kv::BlockId;
+use crate::kv::transfer::{self, KvHeader, KvMessage};
+use crate::metrics::EngineMetrics;
+use crate::sampling::penalties;
+use crate::sampling::{Rng, SamplingParams, sample_with_state};
+use crate::scheduler::{Scheduler, SeqState};
+use crate::tokenizer::{IncrementalDetokenizer, StopMatcher, StopOutcome, Tokenizer};
+use crate::{EngineError, Result};
+
+pub(crate) enum Command {
+    Submit {
+        id: u64,
+        req: GenerateRequest,
+        out: tmpsc::UnboundedSender<Event>,
+        arrival: Instant,
+        /// Prefill only, shipping the K/V under this transfer id.
+        prefill_only: Option<String>,
+    },
+    Resume {
+        id: u64,
+        msg: Box<KvMessage>,
+        /// Blocks reserved before the payload flowed ([`Engine::reserve`]).
+        blocks: Option<Vec<BlockId>>,
+        out: tmpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    },
+    Reserve {
+        blocks: usize,
+        reply: tokio::sync::oneshot::Sender<Option<Vec<BlockId>>>,
+    },
+    Release(Vec<BlockId>),
+    Abort(u64),
+}
+
+/// Per-request state the scheduler does not need.
+pub(crate) struct Live {
+    params: SamplingParams,
+    rng: Rng,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    out: tmpsc::UnboundedSender<Event>,
+    arrival: Instant,
+    scheduled: Option<Instant>,
+    last_token: Option<Instant>,
+    stopped_by_string: bool,
+    prefill_only: Option<String>,
+    /// What the penalties read of the sequence, kept as tokens are appended.
+    penalties: penalties::State,
+}
+
+pub(crate) struct EngineLoop {
+    pub(crate) kv_buffers: transfer::BufferPool,
+    pub(crate) cached: Arc<std::sync::Mutex<Vec<crate::kv::BlockHash>>>,
+    pub(crate) cached_at: Instant,
+    pub(crate) backend: Box<dyn Backend>,
+    pub(crate) sched: Scheduler,
+    pub(crate) live: HashMap<u64, Live>,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) metrics: Arc<EngineMetrics>,
+    pub(crate) queued: Arc<AtomicUsize>,
+    pub(crate) in_flight: Arc<AtomicUsize>,
+}
+
+impl EngineLoop {
+    pub(crate) fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            let first = if self.sched.is_idle() {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                self.handle(cmd);
+            }
+            self.drop_abandoned();
+            if let Err(e) = self.step() {
+                tracing::error!(error = %e, "engine step failed; failing the batch");
+                let ids: Vec<u64> = self.live.keys().copied().collect();
+                for id in ids {
+                    self.finish(
+                        id,
+                        FinishReason::Abort,
+                        Some(EngineError::Internal(e.to_string())),
+                    );
+                }
+            }
+            self.update_gauges();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit {
+                id,
+                req,
+                out,
+                arrival,
+                prefill_only,
+            } => {
+                let rng = req.params.seed.map_or_else(Rng::entropy, Rng::new);
+                let penalties = penalties::State::new(&req.params, &req.prompt);
+                self.live.insert(
+                    id,
+                    Live {
+                        stop: StopMatcher::new(req.params.stop.clone()),
+                        params: req.params,
+                        rng,
+                        detok: IncrementalDetokenizer::default(),
+                        out,
+                        arrival,
+                        scheduled: None,
+                        last_token: None,
+                        stopped_by_string: false,
+                        prefill_only,
+                        penalties,
+                    },
+                );
+                self.sched.add(SeqState::new(id, req.prompt));
+            }
+            Command::Resume {
+                id,
+                msg,
+                blocks,
+                out,
+                arrival,
+            } => self.resume(id, *msg, blocks, out, arrival),
+            Command::Reserve { blocks, reply } => {
+                let got = self.sched.pool.allocate(blocks);
+                if let Err(Some(b)) = reply.send(got) {
+                    // The requester is gone: give the blocks back.
+                    self.sched.pool.release(&b);
+                }
+            }
+            Command::Release(blocks) => self.sched.pool.release(&blocks),
+            Command::Abort(id) => {
+                if self.live.contains_key(&id) {
+                    self.finish(id, FinishReason::Abort, None);
+                }
+            }
+        }
+    }
+
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.out.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            tracing::debug!(request = id, "client went away; aborting");
+            self.finish(id, FinishReason::Abort, None);
+        }
+    }
+
+    fn finish(&mut self, id: u64, reason: FinishReason, error: Option<EngineError>) {
+        let Some(seq) = self.sched.remove(id) else {
+            return;
+        };
+        let Some(mut live) = self.live.remove(&id) else {
+            return;
+        };
+        if live.scheduled.is_none() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let generated = seq.generated();
+        // Flush text held back for a partial character or a possible stop string,
+        // unless a stop string ended the request (nothing after it may be sent).
+        if reason != FinishReason::Abort && error.is_none() && !live.stopped_by_string {
+            let tail = live
+                .detok
+                .flush(&self.tokenizer, generated)
+                .unwrap_or_default();
+            let tail = match live.stop.push(&tail) {
+                StopOutcome::Emit(t) => t + &live.stop.flush(),
+                StopOutcome::Stopped(t) => t,
+            };
+            if !tail.is_empty() {
+                let _ = live.out.send(Event::Delta {
+                    tokens: Vec::new(),
+                    text: tail,
+                });
+            }
+        }
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: generated.len(),
+            cached_tokens: seq.cached_tokens,
+        };
+        let _ = live.out.send(match error {
+            Some(e) => Event::Error(e),
+            None => Event::Finished { reason, usage },
+        });
+        self.metrics.finished(reason.as_str());
+        self.metrics
+            .e2e
+            .observe(live.arrival.elapsed().as_secs_f64());
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let work = self.sched.schedule();
+        if work.is_empty() {
+            if !self.sched.is_idle() {
+                // Nothing fits right now (blocks held by others); do not spin hot.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return Ok(());
+        }
+        let now = Instant::now();
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut seq_of = Vec::new();
+        let mut rows = Vec::new();
+        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(work.len());
+        for (k, w) in work.iter().enumerate() {
+            let s = self
+                .sched
+                .get(w.seq)
+                .ok_or_else(|| EngineError::Internal("scheduled an unknown sequence".into()))?;
+            tokens.extend_from_slice(&s.tokens[w.start..w.start + w.len]);
+            positions.extend((w.start..w.start + w.len).map(|p| p as u32));
+            seq_of.extend(std::iter::repeat_n(k as u32, w.len));
+            if w.sample {
+                rows.push((tokens.len() - 1) as u32);
+            }
+            tables.push(s.blocks.clone());
+            if let Some(l) = self.live.get_mut(&w.seq)
+                && l.scheduled.is_none()
+            {
+                l.scheduled = Some(now);
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+                self.metrics
+                    .queue_time
+                    .observe((now - l.arrival).as_secs_f64());
+            }
+            if w.start < s.prompt_len {
+                self.metrics
+                    .prompt_tokens
+                    .inc_by((w.len.min(s.prompt_len - w.start)) as u64);
+            }
+        }
+        let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
+        let logits = self.backend.forward(&ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            seq_of: &seq_of,
+            seqs: &seqs,
+            logits_rows: &rows,
+        })?;
+        let vocab = self.backend.config().vocab_size as usize;
+        let mut row = 0;
+        for w in &work {
+            self.sched.complete(w);
+            if !w.sample {
+                continue;
+            }
+            let l = &logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            self.emit(w.seq, l);
+        }
+        Ok(())
+    }
+
+    /// Samples the next token of `id` from `logits`, streams it, and finishes the
+    /// request when a stop condition holds.
+    fn emit(&mut self, id: u64, logits: &[f32]) {
+        let Some(live) = self.live.get_mut(&id) else {
+            return;
+        };
+        let s = sample_with_state(
+            logits,
+            &live.params,
+            &mut live.rng,
+            &live.penalties,
+            self.tokenizer.eos_ids(),
+        );
+        if live.prefill_only.is_some() {
+            self.ship(id, s.token, s.logprob, s.top);
+            return;
+        }
+        self.accept(id, s.token, s.logprob, s.top);
+    }
+
+    /// Prefill-only: hands the prompt's K/V and first token to the caller, then ends
+    /// the request here (its blocks stay in the prefix cache).
+    fn ship(&mut self, id: u64, token: u32, logprob: Option<f32>, top: Vec<(u32, f32)>) {
+        let (Some(live), Some(seq)) = (self.live.get(&id), self.sched.get(id)) else {
+            return;
+        };
+        self.metrics
+            .observe_ttft(live.arrival.elapsed().as_secs_f64());
+        self.metrics.generation_tokens.inc();
+        let layout = self.backend.kv_layout();
+        let bs = layout.block_size;
+        let prompt = seq.tokens[..seq.prompt_len].to_vec();
+        let n = prompt.len().div_ceil(bs);
+        let mut payload = Vec::new();
+        if let Err(e) = self.backend.export_kv(&seq.blocks[..n], &mut payload) {
+            tracing::error!(error = %e, "exporting a prefilled sequence's K/V failed");
+            let err = EngineError::Internal(format!("exporting the K/V: {e}"));
+            self.finish(id, FinishReason::Abort, Some(err));
+            return;
+        }
+        let header = KvHeader {
+            version: transfer::FORMAT_VERSION,
+            request_id: live.prefill_only.clone().unwrap_or_default(),
+            compat: transfer::compat_hash(self.backend.weights_fingerprint(), &layout),
+            block_hashes: crate::kv::block_hashes(&prompt, bs),
+            prompt,
+            first_token: token,
+            first_logprob: logprob,
+            first_top_logprobs: top,
+            params: live.params.clone(),
+            rng_state: live.rng.state(),
+            num_layers: layout.num_layers as u32,
+            num_blocks: n as u32,
+            block_bytes: transfer::block_bytes(&layout),
+            payload_xxh3: String::new(),
+        };
+        let _ = live
+            .out
+            .send(Event::KvReady(Box::new(KvMessage::new(header, payload))));
+        self.finish(id, FinishReason::Length, None);
+    }
+
+    /// Installs a transferred sequence and streams its first token.
+    fn resume(
+        &mut self,
+        id: u64,
+        msg: KvMessage,
+        reserved: Option<Vec<BlockId>>,
+        out: tmpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    ) {
+        let refuse = |this: &mut Self, e: EngineError| {
+            this.in_flight.fetch_sub(1, Ordering::Relaxed);
+            let _ = out.send(Event::Error(e));
+        };
+        let h = msg.header;
+        let busy = EngineError::Overloaded {
+            retry_after_secs: 1,
+        };
+        if self.sched.num_running() >= self.sched.config.max_running {
+            if let Some(b) = &reserved {
+                self.sched.pool.release(b);
+            }
+            return refuse(self, busy);
+        }
+        let blocks = match reserved {
+            Some(b) => b,
+            None => match self.sched.pool.allocate(h.num_blocks as usize) {
+                Some(b) => b,
+                None => return refuse(self, busy),
+            },
+        };
+        let imported = self.backend.import_kv(&blocks, &msg.payload);
+        self.kv_buffers.give(msg.payload);
+        if let Err(e) = imported {
+            self.sched.pool.release(&blocks);
+            return refuse(self, e);
+        }
+        for (b, hash) in blocks.iter().zip(&h.block_hashes) {
+            self.sched.pool.register(*b, *hash);
+        }
+        let penalties = penalties::State::new(&h.params, &h.prompt);
+        self.live.insert(
+            id,
+            Live {
+                penalties,
+                stop: StopMatcher::new(h.params.stop.clone()),
+                rng: Rng::from_state(h.rng_state),
+                params: h.params,
+                detok: IncrementalDetokenizer::default(),
+                out,
+                arrival,
+                scheduled: Some(arrival),
+                last_token: None,
+                stopped_by_string: false,
+                prefill_only: None,
+            },
+        );
+        self.sched
+            .add_running(SeqState::resumed(id, h.prompt, blocks, h.block_hashes));
+        self.accept(id, h.first_token, h.first_logprob, h.first_top_logprobs);
+    }
+
+    /// Appends a sampled token to `id`, streams it, and finishes the request when a
+    /// stop condition holds.
+    fn accept(&mut self, id: u64, token: u32, logprob: Option<f32>, top: Vec<(u32, f32)>) {
+        let Some(live) = self.live.get_mut(&id) else {
+            return;
+        };
+        let s = crate::sampling::Sampled {
+            token,
+            logprob,
+            top,
+        };
+        let now = Instant::now();
+        match live.last_token {
+            None => self
+                .metrics
+                .observe_ttft((now - live.arrival).as_secs_f64()),
+            Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+        }
+        live.last_token = Some(now);
+        self.metrics.generation_tokens.inc();
+        let Some(seq) = self.sched.get_mut(id) else {
+            return;
+        };
+        seq.tokens.push(s.token);
+        live.penalties.push(s.token);
+        let n_gen = seq.generated().len();
+        let at_context_end =
+            seq.tokens.len() >= self.backend.config().max_position_embeddings as usize;
+        let is_eos = !live.params.ignore_eos && self.tokenizer.eos_ids().contains(&s.token);
+        let is_stop_token = live.params.stop_token_ids.contains(&s.token);
+        let text = if is_eos || is_stop_token {
+            String::new()
+        } else {
+            live.detok
+                .next(&self.tokenizer, seq.generated())
+                .unwrap_or_default()
+        };
+        // Stop strings count only once min_tokens are out (as vLLM).
+        let (text, stopped_by_string) = if n_gen < live.params.min_tokens {
+            (text, false)
+        } else {
+            match live.stop.push(&text) {
+                StopOutcome::Emit(t) => (t, false),
+                StopOutcome::Stopped(t) => (t, true),
+            }
+        };
+        live.stopped_by_string = stopped_by_string;
+        let tok = TokenOut {
+            id: s.token,
+            logprob: s.logprob,
+            top: s.top,
+        };
+        let _ = live.out.send(Event::Delta {
+            tokens: vec![tok],
+            text,
+        });
+        let reason = if is_eos || is_stop_token || stopped_by_string {
+            Some(FinishReason::Stop)
+        } else if n_gen >= live.params.max_tokens || at_context_end {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(r) = reason {
+            self.finish(id, r, None);
+        }
+    }
+
+    fn update_gauges(&mut self) {
+        // Twice a second while busy, and whenever the engine goes idle (so the last
+        // prompts' blocks are reported before the thread sleeps).
+        if self.sched.is_idle() || self.cached_at.elapsed() >= Duration::from_millis(500) {
+            self.cached_at = Instant::now();
+            let hashes: Vec<_> = self.sched.pool.cached_hashes().collect();
+            *self
+                .cached
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = hashes;
+        }
+        let m = &self.metrics;
+        m.running.set(self.sched.num_running() as i64);
+        m.waiting.set(self.sched.num_waiting() as i64);
+        m.kv_usage.set(self.sched.pool.usage());
+        m.prefill_queue_tokens
+            .set(self.sched.queued_prompt_tokens() as i64);
+        m.prefix_queries
+            .inc_by(self.sched.prefix_queries - m.prefix_queries.get());
+        m.prefix_hits
+            .inc_by(self.sched.prefix_hits - m.prefix_hits.get());
+        m.preemptions
+            .inc_by(self.sched.preemptions - m.preemptions.get());
+    }
+}

@@ -1,0 +1,457 @@
+//! The [`Engine`] handle: what callers hold to queue requests, reserve KV blocks and
+//! resume sequences prefilled elsewhere; the engine thread itself is in
+//! [`super::engine_loop`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
+
+use tokio::sync::mpsc as tmpsc;
+
+use super::engine_loop::{Command, EngineLoop};
+use super::request::{self, Event, GenerateRequest};
+use crate::backend::{Backend, KvLayout};
+use crate::kv::transfer::{self, KvMessage, TransferError};
+use crate::kv::{BlockId, BlockPool};
+use crate::metrics::EngineMetrics;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::tokenizer::Tokenizer;
+use crate::{EngineError, Result};
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct EngineConfig {
+    pub model_name: String,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub scheduler: SchedulerConfig,
+}
+
+/// A handle to the running engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::Sender<Command>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub metrics: Arc<EngineMetrics>,
+    next_id: Arc<AtomicU64>,
+    queued: Arc<AtomicUsize>,
+    max_waiting: usize,
+    /// Longest prompt + completion a request may ask for.
+    pub max_model_len: usize,
+    pub model_name: String,
+    vocab_size: usize,
+    draining: Arc<AtomicBool>,
+    /// Set when the engine thread died (a bug): health goes 503 and workers leave.
+    dead: Arc<AtomicBool>,
+    in_flight: Arc<AtomicUsize>,
+    layout: KvLayout,
+    compat: String,
+    kv_buffers: transfer::BufferPool,
+    /// The prefix cache's block hashes, refreshed at most twice a second.
+    cached: Arc<std::sync::Mutex<Vec<crate::kv::BlockHash>>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("model_name", &self.model_name)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+enum Cancel {
+    Local(mpsc::Sender<Command>),
+    Task(tokio::task::AbortHandle),
+}
+
+/// Guard that aborts the request when the consumer drops it.
+#[derive(Debug)]
+pub struct RequestHandle {
+    pub id: u64,
+    pub events: tmpsc::UnboundedReceiver<Event>,
+    cancel: Cancel,
+}
+
+impl RequestHandle {
+    /// A request run by a task (a gateway's front): dropping the handle aborts it.
+    pub(crate) fn of_task(
+        id: u64,
+        events: tmpsc::UnboundedReceiver<Event>,
+        task: tokio::task::AbortHandle,
+    ) -> Self {
+        RequestHandle {
+            id,
+            events,
+            cancel: Cancel::Task(task),
+        }
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        // Harmless if the request already finished.
+        match &self.cancel {
+            Cancel::Local(tx) => {
+                let _ = tx.send(Command::Abort(self.id));
+            }
+            Cancel::Task(t) => t.abort(),
+        }
+    }
+}
+
+/// Blocks held for a sequence whose K/V have not arrived yet; released on drop unless
+/// handed to [`Engine::resume_into`].
+#[derive(Debug)]
+pub struct Reservation {
+    blocks: Vec<BlockId>,
+    tx: mpsc::Sender<Command>,
+}
+
+impl Reservation {
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.blocks.is_empty() {
+            let _ = self
+                .tx
+                .send(Command::Release(std::mem::take(&mut self.blocks)));
+        }
+    }
+}
+
+/// Counts a request in flight until dropped.
+pub(crate) struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    pub(crate) fn count(n: &Arc<AtomicUsize>) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(n))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread over `backend`.
+    pub fn start(
+        backend: Box<dyn Backend>,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+        metrics: Arc<EngineMetrics>,
+    ) -> Result<Self> {
+        let layout = backend.kv_layout();
+        if layout.block_size != cfg.block_size || layout.num_blocks != cfg.num_blocks {
+            return Err(EngineError::Internal(
+                "backend KV layout differs from the engine config".into(),
+            ));
+        }
+        let compat = transfer::compat_hash(backend.weights_fingerprint(), &layout);
+        let model_len = backend.config().max_position_embeddings as usize;
+        let vocab_size = backend.config().vocab_size as usize;
+        let max_model_len = model_len.min(cfg.block_size * cfg.num_blocks);
+        let (tx, rx) = mpsc::channel();
+        let dead = Arc::new(AtomicBool::new(false));
+        let kv_buffers = transfer::BufferPool::default();
+        let cached = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let tokenizer = Arc::new(tokenizer);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let worker = EngineLoop {
+            backend,
+            sched: Scheduler::new(
+                cfg.scheduler,
+                BlockPool::new(cfg.num_blocks, cfg.block_size),
+            ),
+            live: HashMap::new(),
+            tokenizer: Arc::clone(&tokenizer),
+            metrics: Arc::clone(&metrics),
+            queued: Arc::clone(&queued),
+            in_flight: Arc::clone(&in_flight),
+            kv_buffers: kv_buffers.clone(),
+            cached: Arc::clone(&cached),
+            cached_at: Instant::now(),
+        };
+        std::thread::Builder::new()
+            .name("preheat-engine".into())
+            .spawn({
+                let dead = Arc::clone(&dead);
+                move || {
+                    // A panic here is a bug; make it visible instead of leaving a live
+                    // process whose engine answers nothing.
+                    let r =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run(rx)));
+                    if r.is_err() {
+                        dead.store(true, Ordering::SeqCst);
+                        tracing::error!("the engine thread panicked; this engine is dead");
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Internal(format!("spawning the engine thread: {e}")))?;
+        Ok(Engine {
+            tx,
+            tokenizer,
+            metrics,
+            next_id: Arc::new(AtomicU64::new(1)),
+            queued,
+            max_waiting: cfg.scheduler.max_waiting,
+            max_model_len,
+            model_name: cfg.model_name,
+            vocab_size,
+            draining: Arc::new(AtomicBool::new(false)),
+            dead,
+            in_flight,
+            layout,
+            compat,
+            kv_buffers,
+            cached,
+        })
+    }
+
+    /// Takes `blocks` KV blocks for a sequence about to arrive (all or nothing);
+    /// `Overloaded` when the cache has no room now.
+    pub async fn reserve(&self, blocks: usize) -> Result<Reservation> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Command::Reserve { blocks, reply })
+            .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
+        match rx.await {
+            Ok(Some(b)) => Ok(Reservation {
+                blocks: b,
+                tx: self.tx.clone(),
+            }),
+            Ok(None) => Err(EngineError::Overloaded {
+                retry_after_secs: 1,
+            }),
+            Err(_) => Err(EngineError::Unavailable("the engine has stopped".into())),
+        }
+    }
+
+    /// [`Engine::resume`] into blocks reserved before the payload flowed.
+    pub fn resume_into(&self, res: Reservation, msg: KvMessage) -> Result<RequestHandle> {
+        if res.len() != msg.header.num_blocks as usize {
+            return Err(EngineError::invalid(
+                format!(
+                    "{} blocks reserved, the message carries {}",
+                    res.len(),
+                    msg.header.num_blocks
+                ),
+                "kv",
+            ));
+        }
+        self.resume_with(msg, Some(res))
+    }
+
+    /// The KV compatibility hash of this engine's model and layout.
+    #[must_use]
+    pub fn compat(&self) -> &str {
+        &self.compat
+    }
+
+    #[must_use]
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    #[must_use]
+    pub fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Block hashes in this engine's prefix cache (what a worker reports so the router
+    /// can send it prompts it already holds).
+    #[must_use]
+    pub fn cached_blocks(&self) -> Vec<crate::kv::BlockHash> {
+        self.cached
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Receive buffers for incoming K/V; payloads come back here once installed.
+    #[must_use]
+    pub fn kv_buffers(&self) -> &transfer::BufferPool {
+        &self.kv_buffers
+    }
+
+    /// Payload bytes of `blocks` blocks' K/V: what a transfer into a reservation of
+    /// that many blocks may carry, and no more.
+    #[must_use]
+    pub fn kv_payload_for(&self, blocks: usize) -> u64 {
+        transfer::block_bytes(&self.layout) * self.layout.num_layers as u64 * blocks as u64
+    }
+
+    /// Largest KV payload this engine could hold (its whole cache).
+    #[must_use]
+    pub fn max_kv_payload(&self) -> u64 {
+        transfer::block_bytes(&self.layout)
+            * self.layout.num_layers as u64
+            * self.layout.num_blocks as u64
+    }
+
+    /// Computes the prompt's K/V and first token only; the handle yields
+    /// [`Event::KvReady`] with the message to ship under `transfer_id`.
+    pub fn prefill(&self, mut req: GenerateRequest, transfer_id: &str) -> Result<RequestHandle> {
+        // The decode side checks the full length; here only the prompt is computed.
+        req.params.max_tokens = req.params.max_tokens.max(1);
+        self.enqueue(req, Some(transfer_id.to_owned()))
+    }
+
+    /// [`Engine::prefill`], awaited: the message to ship, or why there is none.
+    pub async fn prefill_message(
+        &self,
+        req: GenerateRequest,
+        transfer_id: &str,
+    ) -> Result<KvMessage> {
+        let mut h = self.prefill(req, transfer_id)?;
+        loop {
+            match h.events.recv().await {
+                Some(Event::KvReady(m)) => return Ok(*m),
+                Some(Event::Error(err)) => return Err(err),
+                Some(Event::Delta { .. }) => {}
+                Some(Event::Finished { .. }) | None => {
+                    return Err(EngineError::Internal("prefill ended without K/V".into()));
+                }
+            }
+        }
+    }
+
+    /// Continues a sequence prefilled elsewhere: validates the message, takes blocks
+    /// for it (all or nothing: `Overloaded` when the cache has no room), installs the
+    /// K/V and decodes under continuous batching. The first event carries the first
+    /// token that prefill sampled.
+    pub fn resume(&self, msg: KvMessage) -> Result<RequestHandle> {
+        self.resume_with(msg, None)
+    }
+
+    fn resume_with(&self, msg: KvMessage, mut res: Option<Reservation>) -> Result<RequestHandle> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(EngineError::Unavailable("shutting down".into()));
+        }
+        let bad = |e: TransferError| EngineError::invalid(e.to_string(), "kv");
+        KvMessage::check_header(
+            &msg.header,
+            &self.compat,
+            &self.layout,
+            self.max_kv_payload(),
+        )
+        .map_err(bad)?;
+        msg.check_payload().map_err(bad)?;
+        let h = &msg.header;
+        let total = h.prompt.len() + h.params.max_tokens;
+        if total > self.max_model_len {
+            return Err(EngineError::invalid(
+                format!(
+                    "{} prompt tokens + {} more exceed this model's context of {}",
+                    h.prompt.len(),
+                    h.params.max_tokens,
+                    self.max_model_len
+                ),
+                "max_tokens",
+            ));
+        }
+        if let Some(bad) = h
+            .prompt
+            .iter()
+            .chain([&h.first_token])
+            .find(|&&t| t as usize >= self.vocab_size)
+        {
+            return Err(EngineError::invalid(
+                format!("token id {bad} is outside the vocabulary"),
+                "kv",
+            ));
+        }
+        h.params.check_vocab(self.vocab_size)?;
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (out, events) = tmpsc::unbounded_channel();
+        if self
+            .tx
+            .send(Command::Resume {
+                id,
+                msg: Box::new(msg),
+                blocks: res.as_mut().map(|r| std::mem::take(&mut r.blocks)),
+                out,
+                arrival: Instant::now(),
+            })
+            .is_err()
+        {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Unavailable("the engine has stopped".into()));
+        }
+        Ok(RequestHandle {
+            id,
+            events,
+            cancel: Cancel::Local(self.tx.clone()),
+        })
+    }
+
+    /// Validates and queues a request; events arrive on the returned handle, and
+    /// dropping the handle cancels the request.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle> {
+        self.enqueue(req, None)
+    }
+
+    fn enqueue(&self, req: GenerateRequest, prefill_only: Option<String>) -> Result<RequestHandle> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(EngineError::Unavailable("shutting down".into()));
+        }
+        request::check(&req, self.vocab_size, self.max_model_len)?;
+        if self.queued.load(Ordering::Relaxed) >= self.max_waiting {
+            self.metrics.rejected.inc();
+            return Err(EngineError::Overloaded {
+                retry_after_secs: 1,
+            });
+        }
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (out, events) = tmpsc::unbounded_channel();
+        self.tx
+            .send(Command::Submit {
+                id,
+                req,
+                out,
+                arrival: Instant::now(),
+                prefill_only,
+            })
+            .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
+        Ok(RequestHandle {
+            id,
+            events,
+            cancel: Cancel::Local(self.tx.clone()),
+        })
+    }
+
+    /// Stops accepting requests; [`Engine::in_flight`] reaches 0 when all are done.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// False once the engine thread has died.
+    #[must_use]
+    pub fn is_alive(&self) -> bool {
+        !self.dead.load(Ordering::SeqCst)
+    }
+
+    #[must_use]
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,11 @@
+//! preheat-engine's integration tests, one binary (one link) with a module per area;
+//! `cargo test -p preheat-engine --test it AREA::` runs one area.
+
+mod api;
+mod cuda_gpu;
+mod cuda_nvrtc;
+mod disagg_worker;
+mod reference;
+mod regressions;
+mod text;
+mod transfer;

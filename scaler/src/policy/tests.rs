@@ -1,0 +1,241 @@
+use super::*;
+
+fn obs(current: u32, f: impl FnOnce(&mut PoolSignals)) -> Observation {
+    let mut s = PoolSignals {
+        endpoints_ok: current as usize,
+        ..PoolSignals::default()
+    };
+    f(&mut s);
+    Observation {
+        signals: s,
+        current,
+        ..Observation::default()
+    }
+}
+
+fn policy(pool: Pool) -> PreheatPolicy {
+    PreheatPolicy::new(
+        pool,
+        PoolPolicy {
+            scale_down_stabilization_s: 60.0,
+            idle_grace_s: 100.0,
+            ..PoolPolicy::default()
+        },
+        Profile::default(),
+    )
+}
+
+#[test]
+fn prefill_sizes_from_prompt_rate_and_backlog() {
+    // Table: (prompt tokens/s, queued tokens, expected replicas range).
+    let cases = [
+        (0.0, 0.0, 0..=0),
+        (10_000.0, 0.0, 1..=1),
+        (100_000.0, 0.0, 7..=9),
+        // The backlog drains over the 2 s start-up plus half the SLO:
+        // (10k + 200k / 3 s) / (16k × 0.85) ≈ 5.6.
+        (10_000.0, 200_000.0, 6..=6),
+    ];
+    for (rate, queued, want) in cases {
+        let mut p = policy(Pool::Prefill);
+        let mut o = obs(0, |s| {
+            s.prompt_rate = rate;
+            s.queued_prompt_tokens = queued;
+        });
+        o.measured_startup_s = Some(2.0);
+        let d = p.decide(0.0, &o);
+        assert!(
+            want.contains(&d.desired),
+            "rate {rate} queued {queued}: {d:?}"
+        );
+    }
+}
+
+#[test]
+fn decode_sizes_from_concurrency_and_kv() {
+    let mut p = policy(Pool::Decode);
+    let d = p.decide(0.0, &obs(1, |s| s.running = 500.0));
+    // ITL SLO 50 ms → 0.9 × 50 = 45 ms → batch ~230 per replica.
+    assert!((2..=3).contains(&d.desired), "{d:?}");
+    let mut p = policy(Pool::Decode);
+    let d = p.decide(
+        0.0,
+        &obs(4, |s| {
+            s.running = 40.0;
+            s.kv_usage = 0.95;
+        }),
+    );
+    assert!(d.desired >= 5, "KV pressure must add replicas: {d:?}");
+}
+
+#[test]
+fn slo_violations_raise_replicas_while_a_queue_persists() {
+    let queued = |p90: Option<f64>, backlog: f64| {
+        let mut p = policy(Pool::Prefill);
+        let mut o = obs(1, |s| {
+            s.prompt_rate = 20_000.0;
+            s.queued_prompt_tokens = backlog;
+            s.ttft_p90 = p90;
+        });
+        o.measured_startup_s = Some(2.0);
+        p.decide(0.0, &o).desired
+    };
+    let base = queued(None, 200_000.0);
+    // 3× over the SLO with a real queue: the modelled need × 1.5 (the cap).
+    let raised = queued(Some(6.0), 200_000.0);
+    assert!(raised as f64 >= 1.4 * base as f64, "{base} → {raised}");
+    // The same latency with the queue gone is history: no correction.
+    assert_eq!(queued(Some(6.0), 0.0), queued(None, 0.0));
+}
+
+#[test]
+fn scale_down_waits_and_steps() {
+    let mut p = policy(Pool::Prefill);
+    let busy = |s: &mut PoolSignals| s.prompt_rate = 100_000.0;
+    let d = p.decide(0.0, &obs(8, busy));
+    assert!(d.desired >= 7);
+    // Load drops: nothing is removed inside the stabilisation window.
+    let quiet = |s: &mut PoolSignals| s.prompt_rate = 1_000.0;
+    for t in 1..60 {
+        let d = p.decide(t as f64, &obs(8, quiet));
+        assert_eq!(d.desired, 8, "t={t}: {d:?}");
+    }
+    // After it, one step of 25%.
+    let d = p.decide(61.0, &obs(8, quiet));
+    assert_eq!(d.desired, 6, "{d:?}");
+}
+
+#[test]
+fn a_restarted_policy_removes_nothing_before_a_stabilisation_window() {
+    // Regression: a fresh policy (scaler restart, simulator start) had no window
+    // history and scaled a loaded pool down on its first tick, before any rate was
+    // measured.
+    let mut p = policy(Pool::Prefill);
+    for t in 0..60 {
+        let d = p.decide(t as f64, &obs(8, |_| {}));
+        assert_eq!(d.desired, 8, "t={t}: {d:?}");
+    }
+    assert!(p.decide(61.0, &obs(8, |_| {})).desired < 8);
+}
+
+#[test]
+fn a_burst_keeps_its_capacity_for_the_burst_memory() {
+    let mut p = PreheatPolicy::new(
+        Pool::Prefill,
+        PoolPolicy {
+            scale_down_stabilization_s: 10.0,
+            burst_memory_s: 100.0,
+            ..PoolPolicy::default()
+        },
+        Profile::default(),
+    );
+    let burst = |s: &mut PoolSignals| {
+        s.prompt_rate = 5_000.0;
+        s.prompt_rate_peak = 100_000.0;
+        s.peak_span_s = 5.0;
+    };
+    let quiet = |s: &mut PoolSignals| s.prompt_rate = 1_000.0;
+    let held = p.decide(0.0, &obs(1, burst)).desired;
+    assert!(held >= 4, "{held}");
+    let mut cur = held;
+    for t in 1..100 {
+        cur = p.decide(t as f64, &obs(cur, quiet)).desired;
+        assert_eq!(cur, held, "t={t}: still inside the burst memory");
+    }
+    for t in 101..200 {
+        cur = p.decide(t as f64, &obs(cur, quiet)).desired;
+    }
+    assert_eq!(cur, 1, "released after the memory and the stabilisation");
+}
+
+#[test]
+fn never_zero_with_work_and_zero_after_idle_grace() {
+    let mut p = policy(Pool::Decode);
+    let d = p.decide(0.0, &obs(1, |s| s.waiting = 1.0));
+    assert!(d.desired >= 1 && d.active);
+    for t in 1..100 {
+        let d = p.decide(t as f64, &obs(1, |_| {}));
+        assert!(d.active, "t={t}: still inside the idle grace");
+    }
+    let d = p.decide(101.0, &obs(1, |_| {}));
+    assert_eq!((d.desired, d.active), (0, false));
+    // Held requests at zero: active at once.
+    let mut o = obs(0, |_| {});
+    o.held_requests = 1.0;
+    let d = p.decide(102.0, &o);
+    assert_eq!((d.desired, d.active), (1, true));
+}
+
+#[test]
+fn blind_holds_and_limits_apply() {
+    let mut p = policy(Pool::Prefill);
+    let mut o = obs(5, |_| {});
+    o.signals.endpoints_ok = 0;
+    o.signals.endpoints_failed = 5;
+    let d = p.decide(1000.0, &o);
+    assert_eq!((d.desired, d.active), (5, true));
+    let limits = PoolPolicy {
+        min_replicas: 2,
+        max_replicas: 3,
+        ..PoolPolicy::default()
+    };
+    let mut p = PreheatPolicy::new(Pool::Prefill, limits.clone(), Profile::default());
+    assert_eq!(p.decide(0.0, &obs(2, |s| s.prompt_rate = 1e9)).desired, 3);
+    let mut q = PreheatPolicy::new(Pool::Prefill, limits, Profile::default());
+    assert_eq!(q.decide(0.0, &obs(2, |_| {})).desired, 2);
+}
+
+#[test]
+fn regression_a_blind_pool_at_zero_was_activated() {
+    // Found by the cluster run: right after a scaler start, before its pod watch
+    // listed, a pool at zero was blind, held at 0 — and reported active, so KEDA
+    // started a replica of each pool on every fresh install.
+    let mut p = policy(Pool::Decode);
+    let mut o = obs(0, |_| {});
+    o.signals.endpoints_failed = 1;
+    let d = p.decide(0.0, &o);
+    assert_eq!((d.desired, d.active), (0, false));
+    o.held_requests = 1.0;
+    let d = p.decide(1.0, &o);
+    assert_eq!(
+        (d.desired, d.active),
+        (1, true),
+        "a held request still wakes it"
+    );
+}
+
+#[test]
+fn regression_an_idle_pool_at_zero_was_activated_after_a_scaler_start() {
+    // Found by the cluster run: a fresh policy counted idleness from its own start,
+    // so for the first idle grace a pool at zero with no traffic was reported
+    // active and KEDA started a replica of it (every install, every restart).
+    let mut p = policy(Pool::Prefill);
+    let d = p.decide(0.0, &obs(0, |_| {}));
+    assert_eq!((d.desired, d.active), (0, false), "{}", d.reason);
+    let mut o = obs(0, |_| {});
+    o.held_requests = 2.0;
+    assert!(p.decide(1.0, &o).active, "held requests still wake it");
+}
+
+#[test]
+fn forecast_adds_capacity_ahead_of_a_ramp() {
+    let mut ramp = policy(Pool::Prefill);
+    let mut flat = policy(Pool::Prefill);
+    let mut d_ramp = 0;
+    let mut d_flat = 0;
+    for t in 0..120 {
+        d_ramp = ramp
+            .decide(
+                t as f64,
+                &obs(d_ramp, |s| s.prompt_rate = 1_000.0 + 500.0 * t as f64),
+            )
+            .desired;
+        d_flat = flat
+            .decide(t as f64, &obs(d_flat, |s| s.prompt_rate = 60_500.0))
+            .desired;
+    }
+    assert!(
+        d_ramp > d_flat,
+        "a ramp ending at the same rate needs more ahead: {d_ramp} vs {d_flat}"
+    );
+}

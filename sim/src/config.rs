@@ -1,0 +1,96 @@
+//! What a simulation run is given: the two pools' policies, the replica profile, how
+//! replicas start, and the scaler's timing.
+
+use preheat_scaler::policy::PoolPolicy;
+use preheat_scaler::profile::Profile;
+use serde::Serialize;
+
+use crate::trace::TraceRequest;
+
+/// How warm a new replica's node is, which sets its start-up time from the profile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StartClass {
+    Cold,
+    Staged,
+    Hot,
+    Standby,
+}
+
+impl StartClass {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "cold" => StartClass::Cold,
+            "staged" => StartClass::Staged,
+            "hot" => StartClass::Hot,
+            "standby" => StartClass::Standby,
+            _ => return None,
+        })
+    }
+
+    pub(crate) fn seconds(self, p: &Profile) -> f64 {
+        let s = &p.startup_s;
+        match self {
+            StartClass::Cold => s.cold,
+            StartClass::Staged => s.staged,
+            StartClass::Hot => s.hot,
+            StartClass::Standby => s.standby,
+        }
+    }
+}
+
+/// Simulation settings.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct SimConfig {
+    pub prefill: PoolPolicy,
+    pub decode: PoolPolicy,
+    pub profile: Profile,
+    pub start: StartClass,
+    /// The preheat scaler's decision interval.
+    pub interval_s: f64,
+    /// The scaler's metric window.
+    pub window_s: f64,
+    /// How long after the last arrival unfinished requests may still complete.
+    pub max_drain_s: f64,
+    /// Timeline resolution of the report.
+    pub sample_s: f64,
+    /// With `start` = `Standby`: parked standbys kept per pool. A scale-up promotes
+    /// them first (the profile's standby time) and starts the rest hot; each promoted
+    /// one is replaced by a hot start. Parked standbys hold a GPU, so their time counts
+    /// in GPU-seconds.
+    pub standbys: u32,
+}
+
+impl SimConfig {
+    pub fn new(prefill: PoolPolicy, decode: PoolPolicy, profile: Profile) -> Self {
+        SimConfig {
+            prefill,
+            decode,
+            profile,
+            start: StartClass::Hot,
+            interval_s: 5.0,
+            window_s: 60.0,
+            max_drain_s: 1800.0,
+            sample_s: 10.0,
+            standbys: 1,
+        }
+    }
+
+    pub(crate) fn startup_s(&self) -> f64 {
+        self.start.seconds(&self.profile)
+    }
+
+    pub(crate) fn max_batch(&self) -> usize {
+        self.profile
+            .decode_itl_s
+            .last()
+            .map_or(1, |p| p.0.max(1.0) as usize)
+    }
+
+    /// Whether a finished request met both SLOs.
+    pub(crate) fn attained(&self, r: &TraceRequest, ttft: f64, itl: Option<f64>) -> bool {
+        ttft <= self.prefill.ttft_slo_for(f64::from(r.input_tokens)) + 1e-9
+            && itl.is_none_or(|i| i <= self.decode.slo_itl_s + 1e-9)
+    }
+}

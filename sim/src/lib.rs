@@ -1,0 +1,38 @@
+//! A discrete-event simulator of a disaggregated deployment under a request trace, to
+//! compare autoscaling policies: the scaler's own ([`preheat_scaler::policy::PreheatPolicy`],
+//! the same code the KEDA scaler runs) and the baselines in [`autoscalers`].
+//!
+//! The model: requests arrive at a gateway; a KV-aware router sends each to the ready
+//! prefill replica that would finish it first (its backlog plus the part of the prompt
+//! not in that replica's prefix cache); the first token comes out of prefill; a decode
+//! replica with room (batch and KV) takes the sequence and decodes the rest under
+//! continuous batching. A pool with no ready replica holds requests at the gateway.
+//! New replicas serve after the profile's start-up time; removed replicas drain what
+//! they hold. GPU-seconds count every replica from its start to its exit. Everything is
+//! deterministic: the same trace and settings give the same report.
+
+//!
+//! Layout: [`config`] (what a run is given), [`registry`] (policies by name, runs),
+//! [`replay`] (the event loop), [`observe`] (what an autoscaler sees), [`actuate`] (how
+//! a decision changes a pool), [`sizing`] (fixed sizes from the whole trace),
+//! [`report`]; the replicas in [`cluster`], the baselines in [`autoscalers`].
+
+mod actuate;
+pub mod autoscalers;
+pub mod clairvoyant;
+pub mod cluster;
+pub mod config;
+mod observe;
+mod per_pool;
+pub mod registry;
+mod replay;
+pub mod report;
+mod sizing;
+pub mod trace;
+
+pub use config::{SimConfig, StartClass};
+pub use registry::{UnknownPolicy, run, run_policy};
+pub use report::{PolicyReport, SimReport};
+
+#[cfg(test)]
+mod tests;

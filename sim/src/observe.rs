@@ -1,0 +1,178 @@
+//! What an autoscaler sees of a pool at a decision: the signals the real scaler scrapes
+//! (queues, rates, KV usage, latency quantiles over the window) and what the baselines
+//! read instead (utilisation, held requests).
+
+use std::collections::VecDeque;
+
+use preheat_scaler::percentile::percentile;
+use preheat_scaler::policy::Pool;
+use preheat_scaler::signals::PoolSignals;
+
+use crate::autoscalers::PoolView;
+use crate::cluster::{DecodeReplica, PrefillReplica};
+use crate::replay::{Counters, Sim};
+
+/// The part of a view that differs between the pools.
+struct PoolSide {
+    ready: usize,
+    signals: PoolSignals,
+    held: f64,
+    mean_seq_tokens: Option<f64>,
+}
+
+impl Sim<'_> {
+    /// Replicas not draining (starting ones included): what a Deployment's spec says.
+    pub(crate) fn current(&self, pool: Pool) -> u32 {
+        let n = match pool {
+            Pool::Prefill => self.prefill.iter().filter(|r| !r.draining).count(),
+            Pool::Decode => self.decode.iter().filter(|r| !r.draining).count(),
+        };
+        n as u32
+    }
+
+    /// Busy seconds of the pool's replicas so far, gone ones included.
+    pub(crate) fn busy_s(&self, pool: Pool) -> f64 {
+        let live: f64 = match pool {
+            Pool::Prefill => self.prefill.iter().map(|r| r.busy_s).sum(),
+            Pool::Decode => self.decode.iter().map(|r| r.busy_s).sum(),
+        };
+        self.ctl[pool].retired_busy + live
+    }
+
+    pub(crate) fn view(&self, pool: Pool) -> PoolView {
+        let t = self.t;
+        let oldest = self.history.front().copied().unwrap_or_default();
+        let arrived = self.now.arrived - oldest.arrived;
+        let mean_prompt_len =
+            (arrived > 0.0).then(|| (self.now.prompt_tokens - oldest.prompt_tokens) / arrived);
+        let current = self.current(pool);
+        let side = match pool {
+            Pool::Prefill => self.prefill_side(&oldest),
+            Pool::Decode => self.decode_side(&oldest),
+        };
+        let ready = side.ready;
+        let busy = self.busy_s(pool);
+        let (t0, b0) = self.ctl[pool].last_busy;
+        let utilization = if ready > 0 && t > t0 {
+            ((busy - b0) / (ready as f64 * (t - t0))).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        PoolView {
+            t,
+            current,
+            ready: ready as u32,
+            held: side.held,
+            waiting: side.signals.waiting,
+            running: side.signals.running,
+            utilization,
+            signals: side.signals,
+            mean_prompt_len,
+            mean_seq_tokens: side.mean_seq_tokens,
+            measured_startup_s: self.ctl[pool].measured_startup,
+            arrived_requests: self.now.arrived,
+            arrived_input_tokens: self.now.prompt_tokens,
+            arrived_output_tokens: self.now.output_tokens,
+        }
+    }
+
+    /// Per-second rate of a counter over the window.
+    fn window_rate(&self, oldest: &Counters, f: fn(&Counters) -> f64) -> f64 {
+        let span = (self.t - oldest.t).max(1.0);
+        (f(&self.now) - f(oldest)) / span
+    }
+
+    fn prefill_side(&self, oldest: &Counters) -> PoolSide {
+        let t = self.t;
+        let reps: Vec<&PrefillReplica> = self.prefill.iter().filter(|r| r.is_ready(t)).collect();
+        let ready = reps.len();
+        let queries = self.now.prefix_queries - oldest.prefix_queries;
+        let signals = PoolSignals {
+            endpoints_ok: ready,
+            waiting: reps.iter().map(|r| r.queue.len() as f64).sum(),
+            running: reps.iter().filter(|r| r.running.is_some()).count() as f64,
+            queued_prompt_tokens: reps
+                .iter()
+                .flat_map(|r| r.queue.iter())
+                .map(|j| j.tokens)
+                .sum(),
+            prompt_rate: self.window_rate(oldest, |c| c.prompt_tokens),
+            prompt_rate_peak: self.peak_prompt_rate(),
+            peak_span_s: self.cfg.interval_s.max(1.0),
+            prefix_hit_rate: if queries > 0.0 {
+                (self.now.prefix_hits - oldest.prefix_hits) / queries
+            } else {
+                0.0
+            },
+            ttft_p50: quantile(&self.recent_ttft, 0.5),
+            ttft_p90: quantile(&self.recent_ttft, 0.9),
+            ..PoolSignals::default()
+        };
+        PoolSide {
+            ready,
+            signals,
+            held: self.held.len() as f64,
+            mean_seq_tokens: None,
+        }
+    }
+
+    fn decode_side(&self, oldest: &Counters) -> PoolSide {
+        let t = self.t;
+        let reps: Vec<&DecodeReplica> = self.decode.iter().filter(|r| r.is_ready(t)).collect();
+        let ready = reps.len();
+        let running: f64 = reps.iter().map(|r| r.seqs.len() as f64).sum();
+        let kv: f64 = reps.iter().map(|r| r.kv_used).sum();
+        let mut signals = PoolSignals {
+            endpoints_ok: ready,
+            running,
+            kv_usage: if ready > 0 {
+                kv / (ready as f64 * self.cfg.profile.kv_tokens)
+            } else {
+                0.0
+            },
+            generation_rate: self.window_rate(oldest, |c| c.generated),
+            itl_p50: quantile(&self.recent_itl, 0.5),
+            itl_p90: quantile(&self.recent_itl, 0.9),
+            ..PoolSignals::default()
+        };
+        // With decode replicas up, prefilled requests queue in the pool; at zero,
+        // everything in the system is held at the gateway for it.
+        let held = if ready > 0 {
+            signals.waiting = self.decode_wait.len() as f64;
+            0.0
+        } else {
+            (self.trace.len().min(self.next_arrival) - self.finished) as f64
+        };
+        PoolSide {
+            ready,
+            signals,
+            held,
+            mean_seq_tokens: (running > 0.0).then(|| kv / running),
+        }
+    }
+
+    /// Highest prompt-token rate between the scaler's scrapes (every `interval_s`)
+    /// within the window, as the real scaler sees it.
+    fn peak_prompt_rate(&self) -> f64 {
+        let step = self.cfg.interval_s.max(1.0);
+        let mut peak = 0.0f64;
+        let mut prev: Option<&Counters> = None;
+        for c in &self.history {
+            match prev {
+                None => prev = Some(c),
+                Some(p) if c.t - p.t >= step - 1e-9 => {
+                    peak = peak.max((c.prompt_tokens - p.prompt_tokens) / (c.t - p.t));
+                    prev = Some(c);
+                }
+                Some(_) => {}
+            }
+        }
+        peak
+    }
+}
+
+/// A latency quantile over the window's (time, value) samples.
+fn quantile(xs: &VecDeque<(f64, f64)>, q: f64) -> Option<f64> {
+    let mut v: Vec<f64> = xs.iter().map(|x| x.1).collect();
+    percentile(&mut v, q)
+}

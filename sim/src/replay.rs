@@ -1,0 +1,418 @@
+//! The event loop: arrivals, KV-aware routing to prefill, admission to decode,
+//! completions, and once a second the window the autoscalers see and their decisions.
+//! What the autoscalers see is built in [`crate::observe`]; how a decision changes the
+//! pools, in [`crate::actuate`].
+
+use std::collections::VecDeque;
+
+use preheat_scaler::policy::Pool;
+
+use crate::autoscalers::Autoscaler;
+use crate::cluster::{DecodeReplica, PrefillJob, PrefillReplica, Seq};
+use crate::config::{SimConfig, StartClass};
+use crate::per_pool::{POOLS, PerPool};
+use crate::report::PolicyReport;
+use crate::sizing::warm_start;
+use crate::trace::{MOONCAKE_BLOCK_TOKENS, TraceRequest};
+
+/// Cumulative counters, snapshotted every second for window rates.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) t: f64,
+    pub(crate) arrived: f64,
+    pub(crate) prompt_tokens: f64,
+    pub(crate) output_tokens: f64,
+    pub(crate) prefix_queries: f64,
+    pub(crate) prefix_hits: f64,
+    pub(crate) generated: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReqState {
+    pub(crate) first_token: f64,
+    pub(crate) done: f64,
+}
+
+pub(crate) struct PoolCtl {
+    pub(crate) scaler: Box<dyn Autoscaler>,
+    pub(crate) next_decision: f64,
+    pub(crate) last_busy: (f64, f64),
+    pub(crate) starts: u32,
+    pub(crate) events: u32,
+    pub(crate) max_replicas: u32,
+    /// Busy seconds of replicas already gone.
+    pub(crate) retired_busy: f64,
+    pub(crate) gpu_s: f64,
+    pub(crate) measured_startup: Option<f64>,
+    /// Parked standbys, and the times replacements being started will park.
+    pub(crate) parked: u32,
+    pub(crate) refilling: Vec<f64>,
+    /// Of `gpu_s`, seconds standbys spent parked or starting to park.
+    pub(crate) standby_gpu_s: f64,
+}
+
+impl PoolCtl {
+    pub(crate) fn new(scaler: Box<dyn Autoscaler>) -> Self {
+        PoolCtl {
+            scaler,
+            next_decision: 0.0,
+            last_busy: (0.0, 0.0),
+            starts: 0,
+            events: 0,
+            max_replicas: 0,
+            retired_busy: 0.0,
+            gpu_s: 0.0,
+            measured_startup: None,
+            parked: 0,
+            refilling: Vec::new(),
+            standby_gpu_s: 0.0,
+        }
+    }
+}
+
+pub(crate) struct Sim<'a> {
+    pub(crate) cfg: &'a SimConfig,
+    pub(crate) trace: &'a [TraceRequest],
+    pub(crate) t: f64,
+    pub(crate) next_arrival: usize,
+    pub(crate) reqs: Vec<ReqState>,
+    pub(crate) prefill: Vec<PrefillReplica>,
+    pub(crate) decode: Vec<DecodeReplica>,
+    pub(crate) held: VecDeque<usize>,
+    pub(crate) decode_wait: VecDeque<usize>,
+    pub(crate) ctl: PerPool<PoolCtl>,
+    pub(crate) now: Counters,
+    pub(crate) history: VecDeque<Counters>,
+    pub(crate) recent_ttft: VecDeque<(f64, f64)>,
+    pub(crate) recent_itl: VecDeque<(f64, f64)>,
+    pub(crate) timeline: Vec<(f64, u32, u32)>,
+    pub(crate) next_second: f64,
+    pub(crate) next_sample: f64,
+    pub(crate) finished: usize,
+    pub(crate) startup: f64,
+    pub(crate) max_batch: usize,
+    pub(crate) cache_blocks: usize,
+    pub(crate) done_buf: Vec<(usize, f64)>,
+}
+
+impl<'a> Sim<'a> {
+    pub(crate) fn new(
+        cfg: &'a SimConfig,
+        trace: &'a [TraceRequest],
+        prefill: Box<dyn Autoscaler>,
+        decode: Box<dyn Autoscaler>,
+    ) -> Self {
+        let cache_blocks = (cfg.profile.kv_tokens / f64::from(MOONCAKE_BLOCK_TOKENS)) as usize;
+        let mut ctl = PerPool {
+            prefill: PoolCtl::new(prefill),
+            decode: PoolCtl::new(decode),
+        };
+        let (wp, wd) = warm_start(cfg, trace);
+        let p0 = ctl.prefill.scaler.initial().unwrap_or(wp);
+        let d0 = ctl.decode.scaler.initial().unwrap_or(wd);
+        ctl.prefill.max_replicas = p0;
+        ctl.decode.max_replicas = d0;
+        // The replicas that served before the trace have exported their start phases.
+        for c in ctl.iter_mut() {
+            c.measured_startup = Some(cfg.startup_s());
+            if cfg.start == StartClass::Standby && c.scaler.keeps_standbys() {
+                c.parked = cfg.standbys;
+            }
+        }
+        Sim {
+            cfg,
+            trace,
+            t: 0.0,
+            next_arrival: 0,
+            reqs: vec![
+                ReqState {
+                    first_token: f64::NAN,
+                    done: f64::NAN
+                };
+                trace.len()
+            ],
+            prefill: (0..p0)
+                .map(|_| PrefillReplica::new(0.0, cache_blocks))
+                .collect(),
+            decode: (0..d0).map(|_| DecodeReplica::new(0.0)).collect(),
+            held: VecDeque::new(),
+            decode_wait: VecDeque::new(),
+            ctl,
+            now: Counters::default(),
+            history: VecDeque::new(),
+            recent_ttft: VecDeque::new(),
+            recent_itl: VecDeque::new(),
+            timeline: Vec::new(),
+            next_second: 0.0,
+            next_sample: 0.0,
+            finished: 0,
+            startup: cfg.startup_s(),
+            max_batch: cfg.max_batch(),
+            cache_blocks,
+            done_buf: Vec::new(),
+        }
+    }
+
+    pub(crate) fn run(self) -> PolicyReport {
+        self.run_detailed().0
+    }
+
+    /// Runs to the end; the report and, per request, whether it attained its SLOs.
+    pub(crate) fn run_detailed(mut self) -> (PolicyReport, Vec<bool>) {
+        let last_arrival = self.trace.last().map_or(0.0, |r| r.t);
+        let give_up = last_arrival + self.cfg.max_drain_s;
+        loop {
+            let next = self.next_event_time();
+            if !next.is_finite() || next > give_up {
+                self.advance_clock(next.min(give_up));
+                break;
+            }
+            self.advance_clock(next);
+            self.process();
+            if self.finished == self.trace.len() {
+                break;
+            }
+        }
+        self.report_detailed()
+    }
+
+    fn next_event_time(&self) -> f64 {
+        let mut next = self.next_second;
+        if let Some(r) = self.trace.get(self.next_arrival) {
+            next = next.min(r.t);
+        }
+        for r in &self.prefill {
+            next = next.min(r.next_event(self.t));
+        }
+        for r in &self.decode {
+            next = next.min(r.next_event(self.t, &self.cfg.profile));
+        }
+        next.max(self.t)
+    }
+
+    fn advance_clock(&mut self, to: f64) {
+        let dt = (to - self.t).max(0.0);
+        self.ctl.prefill.gpu_s += dt * self.prefill.len() as f64;
+        self.ctl.decode.gpu_s += dt * self.decode.len() as f64;
+        for c in self.ctl.iter_mut() {
+            let held = dt * f64::from(c.parked + c.refilling.len() as u32);
+            c.gpu_s += held;
+            c.standby_gpu_s += held;
+        }
+        self.t = to;
+    }
+
+    fn process(&mut self) {
+        let t = self.t;
+        // Decode first: completions free room for sequences prefilled now.
+        let mut done = std::mem::take(&mut self.done_buf);
+        for r in &mut self.decode {
+            if r.is_ready(t) {
+                r.advance(t, &self.cfg.profile, &mut done);
+            }
+        }
+        for (req, at) in done.drain(..) {
+            self.finish(req, at);
+        }
+        self.done_buf = done;
+        // Prefill completions and newly ready replicas.
+        for i in 0..self.prefill.len() {
+            if !self.prefill[i].is_ready(t) {
+                continue;
+            }
+            while let Some(req) = self.prefill[i].step(t) {
+                self.first_token(req, t);
+            }
+        }
+        // Arrivals.
+        while let Some(r) = self.trace.get(self.next_arrival)
+            && r.t <= t
+        {
+            let i = self.next_arrival;
+            self.next_arrival += 1;
+            self.now.arrived += 1.0;
+            self.now.prompt_tokens += f64::from(r.input_tokens);
+            self.now.output_tokens += f64::from(r.output_tokens);
+            self.held.push_back(i);
+            for pool in POOLS {
+                let current = self.current(pool);
+                if current == 0 && self.ctl[pool].scaler.wakes_on_arrival() {
+                    self.decide(pool);
+                }
+            }
+        }
+        self.route_held();
+        self.admit_decode();
+        self.retire_drained();
+        if t >= self.next_second {
+            self.second();
+        }
+    }
+
+    fn first_token(&mut self, req: usize, t: f64) {
+        let r = &self.trace[req];
+        self.reqs[req].first_token = t;
+        self.now.generated += 1.0;
+        let ttft = t - r.t;
+        self.recent_ttft.push_back((t, ttft));
+        if r.output_tokens <= 1 {
+            self.finish(req, t);
+        } else {
+            self.decode_wait.push_back(req);
+        }
+    }
+
+    fn finish(&mut self, req: usize, at: f64) {
+        let r = &self.trace[req];
+        let st = &mut self.reqs[req];
+        st.done = at;
+        self.finished += 1;
+        if r.output_tokens > 1 {
+            let itl = (at - st.first_token) / f64::from(r.output_tokens - 1);
+            self.recent_itl.push_back((at, itl));
+            self.now.generated += f64::from(r.output_tokens - 1);
+        }
+    }
+
+    /// Routes requests held at the gateway to ready prefill replicas (KV-aware).
+    fn route_held(&mut self) {
+        let t = self.t;
+        let profile = &self.cfg.profile;
+        while let Some(&req) = self.held.front() {
+            let r = &self.trace[req];
+            let len = f64::from(r.input_tokens);
+            let rate = profile.prefill_rate(len);
+            let mut best: Option<(f64, usize, f64)> = None;
+            for (i, rep) in self.prefill.iter().enumerate() {
+                if rep.draining || !rep.is_ready(t) {
+                    continue;
+                }
+                let cached = (rep.cache.overlap(&r.blocks) as f64
+                    * f64::from(MOONCAKE_BLOCK_TOKENS))
+                .min(len - 1.0);
+                let work = (len - cached) / rate;
+                let cost = rep.backlog_s(t) + work;
+                if best.is_none_or(|b| cost < b.0) {
+                    best = Some((cost, i, cached));
+                }
+            }
+            let Some((_, i, cached)) = best else { break };
+            self.held.pop_front();
+            self.now.prefix_queries += len;
+            self.now.prefix_hits += cached;
+            let rep = &mut self.prefill[i];
+            rep.cache.touch(&r.blocks);
+            rep.queue.push_back(PrefillJob {
+                req,
+                tokens: len - cached,
+                service_s: (len - cached) / rate,
+            });
+            if rep.running.is_none() {
+                // Idle: starts the job; nothing can finish in the same instant.
+                rep.step(t);
+            }
+        }
+    }
+
+    fn admit_decode(&mut self) {
+        let t = self.t;
+        let kv_cap = self.cfg.profile.kv_tokens;
+        while let Some(&req) = self.decode_wait.front() {
+            let r = &self.trace[req];
+            let kv = f64::from(r.input_tokens) + f64::from(r.output_tokens);
+            let best = self
+                .decode
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| !d.draining && d.is_ready(t) && d.fits(kv, self.max_batch, kv_cap))
+                .min_by(|a, b| a.1.kv_used.total_cmp(&b.1.kv_used))
+                .map(|(i, _)| i);
+            let Some(i) = best else { break };
+            self.decode_wait.pop_front();
+            self.decode[i].admit(
+                t,
+                Seq {
+                    req,
+                    remaining: r.output_tokens - 1,
+                    kv_tokens: kv,
+                },
+            );
+        }
+    }
+
+    pub(crate) fn retire_drained(&mut self) {
+        let mut busy = 0.0;
+        self.prefill.retain(|r| {
+            let gone = r.draining && r.is_empty();
+            if gone {
+                busy += r.busy_s;
+            }
+            !gone
+        });
+        self.ctl.prefill.retired_busy += busy;
+        let mut busy = 0.0;
+        self.decode.retain(|r| {
+            let gone = r.draining && r.seqs.is_empty();
+            if gone {
+                busy += r.busy_s;
+            }
+            !gone
+        });
+        self.ctl.decode.retired_busy += busy;
+    }
+
+    /// Once a second: window snapshot, due decisions, timeline sample.
+    fn second(&mut self) {
+        let t = self.t;
+        self.now.t = t;
+        self.history.push_back(self.now);
+        let w = self.cfg.window_s;
+        while self.history.front().is_some_and(|c| c.t < t - w) {
+            self.history.pop_front();
+        }
+        while self.recent_ttft.front().is_some_and(|x| x.0 < t - w) {
+            self.recent_ttft.pop_front();
+        }
+        while self.recent_itl.front().is_some_and(|x| x.0 < t - w) {
+            self.recent_itl.pop_front();
+        }
+        for pool in POOLS {
+            if t >= self.ctl[pool].next_decision {
+                self.decide(pool);
+            }
+        }
+        if t >= self.next_sample {
+            self.timeline
+                .push((t, self.prefill.len() as u32, self.decode.len() as u32));
+            self.next_sample += self.cfg.sample_s;
+        }
+        self.next_second = t.floor() + 1.0;
+    }
+
+    fn decide(&mut self, pool: Pool) {
+        let v = self.view(pool);
+        let desired = self.ctl[pool].scaler.decide(&v);
+        tracing::trace!(
+            t = v.t,
+            pool = pool.as_str(),
+            current = v.current,
+            ready = v.ready,
+            held = v.held,
+            waiting = v.waiting,
+            running = v.running,
+            prompt_rate = v.signals.prompt_rate,
+            peak = v.signals.prompt_rate_peak,
+            hit = v.signals.prefix_hit_rate,
+            queued = v.signals.queued_prompt_tokens,
+            ttft_p90 = ?v.signals.ttft_p90,
+            kv = v.signals.kv_usage,
+            desired,
+            "decision"
+        );
+        let busy = self.busy_s(pool);
+        let ctl = &mut self.ctl[pool];
+        ctl.last_busy = (v.t, busy);
+        ctl.next_decision = v.t + ctl.scaler.period_s();
+        self.apply(pool, desired, v.current);
+    }
+}

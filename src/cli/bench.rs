@@ -1,0 +1,240 @@
+//! `preheat bench …` flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+
+use super::*;
+use crate::duration::duration_arg;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCmd {
+    /// Snapshot load, verify and packed-encoding throughput against same-run baselines.
+    Snapshot(BenchSnapshotArgs),
+    /// Engine decode/prefill/batching throughput against same-run baselines.
+    Engine(BenchEngineArgs),
+    /// KEDA GetMetrics latency at 1,000 ScaledObjects and scrape-and-decide at 1,000 pods.
+    Scaler(BenchScalerArgs),
+    /// Load generator: replay a trace or a fixed rate against an OpenAI endpoint and
+    /// report TTFT, ITL, end-to-end latency, throughput and SLO attainment (exit 1 when
+    /// any request failed).
+    Serve(BenchServeArgs),
+    /// Prefix-cache hit rate of KV-aware routing vs round robin on a trace with prefix
+    /// block ids (Mooncake).
+    Router(BenchRouterArgs),
+    /// KV transfer throughput (pulled and checked as a decode worker does) vs raw
+    /// loopback TCP in the same run.
+    Kv(BenchKvArgs),
+    /// Replica start to first token from an HF checkpoint over HTTP, a staged snapshot
+    /// (cold page cache), a hot one and a parked standby, against a page-cache read.
+    Coldstart(BenchColdstartArgs),
+    /// A GPU replica's start phases (needs `--features cuda` and a GPU): weights upload
+    /// vs the host-to-device copy limit, NVRTC compile vs kernel-cache restore, graphs.
+    Gpu(BenchGpuArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchGpuArgs {
+    /// A synthetic preset (`llama-1b`, `tiny`), a .gguf, an HF directory or a .preheat.
+    #[arg(long, default_value = "llama-1b")]
+    pub model: String,
+    /// Where a converted or synthetic snapshot is kept between runs.
+    #[arg(long, default_value = ".cache/bench-coldstart")]
+    pub work_dir: PathBuf,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchKvArgs {
+    /// Prompt tokens whose K/V are moved.
+    #[arg(long, default_value_t = 2048)]
+    pub tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    #[arg(long, default_value_t = 9)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchColdstartArgs {
+    /// A synthetic preset (`llama-1b`, `tiny`), a .gguf, an HF directory or a .preheat.
+    #[arg(long, default_value = "llama-1b")]
+    pub model: String,
+    /// Where the snapshot, the exported checkpoint and downloads go (kept between runs).
+    #[arg(long, default_value = ".cache/bench-coldstart")]
+    pub work_dir: PathBuf,
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// How the replicas start, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "convert,staged,hot,standby"
+    )]
+    pub sources: Vec<SourceFlag>,
+    #[arg(long, default_value_t = 64)]
+    pub kv_cache_mib: usize,
+    /// Write the phase breakdown per source as an SVG chart.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchRouterArgs {
+    #[arg(long)]
+    pub trace: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Prefix-cache capacity per worker in 512-token blocks (default: the GPU-class
+    /// profile's 450k KV tokens).
+    #[arg(long, default_value_t = 878)]
+    pub cache_blocks: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchServeArgs {
+    /// Base URL of the OpenAI-compatible server (`/v1/completions` is appended).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// `model` field of each request (default: the server's only model).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Replay this trace (Azure CSV or Mooncake JSONL) instead of a fixed rate.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Trace time compression (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Send at most this many requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Multiply trace token counts (shrink long prompts for small CPU models).
+    #[arg(long, default_value_t = 1.0)]
+    pub token_scale: f64,
+    #[arg(long, default_value_t = 4096)]
+    pub max_input_tokens: u32,
+    #[arg(long, default_value_t = 1024)]
+    pub max_output_tokens: u32,
+    /// Without --trace: requests per second …
+    #[arg(long, default_value_t = 1.0)]
+    pub rate: f64,
+    /// … how many …
+    #[arg(long, default_value_t = 10)]
+    pub requests: usize,
+    /// … and their prompt and output lengths.
+    #[arg(long, default_value_t = 128)]
+    pub input_tokens: u32,
+    #[arg(long, default_value_t = 32)]
+    pub output_tokens: u32,
+    #[arg(long, default_value_t = 2.0)]
+    pub slo_ttft: f64,
+    #[arg(long, default_value_t = 0.05)]
+    pub slo_itl: f64,
+    /// Time after which a request counts as failed.
+    #[arg(long, alias = "timeout-s", default_value = "300s", value_parser = duration_arg)]
+    pub timeout: Duration,
+    /// Include every request's outcome in the JSON.
+    #[arg(long)]
+    pub per_request: bool,
+    /// Write an SVG of load, TTFT and (against a preheat gateway) each pool's
+    /// replicas over time.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchScalerArgs {
+    /// ScaledObjects polling GetMetrics concurrently.
+    #[arg(long, default_value_t = 1000)]
+    pub objects: usize,
+    /// GetMetrics calls per ScaledObject.
+    #[arg(long, default_value_t = 10)]
+    pub polls: usize,
+    /// Time between one ScaledObject's polls (KEDA's default is 30s).
+    #[arg(long, default_value = "1s", value_parser = duration_arg)]
+    pub interval: Duration,
+    /// The same in milliseconds (the old spelling).
+    #[arg(long, hide = true, conflicts_with = "interval")]
+    pub interval_ms: Option<u64>,
+    /// Pods scraped per tick (half prefill, half decode).
+    #[arg(long, default_value_t = 1000)]
+    pub pods: usize,
+    #[arg(long, default_value_t = 5)]
+    pub ticks: usize,
+    /// Where the simulated KEDA callers run: in the scaler's process (sharing its
+    /// runtime), in a process of their own (as KEDA does), or both, one after the other.
+    #[arg(long, value_enum, default_value = "both")]
+    pub callers: Callers,
+    /// Internal: only poll the scaler at this address and print latencies (the callers'
+    /// process of `--callers own-process`).
+    #[arg(long, hide = true)]
+    pub call_server: Option<String>,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Callers {
+    SameProcess,
+    OwnProcess,
+    Both,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchEngineArgs {
+    /// Synthetic preset to measure.
+    #[arg(long, default_value = "llama-1b")]
+    pub preset: String,
+    #[arg(long, default_value = ".bench")]
+    pub dir: PathBuf,
+    /// Decode steps timed at batch 1 (half as many at batch 32).
+    #[arg(long, default_value_t = 6)]
+    pub steps: usize,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_len: usize,
+    /// Tokens generated per stream in the batching measurement.
+    #[arg(long, default_value_t = 8)]
+    pub gen_tokens: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchSnapshotArgs {
+    /// Synthetic preset to measure.
+    #[arg(long, default_value = "llama-1b")]
+    pub preset: String,
+    /// Scratch directory (needs about 4× the snapshot size free).
+    #[arg(long, default_value = ".bench")]
+    pub dir: PathBuf,
+    /// Repetitions of each timed read (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+impl BenchScalerArgs {
+    /// `--interval`, or the old `--interval-ms`.
+    #[must_use]
+    pub fn poll_interval(&self) -> Duration {
+        self.interval_ms
+            .map_or(self.interval, Duration::from_millis)
+    }
+}

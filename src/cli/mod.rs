@@ -1,0 +1,465 @@
+//! Command-line flags as clap parses them. Validation into typed options happens in
+//! `commands`, so every subcommand's raw flags are readable in one place.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::duration::duration_arg;
+
+mod bench;
+mod engine;
+
+pub use self::bench::*;
+pub use self::engine::*;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "preheat",
+    version,
+    about = "Autoscaler and cold-start accelerator for disaggregated LLM serving",
+    long_about = "preheat sizes the prefill and decode pools of a disaggregated LLM deployment \
+independently and makes new replicas serve their first token in seconds.\n\n\
+Logs go to stderr (filter with RUST_LOG, e.g. RUST_LOG=debug); results go to stdout, \
+as JSON with --json where a tool would parse them."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The whole stack on this machine: gateway, prefill and decode pools as worker
+    /// processes, the scaler (KEDA gRPC open) and a local replica driver that scales
+    /// the pools from zero and back.
+    Up(UpArgs),
+    /// Model snapshots: convert, inspect, verify, pack and unpack the loading-optimised format.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// The bundled engine: serve a model over the OpenAI API.
+    #[command(subcommand)]
+    Engine(EngineCmd),
+    /// The KEDA external scaler: sizes prefill and decode pools from their metrics.
+    #[command(subcommand)]
+    Scaler(ScalerCmd),
+    /// The warm-pool node agent: stage snapshots onto local disk, keep them hot, keep
+    /// parked standbys.
+    #[command(subcommand)]
+    Warmpool(WarmpoolCmd),
+    /// What the scaler decided for each pool and why, against the SLOs, and what each
+    /// node has staged and hot: read from the scaler and the warm-pool agents.
+    Status(StatusArgs),
+    /// Replay a request trace against autoscaling policies in a discrete-event simulation.
+    Simulate(SimulateArgs),
+    /// Benchmarks that record the figures in BENCHMARKS.md.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WarmpoolCmd {
+    /// Run the agent (a DaemonSet in Kubernetes) from a YAML config.
+    Run {
+        #[arg(long)]
+        config: PathBuf,
+        /// Where peers reach this node's standbys (overrides the config's
+        /// `advertise_host`; in Kubernetes the pod IP, `$(POD_IP)`).
+        #[arg(long)]
+        advertise_host: Option<String>,
+        /// Address of the agent's API (overrides the config's `listen`; in Kubernetes
+        /// `$(POD_IP):PORT`, never every interface).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        #[command(flatten)]
+        token: ClusterTokenArgs,
+        #[command(flatten)]
+        open: NoTokenArg,
+    },
+    /// Give the node's cache directories (created when missing) to the user the agent
+    /// and workers run as: the chart's one root step, with only CAP_CHOWN.
+    Own {
+        /// Directories, chowned recursively (links themselves, never their targets).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        #[arg(long, default_value_t = 65532)]
+        uid: u32,
+        #[arg(long, default_value_t = 65532)]
+        gid: u32,
+    },
+    /// Stage one snapshot into a directory: parallel, resumable, verified, published
+    /// atomically. Exit 0 only when a verified snapshot is in place.
+    Stage {
+        /// A path or http(s) URL of a snapshot or packed snapshot (or
+        /// `$PREHEAT_MODEL_SOURCE`, so a URL with credentials stays out of argv).
+        #[arg(long, env = "PREHEAT_MODEL_SOURCE", hide_env_values = true)]
+        source: String,
+        #[arg(long)]
+        dir: PathBuf,
+        /// Model name (file name `<name>.preheat`); default: the source's file name.
+        #[arg(long)]
+        name: Option<String>,
+        /// Ranges fetched at once.
+        #[arg(long, default_value_t = 4)]
+        concurrency: usize,
+        /// Range size for plain snapshots, MiB.
+        #[arg(long, default_value_t = 8)]
+        piece_mib: u64,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// A .preheat snapshot, HF checkpoint directory or .gguf (staged once as a
+    /// snapshot); default: an embedded synthetic tiny model that works offline.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Where workers register with the gateway (internal, behind this run's cluster
+    /// token; default: a free loopback port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub gateway_internal: String,
+    /// The scaler's KEDA external-scaler gRPC address.
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub scaler_listen: String,
+    /// The scaler's HTTP endpoint: `/metrics`, and `/status` for `preheat status`.
+    #[arg(long, default_value = "127.0.0.1:9091")]
+    pub scaler_http: String,
+    /// The warm-pool agent's API (`/models`, `/standbys`, `/metrics`).
+    #[arg(long, default_value = "127.0.0.1:9092")]
+    pub agent_listen: String,
+    /// Idle time before a pool goes to zero (e.g. 90s, 5m).
+    #[arg(long, default_value = "60s", value_parser = duration_arg)]
+    pub idle_grace: Duration,
+    #[arg(long, default_value_t = 0)]
+    pub prefill_min: u32,
+    #[arg(long, default_value_t = 2)]
+    pub prefill_max: u32,
+    #[arg(long, default_value_t = 0)]
+    pub decode_min: u32,
+    #[arg(long, default_value_t = 2)]
+    pub decode_max: u32,
+    /// KV-cache budget per worker, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub kv_cache_mib: usize,
+    /// TTFT target in seconds the scaler sizes prefill for.
+    #[arg(long, default_value_t = 2.0)]
+    pub slo_ttft: f64,
+    /// Inter-token latency target in seconds the scaler sizes decode for.
+    #[arg(long, default_value_t = 0.05)]
+    pub slo_itl: f64,
+    /// Staged snapshots, the measured profile and worker logs.
+    #[arg(long, default_value = ".cache/up")]
+    pub cache_dir: PathBuf,
+    /// Parked standby workers kept per pool (loaded, not registered); a scale-up
+    /// promotes them first.
+    #[arg(long, default_value_t = 1)]
+    pub standbys: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The scaler's HTTP endpoint (`preheat up --scaler-http`, the chart's `scaler.httpPort`).
+    #[arg(long, default_value = "http://127.0.0.1:9091", conflicts_with = "kube")]
+    pub scaler: String,
+    /// A warm-pool agent's API (repeat for each node).
+    #[arg(long, conflicts_with = "kube")]
+    pub agent: Vec<String>,
+    #[command(flatten)]
+    pub token: ClusterTokenArgs,
+    /// Find the scaler and the agents as the release's pods in a Kubernetes namespace
+    /// (KUBECONFIG or in-cluster), and read the cluster token from the release's Secret
+    /// unless --cluster-token-file is given.
+    #[arg(long)]
+    pub kube: bool,
+    /// With --kube: the namespace (default: the kubeconfig's).
+    #[arg(long, requires = "kube")]
+    pub namespace: Option<String>,
+    /// With --kube: the Helm release.
+    #[arg(long, default_value = "preheat")]
+    pub release: String,
+    /// With --kube: the Secret holding the cluster token (default: the chart's,
+    /// `<release>-preheat-cluster-token`).
+    #[arg(long, requires = "kube")]
+    pub token_secret: Option<String>,
+    /// Refresh until interrupted (in place on a terminal).
+    #[arg(long)]
+    pub watch: bool,
+    /// How often --watch refreshes.
+    #[arg(long, default_value = "2s", value_parser = duration_arg)]
+    pub interval: Duration,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Policies to compare, comma-separated, or all.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
+    pub policy: Vec<PolicyFlag>,
+    /// Capacity profile JSON (`preheat engine profile`); default: the GPU-class profile.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Scaler YAML config whose first model's pool settings the simulation uses
+    /// (default: the scaler's shipped defaults).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a config value, as for `scaler run` (repeatable).
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    pub overrides: Vec<String>,
+    /// TTFT target in seconds (prompts up to the reference length; longer ones scale).
+    #[arg(long)]
+    pub slo_ttft: Option<f64>,
+    /// Mean inter-token latency target in seconds.
+    #[arg(long)]
+    pub slo_itl: Option<f64>,
+    /// How warm new replicas start: cold, staged, hot or standby (start-up time from
+    /// the profile).
+    #[arg(long, value_enum, default_value_t = StartFlag::Hot)]
+    pub start: StartFlag,
+    /// With `--start standby`: parked standbys kept per pool (their GPU time counts);
+    /// scale-ups beyond them start hot.
+    #[arg(long, default_value_t = 1)]
+    pub standbys: u32,
+    /// Write the full report (every policy, timelines) as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write an SVG plot of load and each policy's replicas over time here.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCmd {
+    /// Convert a Hugging Face checkpoint directory or a GGUF file into a snapshot.
+    Convert {
+        /// HF directory (config.json + safetensors) or a .gguf file.
+        src: PathBuf,
+        /// Output snapshot file (written atomically).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Stored dtype: keep the source's (quantised GGUF tensors become f32), or convert.
+        #[arg(long, value_enum, default_value_t = DTypeFlag::Keep)]
+        dtype: DTypeFlag,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Show a snapshot's model config and tensor table (no tensor data is read).
+    Inspect {
+        file: PathBuf,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Recompute every checksum; exits non-zero naming each corrupt tensor.
+    Verify {
+        file: PathBuf,
+        /// Threads hashing in parallel (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Compress a snapshot into the chunked packed encoding for storage and transfer.
+    Pack {
+        file: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        /// zstd level.
+        #[arg(long, default_value_t = 3)]
+        level: i32,
+        /// Chunk size in MiB (each chunk decompresses independently).
+        #[arg(long, default_value_t = 4)]
+        chunk_mib: u64,
+        /// Compress 16-bit tensors as they are, without the byte-plane split.
+        #[arg(long)]
+        no_byte_planes: bool,
+        #[arg(long)]
+        threads: Option<usize>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Decompress a packed snapshot; resumes an interrupted unpack from its partial file.
+    Unpack {
+        packed: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long)]
+        threads: Option<usize>,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+    /// Write a synthetic snapshot of a real model shape with deterministic random weights.
+    Synth {
+        /// tiny (the llama-tiny fixture's shapes) or llama-1b (Llama-3.2-1B, ~1.24 B params).
+        #[arg(long)]
+        preset: String,
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long, value_enum, default_value_t = DTypeFlag::Bf16)]
+        dtype: DTypeFlag,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[command(flatten)]
+        out: OutputArgs,
+    },
+}
+
+/// The deployment's cluster token, which every request between preheat's own
+/// processes carries.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterTokenArgs {
+    /// File holding the cluster token (a mounted Secret; `preheat up` writes one per
+    /// run). A process with an internal listener refuses to start without it.
+    #[arg(long, env = "PREHEAT_CLUSTER_TOKEN_FILE")]
+    pub cluster_token_file: Option<PathBuf>,
+}
+
+/// For processes that serve internal endpoints: leave them open instead of refusing to
+/// start without a cluster token.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct NoTokenArg {
+    /// Run without a cluster token: internal endpoints then accept anyone. Only for a
+    /// machine no one else can reach.
+    #[arg(long, env = "PREHEAT_INSECURE_NO_TOKEN")]
+    pub insecure_no_token: bool,
+}
+
+impl ClusterTokenArgs {
+    /// The token, read and checked.
+    pub fn load(&self) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
+        match &self.cluster_token_file {
+            Some(p) => Ok(Some(std::sync::Arc::new(
+                preheat_edge::ClusterToken::from_file(p)?,
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    /// The token, for a process that serves internal endpoints (`what`): refused
+    /// without one, unless `--insecure-no-token` says so.
+    pub fn require(
+        &self,
+        open: NoTokenArg,
+        what: &str,
+    ) -> anyhow::Result<Option<std::sync::Arc<preheat_edge::ClusterToken>>> {
+        let t = self.load()?;
+        if t.is_some() && open.insecure_no_token {
+            anyhow::bail!(
+                "--insecure-no-token ($PREHEAT_INSECURE_NO_TOKEN) and a cluster token file were both given: {what} takes one or the other"
+            );
+        }
+        if t.is_none() && !open.insecure_no_token {
+            anyhow::bail!(
+                "{what} serves internal endpoints, which ask for the deployment's cluster token: give --cluster-token-file FILE or $PREHEAT_CLUSTER_TOKEN_FILE (make one with `openssl rand -hex 32 > FILE`; `preheat up` and the chart make their own), or --insecure-no-token on a machine no one else can reach"
+            );
+        }
+        Ok(t)
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ScalerCmd {
+    /// Serve KEDA's ExternalScaler gRPC API and run the scrape-and-decide loop.
+    Run {
+        /// YAML config (pools, models, SLOs, endpoints, limits).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override any config value: `--set models.0.decode.max_replicas=8` (repeatable).
+        #[arg(long = "set", value_name = "PATH=VALUE")]
+        overrides: Vec<String>,
+        /// Capacity profile JSON (default: the documented GPU-class profile).
+        #[arg(long)]
+        profile: Option<PathBuf>,
+        #[command(flatten)]
+        token: ClusterTokenArgs,
+    },
+}
+
+#[derive(Debug, Args, Clone, Copy)]
+pub struct OutputArgs {
+    /// Print machine-readable JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags that take one of a few values: parsed by clap (which lists them in `--help`
+/// and names the wrong one), then handed to the parts as their own types or names.
+macro_rules! value_enum {
+    ($(#[$m:meta])* $name:ident { $($variant:ident => $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+        pub enum $name {
+            $(#[value(name = $s)] $variant),+
+        }
+
+        impl $name {
+            /// The spelling on the command line.
+            #[must_use]
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $s),+
+                }
+            }
+        }
+    };
+}
+
+value_enum!(
+    /// `--device`.
+    DeviceFlag { Auto => "auto", Cpu => "cpu", Cuda => "cuda" }
+);
+value_enum!(
+    /// `snapshot convert|synth --dtype`.
+    DTypeFlag { Keep => "keep", F32 => "f32", F16 => "f16", Bf16 => "bf16" }
+);
+value_enum!(
+    /// `simulate --start`: how warm new replicas start.
+    StartFlag { Cold => "cold", Staged => "staged", Hot => "hot", Standby => "standby" }
+);
+value_enum!(
+    /// `bench coldstart --sources`.
+    SourceFlag { Convert => "convert", Staged => "staged", Hot => "hot", Standby => "standby" }
+);
+value_enum!(
+    /// `simulate --policy` (the simulator's registry, `sim::autoscalers::POLICIES`).
+    PolicyFlag {
+        All => "all",
+        Preheat => "preheat",
+        StaticPeak => "static-peak",
+        Clairvoyant => "clairvoyant",
+        HpaUtilization => "hpa-utilization",
+        KedaQueue => "keda-queue",
+        Kpa => "kpa",
+        SlaPlanner => "sla-planner",
+    }
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_flag_is_a_simulator_policy_and_back() {
+        let flags: Vec<&str> = PolicyFlag::value_variants()
+            .iter()
+            .map(|p| p.as_str())
+            .filter(|p| *p != "all")
+            .collect();
+        let mut known = preheat_sim::autoscalers::POLICIES.to_vec();
+        known.sort_unstable();
+        let mut flags_sorted = flags.clone();
+        flags_sorted.sort_unstable();
+        assert_eq!(flags_sorted, known);
+    }
+}
