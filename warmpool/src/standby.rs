@@ -16,7 +16,7 @@ use tokio::process::{Child, Command};
 
 use crate::config::StandbySpec;
 use crate::restart_backoff::{RestartBackoff, log_tail};
-use crate::worker_process::worker_command;
+use crate::worker_process::{reported_state, worker_command};
 use crate::{Error, Result};
 
 #[derive(Debug)]
@@ -174,7 +174,8 @@ impl StandbyPool {
             }
             if !p.ready {
                 let token = self.token.as_ref().map(|(t, _)| &**t);
-                p.ready = state_of(&self.client, &p.url, token).await.as_deref() == Some("standby");
+                p.ready =
+                    reported_state(&self.client, &p.url, token).await.as_deref() == Some("standby");
                 if p.ready {
                     self.backoff.started_ok();
                 }
@@ -342,21 +343,4 @@ pub async fn drain_children(children: &mut [Child], grace: Duration, what: &str)
 /// Whether `port` can be bound on loopback now (another process may hold it).
 fn bindable(port: u16) -> bool {
     std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-/// The worker's `/internal/state`: `loading`, `standby` or `serving`.
-pub async fn state_of(
-    client: &reqwest::Client,
-    url: &str,
-    token: Option<&ClusterToken>,
-) -> Option<String> {
-    let r = client
-        .get(format!("{url}/internal/state"))
-        .cluster_token(token)
-        .timeout(Duration::from_secs(2))
-        .send()
-        .await
-        .ok()?;
-    let v: serde_json::Value = r.json().await.ok()?;
-    v.get("state")?.as_str().map(str::to_owned)
 }

@@ -1,11 +1,15 @@
 //! The one way preheat starts a worker process of its own (`preheat up`'s replicas,
 //! the agent's standbys, `bench coldstart`'s replicas): the cluster token (or the
 //! explicit lack of one) in its environment, stamped with the spawn time so its
-//! start-up phases count exec, tied to its parent's life, its stderr to a log.
+//! start-up phases count exec, tied to its parent's life, its stderr to a log; and the
+//! one way its readiness is read back (`/health`, `/internal/state`).
 
 use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use preheat_edge::{ClusterToken, WithClusterToken};
 
 /// A worker command: `program args…` with the token file `token` in its environment
 /// (`None`: run it with `PREHEAT_INSECURE_NO_TOKEN`, as its parent runs), stderr to
@@ -91,4 +95,31 @@ pub fn die_with_parent(cmd: &mut std::process::Command) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = cmd;
+}
+
+/// The worker's `/internal/state`: `loading`, `standby` or `serving`.
+pub async fn reported_state(
+    client: &reqwest::Client,
+    url: &str,
+    token: Option<&ClusterToken>,
+) -> Option<String> {
+    let r = client
+        .get(format!("{url}/internal/state"))
+        .cluster_token(token)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?;
+    let v: serde_json::Value = r.json().await.ok()?;
+    v.get("state")?.as_str().map(str::to_owned)
+}
+
+/// Whether the worker at `url` answers `/health` with 200 (loaded and serving).
+pub async fn healthy(client: &reqwest::Client, url: &str) -> bool {
+    client
+        .get(format!("{url}/health"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
 }

@@ -32,6 +32,8 @@ use crate::process::free_port;
 /// Phases in the order a start goes through them (server side).
 use self::prepare::{prepare, serve_dir};
 
+use preheat_warmpool::worker_process::{healthy, reported_state};
+
 const PHASES: [&str; 5] = [
     "snapshot_open",
     "weights_resident",
@@ -121,29 +123,28 @@ fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Rep
 }
 
 /// Polls `/health` until 200 (or the state until `standby`).
-fn wait_until(
-    c: &reqwest::blocking::Client,
-    r: &mut Replica,
-    standby: bool,
-    limit: Duration,
-) -> anyhow::Result<()> {
+fn wait_until(r: &mut Replica, standby: bool, limit: Duration) -> anyhow::Result<()> {
     let t0 = Instant::now();
+    // Readiness is read the way the agent reads its standbys' (one implementation).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::new();
+    let token = &bench_token()?.0;
     loop {
         if let Some(status) = r.child.try_wait()? {
             bail!("the replica exited ({status}) before serving");
         }
-        let ok = if standby {
-            c.get(format!("{}/internal/state", r.internal))
-                .header("authorization", bench_token()?.0.bearer())
-                .send()
-                .ok()
-                .and_then(|x| x.text().ok())
-                .is_some_and(|t| t.contains("standby"))
-        } else {
-            c.get(format!("{}/health", r.base))
-                .send()
-                .is_ok_and(|x| x.status().is_success())
-        };
+        let ok = rt.block_on(async {
+            if standby {
+                reported_state(&client, &r.internal, Some(token))
+                    .await
+                    .as_deref()
+                    == Some("standby")
+            } else {
+                healthy(&client, &r.base).await
+            }
+        });
         if ok {
             return Ok(());
         }
@@ -208,7 +209,7 @@ fn measure_start(
     let resident_at_start = residency::of_file(snapshot).map_or(0.0, |r| r.fraction());
     let t0 = Instant::now();
     let mut r = spawn_serve(model, false, kv_mib)?;
-    wait_until(c, &mut r, false, Duration::from_secs(900))?;
+    wait_until(&mut r, false, Duration::from_secs(900))?;
     first_token(c, &r.base)?;
     let total_s = t0.elapsed().as_secs_f64();
     Ok(Start {
@@ -225,7 +226,7 @@ fn measure_standby(
     kv_mib: usize,
 ) -> anyhow::Result<Start> {
     let mut r = spawn_serve(snapshot, true, kv_mib)?;
-    wait_until(c, &mut r, true, Duration::from_secs(900))?;
+    wait_until(&mut r, true, Duration::from_secs(900))?;
     let t0 = Instant::now();
     let p = c
         .post(format!("{}/internal/promote", r.internal))
