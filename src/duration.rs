@@ -29,6 +29,15 @@ pub fn duration_arg(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?} is not a duration (e.g. 30s, 500ms, 2m, 90)"))
 }
 
+/// A latency target in seconds, in the same syntax (`2`, `2s`, `50ms`); a plain number
+/// is taken as is, negative included, so the policy's own check names a bad target.
+pub fn seconds_arg(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) => Ok(v),
+        Err(_) => duration_arg(s).map(|d| d.as_secs_f64()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,5 +53,15 @@ mod tests {
         for bad in ["", "s", "-1s", "abc", "1d", "ms", "5sms", "-5ms"] {
             assert_eq!(parse_duration(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn latency_targets_take_the_duration_syntax_and_plain_numbers() {
+        assert_eq!(seconds_arg("2"), Ok(2.0));
+        assert_eq!(seconds_arg("50ms"), Ok(0.05));
+        assert_eq!(seconds_arg("1.5s"), Ok(1.5));
+        // A negative number reaches the policy's check, which names the target.
+        assert_eq!(seconds_arg("-1"), Ok(-1.0));
+        assert!(seconds_arg("fast").unwrap_err().contains("not a duration"));
     }
 }

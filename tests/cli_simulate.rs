@@ -132,6 +132,10 @@ fn simulate_bad_input_is_a_clear_error() {
             "slo_itl_s must be > 0",
         ),
         (vec!["--trace", "/nonexistent.csv"], "/nonexistent.csv"),
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--rate-scale", "0"],
+            "--rate-scale 0: give a whole number from 1 to 1000",
+        ),
     ] {
         let out = preheat(std::iter::once("simulate").chain(args.iter().copied()));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -139,4 +143,111 @@ fn simulate_bad_input_is_a_clear_error() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+#[test]
+fn rate_scale_loads_the_same_shape_k_times_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = testdata().join("traces/azure_code_2023.csv");
+    let run = |k: &str| {
+        let json = dir.path().join(format!("r{k}.json"));
+        let out = ok([
+            "simulate".as_ref(),
+            "--trace".as_ref(),
+            trace.as_os_str(),
+            "--policy".as_ref(),
+            "static-peak".as_ref(),
+            "--rate-scale".as_ref(),
+            k.as_ref(),
+            "--json".as_ref(),
+            json.as_os_str(),
+        ]);
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        (out, r)
+    };
+    let (_, one) = run("1");
+    let (out, three) = run("3");
+    assert!(out.contains(&format!("{} requests", 3 * 8819)), "{out}");
+    assert!(
+        three["trace"].as_str().unwrap().ends_with("×3"),
+        "{}",
+        three["trace"]
+    );
+    // Three times the load needs a larger fixed size, which still meets 99%.
+    let size = |r: &serde_json::Value| -> u64 {
+        let f = r["policies"][0]["fixed_replicas"].as_array().unwrap();
+        f.iter().map(|v| v.as_u64().unwrap()).sum()
+    };
+    assert!(
+        size(&three) > size(&one),
+        "{} vs {}",
+        size(&three),
+        size(&one)
+    );
+    assert!(three["policies"][0]["slo_attainment"].as_f64().unwrap() >= 0.99);
+}
+
+#[test]
+fn trace_day_makes_a_seeded_swinging_day_the_simulator_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let from = testdata().join("traces/mooncake_synthetic.jsonl");
+    let make = |name: &str, seed: &str| {
+        let out = dir.path().join(name);
+        let text = ok([
+            "trace".as_ref(),
+            "day".as_ref(),
+            "--from".as_ref(),
+            from.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+            "--peak-rps".as_ref(),
+            "2".as_ref(),
+            "--hours".as_ref(),
+            "3".as_ref(),
+            "--peak-hour".as_ref(),
+            "2".as_ref(),
+            "--seed".as_ref(),
+            seed.as_ref(),
+        ]);
+        (out, text)
+    };
+    let (a, text) = make("a.jsonl", "7");
+    let (b, _) = make("b.jsonl", "7");
+    assert_eq!(
+        std::fs::read(&a).unwrap(),
+        std::fs::read(&b).unwrap(),
+        "seeded"
+    );
+    let n = std::fs::read_to_string(&a).unwrap().lines().count();
+    // Three hours around a 2 req/s peak at 02:00 (trough 1/15 req/s at 14:00): the
+    // rate stays within 1.87..2 req/s, about 21,000 arrivals.
+    assert!(text.contains(&format!("{n} requests over 3 h")), "{text}");
+    assert!((19_000..23_000).contains(&n), "{n}");
+    let out = ok([
+        "simulate".as_ref(),
+        "--trace".as_ref(),
+        a.as_os_str(),
+        "--policy".as_ref(),
+        "static-peak".as_ref(),
+    ]);
+    assert!(out.contains(&format!("{n} requests")), "{out}");
+    // A bad shape is refused with every problem named.
+    let bad = preheat([
+        "trace",
+        "day",
+        "--from",
+        from.to_str().unwrap(),
+        "--out",
+        "/tmp/never.jsonl",
+        "--swing",
+        "0.5",
+        "--hours",
+        "0",
+    ]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("swing 0.5") && err.contains("hours 0"),
+        "{err}"
+    );
 }

@@ -12,9 +12,12 @@
 //!   `/metrics`) answers 404 to any `/internal/` path; an internal one asks for the
 //!   token on everything but `/health` and `/metrics` (probes and Prometheus).
 //! - [`listener::serve`]: every listener's connection cap and header/body deadlines.
+//! - [`config_file`]: the one set of YAML rules the scaler and the agent read their
+//!   config files with.
 
 pub mod api_keys;
 pub mod client;
+pub mod config_file;
 pub mod listener;
 pub mod routes;
 pub mod token;

@@ -297,7 +297,7 @@ pub async fn serve_on(
                     state.park(e);
                 } else {
                     state.set_engine(e);
-                    if let Ok(e) = state.engine() {
+                    if let Ok(e) = state.front() {
                         e.metrics().mark_startup("ready");
                     }
                 }

@@ -309,4 +309,25 @@ mod tests {
             "decode has no decision yet"
         );
     }
+
+    #[test]
+    fn before_the_first_tick_only_what_is_known_is_exposed() {
+        let store = DecisionStore::new(vec!["m".into()]);
+        let text = metrics(&store, &["m".into()]);
+        let samples: Vec<_> = crate::signals::text_format::samples(&text)
+            .collect::<Result<_, _>>()
+            .expect("valid exposition");
+        use crate::signals::names::own;
+        // No decision yet: no desired replicas (KEDA keeps the pool's size), no reason.
+        assert!(
+            samples
+                .iter()
+                .all(|s| s.name != own::DESIRED && s.name != own::DECISION)
+        );
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.name == own::CURRENT && s.label("pool") == Some("decode"))
+        );
+    }
 }

@@ -10,18 +10,19 @@
 //! New replicas serve after the profile's start-up time; removed replicas drain what
 //! they hold. GPU-seconds count every replica from its start to its exit. Everything is
 //! deterministic: the same trace and settings give the same report.
-
 //!
 //! Layout: [`config`] (what a run is given), [`registry`] (policies by name, runs),
-//! [`replay`] (the event loop), [`observe`] (what an autoscaler sees), [`actuate`] (how
-//! a decision changes a pool), [`sizing`] (fixed sizes from the whole trace),
-//! [`report`]; the replicas in [`cluster`], the baselines in [`autoscalers`].
+//! `replay` (the event loop), `observe` (what an autoscaler sees), `actuate` (how a
+//! decision changes a pool), `sizing` (fixed sizes from the whole trace), [`report`];
+//! the replicas in [`cluster`], the baselines in [`autoscalers`], traces in [`trace`]
+//! and synthetic days in [`day`].
 
 mod actuate;
 pub mod autoscalers;
 pub mod clairvoyant;
 pub mod cluster;
 pub mod config;
+pub mod day;
 mod observe;
 mod per_pool;
 pub mod registry;

@@ -4,7 +4,6 @@
 
 use std::collections::VecDeque;
 
-use preheat_scaler::percentile::percentile;
 use preheat_scaler::policy::Pool;
 use preheat_scaler::signals::PoolSignals;
 
@@ -171,8 +170,33 @@ impl Sim<'_> {
     }
 }
 
-/// A latency quantile over the window's (time, value) samples.
+/// A latency quantile over the window's (time, value) samples: the nearest rank of
+/// [`preheat_scaler::percentile`], found by selection instead of a sort (twice a second
+/// per pool over thousands of samples at fleet scale).
 fn quantile(xs: &VecDeque<(f64, f64)>, q: f64) -> Option<f64> {
     let mut v: Vec<f64> = xs.iter().map(|x| x.1).collect();
-    percentile(&mut v, q)
+    let last = v.len().checked_sub(1)?;
+    let i = ((last as f64 * q.clamp(0.0, 1.0)).round() as usize).min(last);
+    Some(*v.select_nth_unstable_by(i, f64::total_cmp).1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selection_gives_the_sorted_nearest_rank() {
+        let xs: VecDeque<(f64, f64)> = [5.0, 1.0, 4.0, 2.0, 3.0, 9.0, 0.5]
+            .iter()
+            .map(|&v| (0.0, v))
+            .collect();
+        for q in [0.0, 0.5, 0.9, 0.99, 1.0] {
+            let mut v: Vec<f64> = xs.iter().map(|x| x.1).collect();
+            assert_eq!(
+                quantile(&xs, q),
+                preheat_scaler::percentile::percentile(&mut v, q)
+            );
+        }
+        assert_eq!(quantile(&VecDeque::new(), 0.5), None);
+    }
 }

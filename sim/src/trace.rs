@@ -204,6 +204,48 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// Largest `--rate-scale`: a trace replayed more often than this is a different trace.
+pub const MAX_RATE_SCALE: u32 = 1000;
+
+/// The trace with each request replayed `k` times, so its shape loads a `k`-times
+/// larger fleet: copy 0 at the original time, copies 1.. within the following second at
+/// a deterministic jitter (the same for the same trace and `k`). Each copy's prefix
+/// blocks are renamed, so copies share prefixes among themselves as the original's
+/// requests do, not with the original (a copy is another user, not a retry).
+#[must_use]
+pub fn scale_rate(trace: &[TraceRequest], k: u32) -> Vec<TraceRequest> {
+    if k <= 1 {
+        return trace.to_vec();
+    }
+    let mut out = Vec::with_capacity(trace.len() * k as usize);
+    for (i, r) in trace.iter().enumerate() {
+        for c in 0..u64::from(k) {
+            let mut copy = r.clone();
+            if c > 0 {
+                copy.t += unit_jitter(i as u64, c);
+                let salt = c.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                for b in &mut copy.blocks {
+                    *b ^= salt;
+                }
+            }
+            out.push(copy);
+        }
+    }
+    out.sort_by(|a, b| a.t.total_cmp(&b.t));
+    out
+}
+
+/// A number in [0, 1) from (`i`, `c`): splitmix64's finaliser, so neighbours differ.
+fn unit_jitter(i: u64, c: u64) -> f64 {
+    let mut z = i
+        .wrapping_mul(0xD1B5_4A32_D192_ED03)
+        .wrapping_add(c.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,5 +300,41 @@ mod tests {
             let e = parse(text, "trace").unwrap_err().to_string();
             assert!(e.contains(want), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn rate_scale_replays_each_request_k_times_within_a_second_deterministically() {
+        let trace: Vec<TraceRequest> = (0..50)
+            .map(|i| TraceRequest {
+                t: f64::from(i) * 2.0,
+                input_tokens: 100 + i as u32,
+                output_tokens: 10,
+                blocks: vec![1, 2, u64::from(i as u32)],
+            })
+            .collect();
+        let k = 4;
+        let scaled = scale_rate(&trace, k);
+        assert_eq!(scaled.len(), trace.len() * k as usize);
+        assert!(scaled.windows(2).all(|w| w[0].t <= w[1].t), "sorted");
+        assert_eq!(scaled, scale_rate(&trace, k), "deterministic");
+        for r in &trace {
+            let copies: Vec<&TraceRequest> = scaled
+                .iter()
+                .filter(|s| s.input_tokens == r.input_tokens)
+                .collect();
+            assert_eq!(copies.len(), k as usize);
+            assert!(copies.iter().all(|c| c.t >= r.t && c.t < r.t + 1.0));
+            // Copy 0 keeps the original prefix; the others share one renamed prefix.
+            let originals = copies.iter().filter(|c| c.blocks == r.blocks).count();
+            assert_eq!(originals, 1, "only copy 0 keeps the original blocks");
+        }
+        // Copies of different requests still share the common prefix among themselves.
+        let firsts: std::collections::HashSet<u64> = scaled.iter().map(|r| r.blocks[0]).collect();
+        assert_eq!(
+            firsts.len(),
+            k as usize,
+            "one shared first block per copy world"
+        );
+        assert_eq!(scale_rate(&trace, 1), trace);
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 
-use super::*;
+use super::{ClusterTokenArgs, DeviceFlag, NoTokenArg};
 use crate::duration::duration_arg;
 
 #[derive(Debug, Subcommand)]

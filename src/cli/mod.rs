@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::duration::duration_arg;
+use crate::duration::{duration_arg, seconds_arg};
 
 mod bench;
 mod engine;
@@ -53,6 +53,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Replay a request trace against autoscaling policies in a discrete-event simulation.
     Simulate(SimulateArgs),
+    /// Make request traces for the simulator.
+    #[command(subcommand)]
+    Trace(TraceCmd),
     /// Benchmarks that record the figures in BENCHMARKS.md.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -149,11 +152,11 @@ pub struct UpArgs {
     /// KV-cache budget per worker, MiB.
     #[arg(long, default_value_t = 256)]
     pub kv_cache_mib: usize,
-    /// TTFT target in seconds the scaler sizes prefill for.
-    #[arg(long, default_value_t = 2.0)]
+    /// TTFT target the scaler sizes prefill for (`2`, `2s`, `1500ms`).
+    #[arg(long, default_value = "2s", value_parser = seconds_arg)]
     pub slo_ttft: f64,
-    /// Inter-token latency target in seconds the scaler sizes decode for.
-    #[arg(long, default_value_t = 0.05)]
+    /// Inter-token latency target the scaler sizes decode for (`50ms`, `0.05`).
+    #[arg(long, default_value = "50ms", value_parser = seconds_arg)]
     pub slo_itl: f64,
     /// Staged snapshots, the measured profile and worker logs.
     #[arg(long, default_value = ".cache/up")]
@@ -218,11 +221,12 @@ pub struct SimulateArgs {
     /// Override a config value, as for `scaler run` (repeatable).
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub overrides: Vec<String>,
-    /// TTFT target in seconds (prompts up to the reference length; longer ones scale).
-    #[arg(long)]
+    /// TTFT target (`2`, `2s`, `1500ms`) for prompts up to the reference length; longer
+    /// ones scale.
+    #[arg(long, value_parser = seconds_arg)]
     pub slo_ttft: Option<f64>,
-    /// Mean inter-token latency target in seconds.
-    #[arg(long)]
+    /// Mean inter-token latency target (`50ms`, `0.05`).
+    #[arg(long, value_parser = seconds_arg)]
     pub slo_itl: Option<f64>,
     /// How warm new replicas start: cold, staged, hot or standby (start-up time from
     /// the profile).
@@ -232,12 +236,49 @@ pub struct SimulateArgs {
     /// scale-ups beyond them start hot.
     #[arg(long, default_value_t = 1)]
     pub standbys: u32,
+    /// Replay each request K times (copies jittered within a second, prefixes renamed per
+    /// copy), so the trace's shape loads a K-times larger fleet.
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    pub rate_scale: u32,
     /// Write the full report (every policy, timelines) as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Write an SVG plot of load and each policy's replicas over time here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TraceCmd {
+    /// A day (or several) whose arrival rate swings between a night trough and an
+    /// afternoon peak (non-homogeneous Poisson, seeded), with request sizes and prefix
+    /// blocks drawn from a real trace; written as Mooncake JSONL.
+    Day(TraceDayArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TraceDayArgs {
+    /// The trace whose requests' sizes (and prefix blocks) are drawn: Azure CSV or
+    /// Mooncake JSONL.
+    #[arg(long)]
+    pub from: PathBuf,
+    /// Where the day goes (Mooncake JSONL).
+    #[arg(long, short)]
+    pub out: PathBuf,
+    /// Arrival rate at the peak, requests/s.
+    #[arg(long, default_value_t = 20.0)]
+    pub peak_rps: f64,
+    /// Peak rate over trough rate.
+    #[arg(long, default_value_t = 30.0)]
+    pub swing: f64,
+    /// Length in hours (the trace starts at midnight).
+    #[arg(long, default_value_t = 24.0)]
+    pub hours: f64,
+    /// Hour of the peak; the trough is twelve hours away.
+    #[arg(long, default_value_t = 14.0)]
+    pub peak_hour: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -427,6 +468,16 @@ value_enum!(
     /// `simulate --start`: how warm new replicas start.
     StartFlag { Cold => "cold", Staged => "staged", Hot => "hot", Standby => "standby" }
 );
+impl From<StartFlag> for preheat_sim::StartClass {
+    fn from(f: StartFlag) -> Self {
+        match f {
+            StartFlag::Cold => Self::Cold,
+            StartFlag::Staged => Self::Staged,
+            StartFlag::Hot => Self::Hot,
+            StartFlag::Standby => Self::Standby,
+        }
+    }
+}
 value_enum!(
     /// `bench coldstart --sources`.
     SourceFlag { Convert => "convert", Staged => "staged", Hot => "hot", Standby => "standby" }

@@ -6,6 +6,7 @@ mod scaler;
 mod simulate;
 mod snapshot;
 mod status;
+mod trace;
 pub(crate) mod up;
 mod warmpool;
 
@@ -22,6 +23,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Warmpool(cmd) => warmpool::run(cmd),
         Command::Status(args) => status::run(&args),
         Command::Simulate(args) => simulate::run(&args),
+        Command::Trace(cmd) => trace::run(cmd),
         Command::Bench(BenchCmd::Snapshot(args)) => bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => bench::engine::run(&args),
         Command::Bench(BenchCmd::Scaler(args)) => bench::scaler::run(&args),

@@ -51,11 +51,18 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     }
     errs.extend(prefill.validate("prefill"));
     errs.extend(decode.validate("decode"));
-    let start = StartClass::parse(a.start.as_str());
+    let start = StartClass::from(a.start);
     if a.policy.is_empty() {
         errs.push("--policy: name at least one policy".into());
     }
-    let (Some(profile), Some(start), true) = (profile, start, errs.is_empty()) else {
+    if !(1..=sim::trace::MAX_RATE_SCALE).contains(&a.rate_scale) {
+        errs.push(format!(
+            "--rate-scale {}: give a whole number from 1 to {}",
+            a.rate_scale,
+            sim::trace::MAX_RATE_SCALE
+        ));
+    }
+    let (Some(profile), true) = (profile, errs.is_empty()) else {
         bail!("{}", errs.join("\n"));
     };
     let mut sim = SimConfig::new(prefill, decode, profile);
@@ -75,8 +82,12 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
 
 pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
-    let trace = sim::trace::load(&a.trace)?;
-    let name = a.trace.display().to_string();
+    let trace = sim::trace::scale_rate(&sim::trace::load(&a.trace)?, a.rate_scale);
+    let name = if a.rate_scale > 1 {
+        format!("{} ×{}", a.trace.display(), a.rate_scale)
+    } else {
+        a.trace.display().to_string()
+    };
     let started = std::time::Instant::now();
     let report = sim::run(&o.policies, &o.sim, &trace, &name, |p| {
         tracing::info!(policy = p, "simulating");

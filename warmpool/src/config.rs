@@ -213,12 +213,8 @@ impl AgentConfig {
         node_name_env: Option<String>,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self> {
-        let raw: Raw = if text.trim().is_empty() {
-            serde_saphyr::from_str("{}")
-        } else {
-            serde_saphyr::from_str(text)
-        }
-        .map_err(|e| Error::Config(vec![e.to_string()]))?;
+        let raw: Raw =
+            preheat_edge::config_file::parse_yaml(text).map_err(|e| Error::Config(vec![e]))?;
         Self::from_raw(raw, node_name_env, env)
     }
 

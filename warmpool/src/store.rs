@@ -145,13 +145,18 @@ impl Store {
         self.save(&s);
     }
 
+    /// Writes the state the way every other file here is published (temp file, fsync,
+    /// rename, directory fsync), so a crash leaves the old state or the new one.
     fn save(&self, s: &State) {
+        use preheat_snapshot::publish::{publish_temp, temp_beside};
+        use std::io::Write as _;
         let path = self.dir.join(STATE_FILE);
-        let tmp = self.dir.join(format!("{STATE_FILE}.tmp"));
-        let r = serde_json::to_vec(s)
-            .map_err(std::io::Error::other)
-            .and_then(|b| std::fs::write(&tmp, b))
-            .and_then(|()| std::fs::rename(&tmp, &path));
+        let r = (|| -> std::result::Result<(), String> {
+            let bytes = serde_json::to_vec(s).map_err(|e| e.to_string())?;
+            let (mut tmp, _) = temp_beside(&path).map_err(|e| e.to_string())?;
+            tmp.write_all(&bytes).map_err(|e| e.to_string())?;
+            publish_temp(tmp, &path).map_err(|e| e.to_string())
+        })();
         if let Err(e) = r {
             tracing::warn!(path = %path.display(), error = %e, "could not save store state");
         }

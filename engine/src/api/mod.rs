@@ -6,24 +6,21 @@ pub mod openai;
 mod respond;
 pub mod unread_fields;
 
-use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{Value, json};
 
 use self::error::ApiError;
 use self::openai::{ChatRequest, CompletionRequest, Prompt};
 use self::respond::{Style, generate, respond};
-use crate::engine::{Engine, Event, FinishReason, GenerateRequest, RequestHandle, TokenOut, Usage};
+use crate::engine::{Engine, GenerateRequest};
 use crate::frontend::Frontend;
 use crate::{EngineError, Result};
 
@@ -36,7 +33,7 @@ type Front = Arc<dyn Frontend>;
 /// Shared state of the API: the front once the model is loaded.
 #[derive(Clone)]
 pub struct ApiState {
-    engine: Arc<OnceLock<Front>>,
+    front: Arc<OnceLock<Front>>,
     /// A standby's loaded engine, waiting for promotion.
     parked: Arc<std::sync::Mutex<Option<Engine>>>,
     max_body: usize,
@@ -57,7 +54,7 @@ impl ApiState {
     #[must_use]
     pub fn new(max_body: usize) -> Self {
         ApiState {
-            engine: Arc::new(OnceLock::new()),
+            front: Arc::new(OnceLock::new()),
             parked: Arc::default(),
             max_body,
             api_keys: None,
@@ -78,7 +75,7 @@ impl ApiState {
 
     /// Serves through `front` from now on (the first one installed stays).
     pub fn set_frontend(&self, front: Front) {
-        let _ = self.engine.set(front);
+        let _ = self.front.set(front);
     }
 
     /// Holds a loaded engine as a parked standby: `/health` stays 503 and the API
@@ -102,7 +99,7 @@ impl ApiState {
     /// `loading`, `standby` or `serving`.
     #[must_use]
     pub fn state(&self) -> &'static str {
-        if self.engine.get().is_some() {
+        if self.front.get().is_some() {
             "serving"
         } else if self.parked.lock().expect("no panics while held").is_some() {
             "standby"
@@ -111,8 +108,9 @@ impl ApiState {
         }
     }
 
-    pub fn engine(&self) -> Result<&Front> {
-        self.engine
+    /// What requests are served through, once loaded.
+    pub fn front(&self) -> Result<&Front> {
+        self.front
             .get()
             .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))
     }
@@ -163,17 +161,17 @@ async fn promote_route(State(st): State<ApiState>) -> Response {
 }
 
 async fn health(State(st): State<ApiState>) -> Response {
-    health_of(st.engine.get().map(|f| &**f))
+    health_of(st.front.get().map(|f| &**f))
 }
 
 async fn metrics(State(st): State<ApiState>) -> Response {
-    if st.engine.get().is_none()
+    if st.front.get().is_none()
         && let Some(e) = st.parked.lock().expect("no panics while held").as_ref()
     {
         // A standby reports its load phases while parked.
         return metrics_of(Some(e as &dyn Frontend));
     }
-    let mut r = metrics_of(st.engine.get().map(|f| &**f));
+    let mut r = metrics_of(st.front.get().map(|f| &**f));
     if let Some(keys) = &st.api_keys
         && let Ok(more) = prometheus::TextEncoder::new().encode_to_string(&keys.registry().gather())
     {
@@ -204,7 +202,7 @@ pub fn metrics_of(engine: Option<&dyn Frontend>) -> Response {
 }
 
 async fn models(State(st): State<ApiState>) -> std::result::Result<Json<Value>, ApiError> {
-    let e = st.engine()?;
+    let e = st.front()?;
     Ok(Json(json!({"object": "list", "data": [{
         "id": e.model_name(), "object": "model", "created": now(), "owned_by": "preheat",
         "root": e.model_name(), "max_model_len": e.max_model_len(),
@@ -257,7 +255,7 @@ async fn completions(
 ) -> std::result::Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body, st.max_body).await?;
     unread_fields::check(&req.rest, unread_fields::Endpoint::Completions)?;
-    let e = st.engine()?;
+    let e = st.front()?;
     check_model(&**e, req.common.model.as_deref())?;
     if req.echo && req.logprobs.is_some() {
         // Echo with logprobs asks for the prompt tokens' logprobs, not computed here.
@@ -307,7 +305,7 @@ async fn chat_completions(
 ) -> std::result::Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body, st.max_body).await?;
     unread_fields::check(&req.rest, unread_fields::Endpoint::Chat)?;
-    let e = st.engine()?;
+    let e = st.front()?;
     check_model(&**e, req.common.model.as_deref())?;
     let top = if req.logprobs {
         Some(req.top_logprobs.unwrap_or(0))
@@ -334,7 +332,7 @@ async fn chat_completions(
 
 /// Stops new requests and waits up to `grace` for in-flight ones to finish.
 pub async fn drain(state: &ApiState, grace: Duration) {
-    let Ok(e) = state.engine() else { return };
+    let Ok(e) = state.front() else { return };
     e.drain();
     let deadline = tokio::time::Instant::now() + grace;
     while e.in_flight() > 0 && tokio::time::Instant::now() < deadline {

@@ -1,7 +1,19 @@
 //! How a queued request is answered: whole or as server-sent events, with logprobs,
 //! usage and the completions API's echo, in the OpenAI chat or completions shape.
 
-use super::*;
+use std::convert::Infallible;
+
+use axum::Json;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::{Value, json};
+
+use super::error::ApiError;
+use super::{Front, now, openai, request_id};
+use crate::engine::{Event, FinishReason, GenerateRequest, RequestHandle, TokenOut, Usage};
+use crate::frontend::Frontend;
+use crate::{EngineError, Result};
 
 /// How a response presents tokens.
 #[derive(Clone, Copy, Debug)]

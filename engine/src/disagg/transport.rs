@@ -65,6 +65,15 @@ pub enum PullError {
     Message(#[from] TransferError),
     #[error("no K/V within {0} s")]
     Timeout(u64),
+    /// The HTTP path: the request or the body's stream failed.
+    #[error("{0}")]
+    Http(String),
+    /// The HTTP path: the prefill worker answered with an error status.
+    #[error("HTTP {status}: {message}")]
+    Status { status: u16, message: String },
+    /// The K/V came for another request, prompt or sampling parameters.
+    #[error("{0}")]
+    Mismatch(String),
 }
 
 /// Pulls one sequence's K/V from a prefill endpoint.

@@ -308,20 +308,21 @@ impl EngineLoop {
         let (Some(live), Some(seq)) = (self.live.get(&id), self.sched.get(id)) else {
             return;
         };
-        self.metrics
-            .observe_ttft(live.arrival.elapsed().as_secs_f64());
-        self.metrics.generation_tokens.inc();
         let layout = self.backend.kv_layout();
         let bs = layout.block_size;
         let prompt = seq.tokens[..seq.prompt_len].to_vec();
         let n = prompt.len().div_ceil(bs);
         let mut payload = Vec::new();
         if let Err(e) = self.backend.export_kv(&seq.blocks[..n], &mut payload) {
+            // The request fails by name (the device's own error); nothing is shipped
+            // and no first token is counted.
             tracing::error!(error = %e, "exporting a prefilled sequence's K/V failed");
-            let err = EngineError::Internal(format!("exporting the K/V: {e}"));
-            self.finish(id, FinishReason::Abort, Some(err));
+            self.finish(id, FinishReason::Abort, Some(e));
             return;
         }
+        self.metrics
+            .observe_ttft(live.arrival.elapsed().as_secs_f64());
+        self.metrics.generation_tokens.inc();
         let header = KvHeader {
             version: transfer::FORMAT_VERSION,
             request_id: live.prefill_only.clone().unwrap_or_default(),

@@ -232,15 +232,18 @@ impl CudaBackend {
             DType::F16 => Kernels::embed_f16,
             DType::BF16 => Kernels::embed_bf16,
         };
-        embed(
-            k,
-            &st,
-            rows(t, 256),
-            &w.embed.data,
-            &s.tokens,
-            &mut s.x,
-            &h_i,
-        )?;
+        // SAFETY: tokens were checked against the vocabulary (`check_batch`), so every table row read exists; x holds cap_tokens ≥ t rows of h.
+        unsafe {
+            embed(
+                k,
+                &st,
+                rows(t, 256),
+                &w.embed.data,
+                &s.tokens,
+                &mut s.x,
+                &h_i,
+            )
+        }?;
         let narrow = |st: &CudaStream,
                       x: &CudaSlice<f32>,
                       out: &mut CudaSlice<u16>,
@@ -253,18 +256,22 @@ impl CudaBackend {
                 DType::F32 => return Ok(()),
             };
             let n_i = n as i32;
-            narrow(k, st, flat(n), x, out, &n_i)
+            // SAFETY: `out` (the widest activation × cap_tokens elements) holds n, `x` n.
+            unsafe { narrow(k, st, flat(n), x, out, &n_i) }
         };
         for (li, layer) in w.layers.iter().enumerate() {
-            k.rms_norm(
-                &st,
-                rows(t, 256),
-                &s.x,
-                &layer.input_norm,
-                &mut s.hn,
-                &h_i,
-                &eps,
-            )?;
+            // SAFETY: input and output hold the grid's rows of h (scratch rows ≥ t ≥ n_logits), the weight h.
+            unsafe {
+                k.rms_norm(
+                    &st,
+                    rows(t, 256),
+                    &s.x,
+                    &layer.input_norm,
+                    &mut s.hn,
+                    &h_i,
+                    &eps,
+                )
+            }?;
             narrow(&st, &s.hn, &mut s.narrow, t * h, layer.q.dtype)?;
             gemm::linear(&self.blas, &st, &s.hn, &s.narrow, t, &layer.q, &mut s.q)?;
             gemm::linear(&self.blas, &st, &s.hn, &s.narrow, t, &layer.k, &mut s.k)?;
@@ -276,7 +283,8 @@ impl CudaBackend {
             ] {
                 if let Some(b) = bias {
                     let n_i = n as i32;
-                    k.add_bias(&st, rows(t, 256), out, b, &n_i)?;
+                    // SAFETY: q/k/v hold t rows of the bias's n elements.
+                    unsafe { k.add_bias(&st, rows(t, 256), out, b, &n_i) }?;
                 }
             }
             for (x, heads) in [(&mut s.q, nh_i), (&mut s.k, nkv_i)] {
@@ -285,59 +293,70 @@ impl CudaBackend {
                     block_dim: ((hd / 2) as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                k.rope(&st, cfg, x, &s.positions, &w.inv_freq, &heads, &hd_i)?;
+                // SAFETY: x holds t rows of `heads` × hd; positions t entries; inv_freq hd / 2.
+                unsafe { k.rope(&st, cfg, x, &s.positions, &w.inv_freq, &heads, &hd_i) }?;
             }
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
-            k.kv_write(
-                &st,
-                rows(t, 128),
-                &s.k,
-                &s.v,
-                &mut *kc,
-                &mut *vc,
-                &s.positions,
-                &s.seq_of,
-                &s.block_tables,
-                &bt_i,
-                &bs_i,
-                &slot_i,
-            )?;
+            // SAFETY: k and v hold t slots; positions, seq_of and the block tables were checked (`check_batch`) to address blocks of this cache, whose extra last block takes padding rows.
+            unsafe {
+                k.kv_write(
+                    &st,
+                    rows(t, 128),
+                    &s.k,
+                    &s.v,
+                    &mut *kc,
+                    &mut *vc,
+                    &s.positions,
+                    &s.seq_of,
+                    &s.block_tables,
+                    &bt_i,
+                    &bs_i,
+                    &slot_i,
+                )
+            }?;
             let threads = 128u32;
             let attn_cfg = LaunchConfig {
                 grid_dim: (t as u32, nh as u32, 1),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: ((hd + threads as usize + 32) * 4) as u32,
             };
-            k.paged_attention(
-                &st,
-                attn_cfg,
-                &s.q,
-                &*kc,
-                &*vc,
-                &mut s.attn,
-                &s.positions,
-                &s.seq_of,
-                &s.block_tables,
-                &bt_i,
-                &nh_i,
-                &nkv_i,
-                &hd_i,
-                &bs_i,
-                &scale,
-            )?;
+            // SAFETY: as for kv_write; attn holds t rows of nh × hd, and the dynamic shared memory is what the kernel asks for.
+            unsafe {
+                k.paged_attention(
+                    &st,
+                    attn_cfg,
+                    &s.q,
+                    &*kc,
+                    &*vc,
+                    &mut s.attn,
+                    &s.positions,
+                    &s.seq_of,
+                    &s.block_tables,
+                    &bt_i,
+                    &nh_i,
+                    &nkv_i,
+                    &hd_i,
+                    &bs_i,
+                    &scale,
+                )
+            }?;
             narrow(&st, &s.attn, &mut s.narrow, t * nh * hd, layer.o.dtype)?;
             gemm::linear(&self.blas, &st, &s.attn, &s.narrow, t, &layer.o, &mut s.o)?;
             let n_i = (t * h) as i32;
-            k.add_inplace(&st, flat(t * h), &mut s.x, &s.o, &n_i)?;
-            k.rms_norm(
-                &st,
-                rows(t, 256),
-                &s.x,
-                &layer.post_norm,
-                &mut s.hn,
-                &h_i,
-                &eps,
-            )?;
+            // SAFETY: both hold t rows of h.
+            unsafe { k.add_inplace(&st, flat(t * h), &mut s.x, &s.o, &n_i) }?;
+            // SAFETY: input and output hold the grid's rows of h (scratch rows ≥ t ≥ n_logits), the weight h.
+            unsafe {
+                k.rms_norm(
+                    &st,
+                    rows(t, 256),
+                    &s.x,
+                    &layer.post_norm,
+                    &mut s.hn,
+                    &h_i,
+                    &eps,
+                )
+            }?;
             narrow(&st, &s.hn, &mut s.narrow, t * h, layer.gate.dtype)?;
             gemm::linear(
                 &self.blas,
@@ -350,7 +369,8 @@ impl CudaBackend {
             )?;
             gemm::linear(&self.blas, &st, &s.hn, &s.narrow, t, &layer.up, &mut s.up)?;
             let nf_i = (t * ff) as i32;
-            k.silu_mul(&st, flat(t * ff), &mut s.gate, &s.up, &nf_i)?;
+            // SAFETY: gate and up hold t rows of ff.
+            unsafe { k.silu_mul(&st, flat(t * ff), &mut s.gate, &s.up, &nf_i) }?;
             narrow(&st, &s.gate, &mut s.narrow, t * ff, layer.down.dtype)?;
             gemm::linear(
                 &self.blas,
@@ -361,28 +381,35 @@ impl CudaBackend {
                 &layer.down,
                 &mut s.o,
             )?;
-            k.add_inplace(&st, flat(t * h), &mut s.x, &s.o, &n_i)?;
+            // SAFETY: both hold t rows of h.
+            unsafe { k.add_inplace(&st, flat(t * h), &mut s.x, &s.o, &n_i) }?;
         }
         if n_logits == 0 {
             return Ok(());
         }
-        k.gather_rows(
-            &st,
-            rows(n_logits, 256),
-            &s.x,
-            &s.logits_rows,
-            &mut s.sel,
-            &h_i,
-        )?;
-        k.rms_norm(
-            &st,
-            rows(n_logits, 256),
-            &s.sel,
-            &w.final_norm,
-            &mut s.normed,
-            &h_i,
-            &eps,
-        )?;
+        // SAFETY: logits_rows holds n_logits row numbers, each < t (`check_batch`); sel holds cap_tokens ≥ n_logits rows.
+        unsafe {
+            k.gather_rows(
+                &st,
+                rows(n_logits, 256),
+                &s.x,
+                &s.logits_rows,
+                &mut s.sel,
+                &h_i,
+            )
+        }?;
+        // SAFETY: input and output hold the grid's rows of h (scratch rows ≥ t ≥ n_logits), the weight h.
+        unsafe {
+            k.rms_norm(
+                &st,
+                rows(n_logits, 256),
+                &s.sel,
+                &w.final_norm,
+                &mut s.normed,
+                &h_i,
+                &eps,
+            )
+        }?;
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         narrow(&st, &s.normed, &mut s.narrow, n_logits * h, head.dtype)?;
         gemm::linear(

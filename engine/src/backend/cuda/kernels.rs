@@ -1,7 +1,8 @@
 //! The kernels of `kernels.cu`, each behind a typed launcher whose parameters mirror
-//! the kernel's C signature, names and types in order. `launchers_mirror_kernels_cu`
-//! parses the `.cu` source and fails on any difference, so the one `unsafe` launch
-//! below holds for every kernel.
+//! the kernel's C signature, names and types in order: `launchers_mirror_kernels_cu`
+//! parses the `.cu` source and fails on any difference. What the types cannot say (that
+//! every buffer holds every element the grid touches) is the caller's to uphold, so the
+//! launchers are `unsafe fn`s and each call site says why it holds.
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -62,8 +63,15 @@ macro_rules! kernels {
 
             $(
                 $(#[$doc])*
+                ///
+                /// # Safety
+                ///
+                /// Every buffer holds every element the grid `cfg` touches (the kernel's
+                /// comment in `kernels.cu` says how its grid maps to rows), and index
+                /// buffers (tokens, positions, block tables, rows) hold only indices
+                /// that are in range for the buffers they index.
                 #[allow(clippy::too_many_arguments)]
-                pub(crate) fn $name(
+                pub(crate) unsafe fn $name(
                     &self,
                     st: &CudaStream,
                     cfg: LaunchConfig,
@@ -71,10 +79,9 @@ macro_rules! kernels {
                 ) -> Result<()> {
                     let mut b = st.launch_builder(&self.$name);
                     $( b.arg($arg); )*
-                    // SAFETY: the parameters are the kernel's C signature in kernels.cu,
-                    // in order and type (`launchers_mirror_kernels_cu` checks), and every
-                    // caller passes buffers holding every element its grid touches (the
-                    // scratch holds `cap_tokens` ≥ t rows).
+                    // SAFETY: the arguments are the kernel's C signature in kernels.cu, in
+                    // order and type (`launchers_mirror_kernels_cu` checks), and the
+                    // caller vouches for their sizes and indices (this fn's contract).
                     unsafe { b.launch(cfg) }.map(|_| ()).map_err(dev)
                 }
             )*

@@ -16,7 +16,6 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::StreamExt;
 
 use super::peers::{Announcement, KnownPeers};
 use super::protocol::{
@@ -27,7 +26,6 @@ use super::transport::{KvTransport, TcpTransport, serve_tcp};
 use crate::colocated::{ServeOptions, load_engine};
 use crate::engine::{Engine, Event, GenerateRequest};
 use crate::frontend::Frontend;
-use crate::kv::transfer::KvMessage;
 use crate::{EngineError, Result};
 use preheat_edge::{ClusterToken, WithClusterToken};
 
@@ -286,7 +284,6 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 }
                 .pull(url, &req, &e)
                 .await
-                .map_err(|e| e.to_string())
             } else {
                 fetch_kv(&st, &e, url, &b).await
             };

@@ -1,7 +1,14 @@
 //! Pulling a prompt's K/V over HTTP from a prefill worker (the TCP transport is in
 //! [`crate::disagg::transport`]), and taking it only for the request it was asked for.
 
-use super::*;
+use futures_util::StreamExt;
+use preheat_edge::WithClusterToken;
+
+use super::WorkerState;
+use crate::disagg::protocol::{GenerateBody, PrefillBody, WireError};
+use crate::disagg::transport::PullError;
+use crate::engine::Engine;
+use crate::kv::transfer::KvMessage;
 
 /// Pulls one KV message from a prefill worker, never buffering more than the
 /// largest message this engine could accept.
@@ -10,7 +17,7 @@ pub(super) async fn fetch_kv(
     e: &Engine,
     url: &str,
     b: &GenerateBody,
-) -> std::result::Result<KvMessage, String> {
+) -> std::result::Result<KvMessage, PullError> {
     let resp = st
         .client
         .post(format!("{url}/internal/prefill"))
@@ -23,14 +30,14 @@ pub(super) async fn fetch_kv(
         .timeout(st.transfer_timeout)
         .send()
         .await
-        .map_err(|err| format!("{err}"))?;
+        .map_err(|err| PullError::Http(err.to_string()))?;
     let status = resp.status();
     if !status.is_success() {
         let w: Option<WireError> = resp.json().await.ok();
-        return Err(format!(
-            "HTTP {status}: {}",
-            w.map_or_else(String::new, |w| w.message)
-        ));
+        return Err(PullError::Status {
+            status: status.as_u16(),
+            message: w.map_or_else(String::new, |w| w.message),
+        });
     }
     // Bounded by the reservation the request holds (its prompt's blocks), not the
     // whole cache.
@@ -38,23 +45,28 @@ pub(super) async fn fetch_kv(
     let cap = max_payload as usize + crate::kv::transfer::MAX_HEADER + 8;
     let announced = resp.content_length().unwrap_or(0) as usize;
     if announced > cap {
-        return Err(format!(
+        return Err(PullError::Protocol(format!(
             "the K/V message ({announced} bytes) is larger than this request's reservation allows ({cap})"
-        ));
+        )));
     }
     // Sized once from Content-Length: no regrowth copies of a large payload.
     let mut buf = Vec::with_capacity(announced);
     let mut body = resp.bytes_stream();
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|err| format!("transfer broke off: {err}"))?;
+        let chunk = chunk.map_err(|err| PullError::Http(format!("transfer broke off: {err}")))?;
         if buf.len() + chunk.len() > cap {
-            return Err(format!(
+            return Err(PullError::Protocol(format!(
                 "the K/V message is larger than this request's reservation allows ({cap} bytes)"
-            ));
+            )));
         }
         buf.extend_from_slice(&chunk);
     }
-    KvMessage::from_vec(buf, e.compat(), &e.kv_layout(), max_payload).map_err(|err| err.to_string())
+    Ok(KvMessage::from_vec(
+        buf,
+        e.compat(),
+        &e.kv_layout(),
+        max_payload,
+    )?)
 }
 
 /// Takes a pulled K/V message only for the request it was asked for: the same
@@ -65,19 +77,21 @@ pub(super) fn check_matches(
     msg: &mut KvMessage,
     b: &GenerateBody,
     block_size: usize,
-) -> Result<(), String> {
+) -> Result<(), PullError> {
     let h = &msg.header;
     if h.request_id != b.request_id {
-        return Err(format!(
+        return Err(PullError::Mismatch(format!(
             "K/V for request {:?}, asked for {:?}",
             h.request_id, b.request_id
-        ));
+        )));
     }
     if h.prompt != b.prompt {
-        return Err("K/V for another prompt".into());
+        return Err(PullError::Mismatch("K/V for another prompt".into()));
     }
     if h.params != b.params {
-        return Err("K/V carries other sampling parameters than the request's".into());
+        return Err(PullError::Mismatch(
+            "K/V carries other sampling parameters than the request's".into(),
+        ));
     }
     msg.header.block_hashes = crate::kv::block_hashes(&b.prompt, block_size);
     Ok(())

@@ -1,5 +1,5 @@
 use super::*;
-use crate::kv::transfer::{FORMAT_VERSION, KvHeader};
+use crate::kv::transfer::{FORMAT_VERSION, KvHeader, KvMessage};
 use crate::sampling::SamplingParams;
 
 fn msg(request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> KvMessage {

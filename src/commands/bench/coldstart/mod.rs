@@ -28,12 +28,11 @@ use serde_json::{Value, json};
 use crate::cli::BenchColdstartArgs;
 use crate::output::{human_bytes, outln};
 use crate::process::free_port;
-
-/// Phases in the order a start goes through them (server side).
-use self::prepare::{prepare, serve_dir};
-
 use preheat_warmpool::worker_process::{healthy, reported_state};
 
+use self::prepare::{prepare, serve_dir};
+
+/// Phases in the order a start goes through them (server side).
 const PHASES: [&str; 5] = [
     "snapshot_open",
     "weights_resident",

@@ -162,8 +162,13 @@ pub enum MetricsSource {
     /// of scraping (`prometheus_selector`).
     Prometheus { selector: String },
     /// The file named several of the keys above, which are alternatives: refused by
-    /// [`Config::problems`] (with every other problem), never used.
-    Conflicting(Vec<&'static str>),
+    /// [`Config::problems`] (with every other problem, those of each key given
+    /// included), never used.
+    Conflicting {
+        endpoints: Vec<String>,
+        selector: Option<String>,
+        prometheus_selector: Option<String>,
+    },
 }
 
 /// A pool as the config file spells it: the source's three keys side by side.
@@ -188,22 +193,16 @@ struct PoolFile {
 
 impl From<PoolFile> for PoolConfig {
     fn from(f: PoolFile) -> Self {
-        let mut named = Vec::new();
-        if !f.endpoints.is_empty() {
-            named.push("endpoints");
-        }
-        if f.selector.is_some() {
-            named.push("selector");
-        }
-        if f.prometheus_selector.is_some() {
-            named.push("prometheus_selector");
-        }
-        let source = match (named.len(), f.selector, f.prometheus_selector) {
-            (0, _, _) => MetricsSource::Unset,
-            (1, Some(selector), _) => MetricsSource::Pods { selector },
-            (1, _, Some(selector)) => MetricsSource::Prometheus { selector },
-            (1, _, _) => MetricsSource::Endpoints(f.endpoints),
-            _ => MetricsSource::Conflicting(named),
+        let source = match (f.endpoints.is_empty(), f.selector, f.prometheus_selector) {
+            (true, None, None) => MetricsSource::Unset,
+            (false, None, None) => MetricsSource::Endpoints(f.endpoints),
+            (true, Some(selector), None) => MetricsSource::Pods { selector },
+            (true, None, Some(selector)) => MetricsSource::Prometheus { selector },
+            (_, selector, prometheus_selector) => MetricsSource::Conflicting {
+                endpoints: f.endpoints,
+                selector,
+                prometheus_selector,
+            },
         };
         PoolConfig {
             source,
@@ -219,10 +218,15 @@ impl From<PoolConfig> for PoolFile {
     fn from(p: PoolConfig) -> Self {
         let (mut endpoints, mut selector, mut prometheus_selector) = (Vec::new(), None, None);
         match p.source {
-            MetricsSource::Unset | MetricsSource::Conflicting(_) => {}
+            MetricsSource::Unset => {}
             MetricsSource::Endpoints(e) => endpoints = e,
             MetricsSource::Pods { selector: s } => selector = Some(s),
             MetricsSource::Prometheus { selector: s } => prometheus_selector = Some(s),
+            MetricsSource::Conflicting {
+                endpoints: e,
+                selector: s,
+                prometheus_selector: ps,
+            } => (endpoints, selector, prometheus_selector) = (e, s, ps),
         }
         PoolFile {
             endpoints,
@@ -258,16 +262,9 @@ fn default_metrics_path() -> String {
     "/metrics".into()
 }
 
-/// Parses YAML text into a tree (an empty document is null), to be overridden before
-/// it becomes a [`Config`].
+/// Parses YAML text into a tree, to be overridden before it becomes a [`Config`].
 fn parse_yaml(text: &str) -> std::result::Result<Value, String> {
-    let blank = text
-        .lines()
-        .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#') || l.trim() == "---");
-    if blank {
-        return Ok(Value::Null);
-    }
-    serde_saphyr::from_str(text).map_err(|e| e.to_string())
+    preheat_edge::config_file::parse_yaml(text)
 }
 
 /// Applies one `path=value` override to a YAML tree; `path` is dot-separated, with
@@ -276,7 +273,12 @@ fn apply_override(root: &mut Value, spec: &str) -> std::result::Result<(), Strin
     let (path, raw) = spec
         .split_once('=')
         .ok_or_else(|| format!("--set {spec:?}: expected path=value"))?;
-    let value = parse_yaml(raw).map_err(|e| format!("--set {path}: {e}"))?;
+    // `--set a=` clears `a` (null), as YAML's empty value does.
+    let value = if raw.trim().is_empty() {
+        Value::Null
+    } else {
+        parse_yaml(raw).map_err(|e| format!("--set {path}: {e}"))?
+    };
     let mut cur = root;
     let parts: Vec<&str> = path.split('.').collect();
     for (i, part) in parts.iter().enumerate() {
@@ -431,24 +433,39 @@ impl Config {
                 if !sources {
                     continue;
                 }
-                match &p.source {
-                    MetricsSource::Conflicting(named) => e.push(format!(
-                        "{at}: endpoints, selector and prometheus_selector are alternatives; give one (it names {})",
-                        named.join(", ")
-                    )),
-                    MetricsSource::Prometheus { .. } if self.prometheus_url.is_none() => {
-                        e.push(format!("{at}.prometheus_selector needs prometheus_url"));
+                let (urls, prometheus): (&[String], bool) = match &p.source {
+                    MetricsSource::Unset | MetricsSource::Pods { .. } => (&[], false),
+                    MetricsSource::Endpoints(urls) => (urls, false),
+                    MetricsSource::Prometheus { .. } => (&[], true),
+                    MetricsSource::Conflicting {
+                        endpoints,
+                        selector,
+                        prometheus_selector,
+                    } => {
+                        let named: Vec<&str> = [
+                            (!endpoints.is_empty()).then_some("endpoints"),
+                            selector.as_ref().map(|_| "selector"),
+                            prometheus_selector.as_ref().map(|_| "prometheus_selector"),
+                        ]
+                        .into_iter()
+                        .flatten()
+                        .collect();
+                        e.push(format!(
+                            "{at}: endpoints, selector and prometheus_selector are alternatives; give one (it names {})",
+                            named.join(", ")
+                        ));
+                        (endpoints, prometheus_selector.is_some())
                     }
-                    MetricsSource::Endpoints(urls) => {
-                        for url in urls {
-                            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                                e.push(format!(
-                                    "models.{i}.{pool}.endpoints: {url:?} is not an http(s) URL"
-                                ));
-                            }
-                        }
+                };
+                if prometheus && self.prometheus_url.is_none() {
+                    e.push(format!("{at}.prometheus_selector needs prometheus_url"));
+                }
+                for url in urls {
+                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                        e.push(format!(
+                            "models.{i}.{pool}.endpoints: {url:?} is not an http(s) URL"
+                        ));
                     }
-                    _ => {}
                 }
                 if self.mode == Mode::Direct && p.deployment.is_none() {
                     e.push(format!("{at}.deployment is required in direct mode"));
@@ -468,146 +485,4 @@ impl Config {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const YAML: &str = r#"
-interval_s: 2
-models:
-  - name: llama
-    gateway: [http://gw:8000/metrics]
-    prefill:
-      endpoints: [http://p0:8000/metrics]
-      slo_ttft_s: 1.5
-    decode:
-      endpoints: [http://d0:8000/metrics, http://d1:8000/metrics]
-      max_replicas: 16
-"#;
-
-    fn load(yaml: &str, sets: &[&str]) -> Result<Config> {
-        // A file of its own per call: tests run in parallel.
-        let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(file.path(), yaml).unwrap();
-        Config::load(
-            Some(file.path()),
-            &sets.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>(),
-        )
-    }
-
-    #[test]
-    fn sources_and_direct_mode_are_checked() {
-        let e = load(
-            "mode: direct\nmodels:\n  - name: m\n    prefill:\n      selector: app=p\n      endpoints: [http://x/metrics]\n    decode:\n      prometheus_selector: 'pool=\"d\"'\n      metrics_path: metrics\n",
-            &[],
-        )
-        .unwrap_err()
-        .to_string();
-        for want in [
-            "models.0.prefill: endpoints, selector and prometheus_selector are alternatives",
-            "models.0.decode.prometheus_selector needs prometheus_url",
-            "models.0.prefill.deployment is required in direct mode",
-            "models.0.decode.deployment is required in direct mode",
-            "models.0.decode.metrics_path must start with /",
-        ] {
-            assert!(e.contains(want), "{want} missing from: {e}");
-        }
-        let ok = load(
-            "mode: direct\nkubernetes: {namespace: llm}\nmodels:\n  - name: m\n    prefill: {selector: 'app=p', deployment: p}\n    decode: {selector: 'app=d', deployment: d, metrics_port: 9000}\n",
-            &[],
-        )
-        .unwrap();
-        assert_eq!(ok.mode, Mode::Direct);
-        assert_eq!(ok.kubernetes.namespace, "llm");
-        assert_eq!(ok.models[0].decode.metrics_port, 9000);
-        assert_eq!(ok.models[0].prefill.metrics_path, "/metrics");
-        assert!(
-            load(
-                "models:\n  - name: m\n    prefill: {}\n    decode: {}\n",
-                &[]
-            )
-            .is_ok(),
-            "a pool with no source is a static pool with no replicas"
-        );
-        assert!(
-            Config::load_policies(
-                None,
-                &["models=[{name: m, prefill: {}, decode: {}}]".into()]
-            )
-            .is_ok()
-        );
-    }
-
-    #[test]
-    fn file_and_overrides() {
-        let c = load(
-            YAML,
-            &[
-                "models.0.decode.max_replicas=8",
-                "window_s=90",
-                "grpc_listen=127.0.0.1:7000",
-            ],
-        )
-        .unwrap();
-        assert_eq!(c.interval_s, 2.0);
-        assert_eq!(c.window_s, 90.0);
-        assert_eq!(c.models[0].decode.policy.max_replicas, 8);
-        assert_eq!(c.models[0].prefill.policy.slo_ttft_s, 1.5);
-        assert!(
-            matches!(&c.models[0].decode.source, MetricsSource::Endpoints(e) if e.len() == 2),
-            "{:?}",
-            c.models[0].decode.source
-        );
-        assert_eq!(c.grpc_listen.port(), 7000);
-    }
-
-    #[test]
-    fn every_error_is_reported_at_once() {
-        let bad = load(
-            YAML,
-            &[
-                "models.0.decode.min_replicas=20",
-                "models.0.prefill.slo_ttft_s=-1",
-                "models.0.prefill.endpoints=[p0:8000]",
-                "models.5.x=1",
-                "interval_s=0",
-            ],
-        )
-        .unwrap_err();
-        let ScalerError::Config(errs) = bad else {
-            panic!()
-        };
-        let all = errs.join("\n");
-        for needle in [
-            "min_replicas 20 > max_replicas 16",
-            "slo_ttft_s",
-            "not an http",
-            "index 5",
-            "interval_s",
-        ] {
-            assert!(all.contains(needle), "{needle} missing from:\n{all}");
-        }
-    }
-
-    #[test]
-    fn a_prometheus_window_must_hold_two_of_its_scrapes() {
-        let set = |w: &str| {
-            load(
-                YAML,
-                &[
-                    "prometheus_url=http://prometheus:9090",
-                    "prometheus_scrape_interval_s=30",
-                    w,
-                ],
-            )
-        };
-        let e = set("window_s=45").unwrap_err().to_string();
-        assert!(e.contains("two Prometheus scrapes (60)"), "{e}");
-        assert!(set("window_s=60").is_ok());
-    }
-
-    #[test]
-    fn unknown_keys_are_errors() {
-        let e = load("models: []\nintreval_s: 3\n", &[]).unwrap_err();
-        assert!(e.to_string().contains("intreval_s"), "{e}");
-    }
-}
+mod tests;

@@ -1,0 +1,51 @@
+//! `preheat trace`: request traces for the simulator, made from the shared ones.
+
+use std::io::Write as _;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use preheat_sim::day::{DayShape, day, write_jsonl};
+use preheat_sim::trace;
+
+use crate::cli::{TraceCmd, TraceDayArgs};
+use crate::output::outln;
+
+pub fn run(cmd: TraceCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        TraceCmd::Day(a) => run_day(&a),
+    }
+}
+
+fn run_day(a: &TraceDayArgs) -> anyhow::Result<ExitCode> {
+    let shape = DayShape {
+        hours: a.hours,
+        peak_rps: a.peak_rps,
+        swing: a.swing,
+        peak_hour: a.peak_hour,
+        seed: a.seed,
+    };
+    let problems = shape.problems();
+    if !problems.is_empty() {
+        bail!("{}", problems.join("\n"));
+    }
+    let sizes = trace::load(&a.from)?;
+    let d = day(&sizes, &shape);
+    let file =
+        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    write_jsonl(&d, &mut w)
+        .and_then(|()| w.flush())
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    outln!(
+        "{}: {} requests over {} h (peak {} req/s at {}:00, trough {:.2} req/s), sizes from {} ({} requests)",
+        a.out.display(),
+        d.len(),
+        a.hours,
+        a.peak_rps,
+        a.peak_hour,
+        a.peak_rps / a.swing,
+        a.from.display(),
+        sizes.len()
+    );
+    Ok(ExitCode::SUCCESS)
+}
