@@ -18,16 +18,6 @@ pub enum StartClass {
 }
 
 impl StartClass {
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "cold" => StartClass::Cold,
-            "staged" => StartClass::Staged,
-            "hot" => StartClass::Hot,
-            "standby" => StartClass::Standby,
-            _ => return None,
-        })
-    }
-
     pub(crate) fn seconds(self, p: &Profile) -> f64 {
         let s = &p.startup_s;
         match self {
