@@ -136,6 +136,24 @@ fn simulate_bad_input_is_a_clear_error() {
             vec!["--trace", bad.to_str().unwrap(), "--rate-scale", "0"],
             "--rate-scale 0: give a whole number from 1 to 1000",
         ),
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--startup-s=5,-1"],
+            "--startup-s -1: give start times from 0 to 3600 seconds",
+        ),
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--actuation", "magic"],
+            "invalid value 'magic' for '--actuation <ACTUATION>'",
+        ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--frontier",
+                "--startup-s",
+                "5",
+            ],
+            "cannot be used with",
+        ),
     ] {
         let out = preheat(std::iter::once("simulate").chain(args.iter().copied()));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -250,4 +268,73 @@ fn trace_day_makes_a_seeded_swinging_day_the_simulator_reads() {
         err.contains("swing 0.5") && err.contains("hours 0"),
         "{err}"
     );
+}
+
+#[test]
+fn frontier_and_start_up_sweeps_report_every_point_with_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = testdata().join("traces/azure_code_2023.csv");
+    let (json, svg) = (dir.path().join("f.json"), dir.path().join("f.svg"));
+    let out = ok([
+        "simulate".as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--policy".as_ref(),
+        "preheat,kpa,static-peak".as_ref(),
+        "--frontier".as_ref(),
+        "--json".as_ref(),
+        json.as_os_str(),
+        "--plot".as_ref(),
+        svg.as_os_str(),
+    ]);
+    let f: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let points = f["points"].as_array().unwrap();
+    let count = |name: &str| points.iter().filter(|p| p["policy"] == name).count();
+    assert_eq!(
+        (count("preheat"), count("kpa"), count("static-peak")),
+        (8, 7, 1)
+    );
+    assert_eq!(f["preheat"]["knob"], 1.0);
+    assert!(out.contains("preheat (shipped setting)"), "{out}");
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("GPU-seconds"));
+    for n in ["preheat", "kpa", "static-peak"] {
+        assert!(plot.contains(&format!(">{n}</text>")), "{n} in the legend");
+    }
+
+    let (json, svg) = (dir.path().join("s.json"), dir.path().join("s.svg"));
+    let out = ok([
+        "simulate".as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--policy".as_ref(),
+        "preheat,keda-queue".as_ref(),
+        "--startup-s".as_ref(),
+        "2,20s,2m".as_ref(),
+        "--actuation".as_ref(),
+        "direct".as_ref(),
+        "--json".as_ref(),
+        json.as_os_str(),
+        "--plot".as_ref(),
+        svg.as_os_str(),
+    ]);
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = s["rows"].as_array().unwrap();
+    let starts: Vec<f64> = rows.iter().map(|r| r[0].as_f64().unwrap()).collect();
+    assert_eq!(starts, [2.0, 20.0, 120.0]);
+    for r in rows {
+        let names: Vec<&str> = r[1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["policy"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["preheat", "keda-queue"]);
+    }
+    assert!(
+        out.lines().filter(|l| l.contains("keda-queue")).count() == 3,
+        "{out}"
+    );
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.contains("start-up seconds") && plot.contains("SLO attainment %"));
 }

@@ -62,7 +62,7 @@ impl Sim<'_> {
                     &mut remove,
                     |r| r.draining,
                     |r| r.is_ready(t),
-                    |r| r.kv_used + r.seqs.len() as f64,
+                    |r| r.kv_used + r.running() as f64,
                     |r| r.draining = true,
                     &mut ctl.retired_busy,
                     |r| r.busy_s,
@@ -90,6 +90,7 @@ fn remove_replicas<R>(
     busy: impl Fn(&R) -> f64,
 ) {
     while *remove > 0 {
+        // Never routed to, so holding no prefix-index slot.
         let Some(i) = reps.iter().rposition(|r| !draining(r) && !ready(r)) else {
             break;
         };

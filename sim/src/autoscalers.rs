@@ -223,17 +223,23 @@ impl Hpa {
     }
 }
 
-/// HPA on GPU utilisation (busy fraction), target 70%; HPA cannot scale to zero.
+/// HPA on GPU utilisation (busy fraction), target 70% unless given; HPA cannot scale
+/// to zero.
 #[derive(Debug)]
 pub struct HpaUtilization {
     hpa: Hpa,
+    target: f64,
 }
 
 impl HpaUtilization {
+    /// The target an operator would start from.
+    pub const DEFAULT_TARGET: f64 = 0.7;
+
     #[must_use]
-    pub fn new(max: u32) -> Self {
+    pub fn new(max: u32, target: f64) -> Self {
         HpaUtilization {
             hpa: Hpa::new(1, max),
+            target,
         }
     }
 }
@@ -246,31 +252,35 @@ impl Autoscaler for HpaUtilization {
         false
     }
     fn decide(&mut self, v: &PoolView) -> u32 {
-        const TARGET: f64 = 0.7;
-        let ratio = v.utilization / TARGET;
+        let ratio = v.utilization / self.target;
         self.hpa.apply(v.t, v.current, ratio, ratio)
     }
 }
 
 /// KEDA with a Prometheus trigger on waiting requests (`vllm:num_requests_waiting`),
-/// target half a replica's in-SLO capacity per replica, activation above zero and
-/// the default 300 s cooldown to zero.
+/// target a fraction (half unless given) of a replica's in-SLO capacity per replica,
+/// activation above zero and the default 300 s cooldown to zero.
 #[derive(Debug)]
 pub struct KedaQueue {
     pool: Pool,
     cap: Capacity,
     hpa: Hpa,
     last_active: f64,
+    fraction: f64,
 }
 
 impl KedaQueue {
+    /// The fraction an operator would start from.
+    pub const DEFAULT_FRACTION: f64 = 0.5;
+
     #[must_use]
-    pub fn new(pool: Pool, cap: Capacity, max: u32) -> Self {
+    pub fn new(pool: Pool, cap: Capacity, max: u32, fraction: f64) -> Self {
         KedaQueue {
             pool,
             cap,
             hpa: Hpa::new(1, max),
             last_active: f64::NEG_INFINITY,
+            fraction,
         }
     }
 }
@@ -288,7 +298,7 @@ impl Autoscaler for KedaQueue {
             self.hpa.recommendations.clear();
             return 0;
         }
-        let target = (self.cap.per_replica(self.pool) * 0.5).max(1.0);
+        let target = (self.cap.per_replica(self.pool) * self.fraction).max(1.0);
         let waiting = v.waiting + v.held;
         let total = waiting / target;
         let ratio = if v.current == 0 {
@@ -300,8 +310,8 @@ impl Autoscaler for KedaQueue {
     }
 }
 
-/// Knative's KPA on concurrency (in-flight requests), target 70% of a replica's in-SLO
-/// capacity: 60 s stable window, 6 s panic window, panic at 2× current, no scale-down
+/// Knative's KPA on concurrency (in-flight requests), target a fraction (70% unless
+/// given) of a replica's in-SLO capacity: 60 s stable window, 6 s panic window, panic at 2× current, no scale-down
 /// while panicking, scale to zero after the stable window plus a 30 s grace.
 #[derive(Debug)]
 pub struct Kpa {
@@ -311,11 +321,15 @@ pub struct Kpa {
     samples: VecDeque<(f64, f64)>,
     panic_until: f64,
     zero_since: Option<f64>,
+    fraction: f64,
 }
 
 impl Kpa {
+    /// The fraction an operator would start from (Knative's default utilisation).
+    pub const DEFAULT_FRACTION: f64 = 0.7;
+
     #[must_use]
-    pub fn new(pool: Pool, cap: Capacity, max: u32) -> Self {
+    pub fn new(pool: Pool, cap: Capacity, max: u32, fraction: f64) -> Self {
         Kpa {
             pool,
             cap,
@@ -323,6 +337,7 @@ impl Kpa {
             samples: VecDeque::new(),
             panic_until: f64::NEG_INFINITY,
             zero_since: None,
+            fraction,
         }
     }
 }
@@ -335,7 +350,7 @@ impl Autoscaler for Kpa {
         const STABLE_S: f64 = 60.0;
         const PANIC_S: f64 = 6.0;
         const GRACE_S: f64 = 30.0;
-        let target = (self.cap.per_replica(self.pool) * 0.7).max(1.0);
+        let target = (self.cap.per_replica(self.pool) * self.fraction).max(1.0);
         self.samples.push_back((v.t, v.inflight()));
         while self
             .samples
@@ -382,7 +397,8 @@ impl Autoscaler for Kpa {
 /// NVIDIA Dynamo's SLA planner: every interval, predict the next interval's request
 /// count, input and output lengths (from the last interval), and size prefill by
 /// prompt tokens/s over a replica's prefill throughput and decode by output tokens/s
-/// over a replica's throughput at the ITL SLO; at least one replica per pool.
+/// over a replica's throughput at the ITL SLO, times a headroom (1 unless given); at
+/// least one replica per pool.
 #[derive(Debug)]
 pub struct SlaPlanner {
     pool: Pool,
@@ -393,11 +409,18 @@ pub struct SlaPlanner {
     interval: f64,
     last: Option<(f64, f64, f64, f64)>,
     desired: u32,
+    headroom: f64,
 }
 
 impl SlaPlanner {
     #[must_use]
-    pub fn new(pool: Pool, cap: Capacity, profile: Profile, cfg: &PoolPolicy) -> Self {
+    pub fn new(
+        pool: Pool,
+        cap: Capacity,
+        profile: Profile,
+        cfg: &PoolPolicy,
+        headroom: f64,
+    ) -> Self {
         SlaPlanner {
             pool,
             cap,
@@ -407,6 +430,7 @@ impl SlaPlanner {
             interval: 60.0,
             last: None,
             desired: 1,
+            headroom,
         }
     }
 }
@@ -446,7 +470,7 @@ impl Autoscaler for SlaPlanner {
             }
             Pool::Decode => reqs * osl / dt / self.cap.decode_tokens_per_s,
         };
-        self.desired = (n.ceil() as u32).clamp(1, self.max);
+        self.desired = ((n * self.headroom).ceil() as u32).clamp(1, self.max);
         self.desired
     }
 }

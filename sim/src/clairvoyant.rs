@@ -1,19 +1,28 @@
 //! `clairvoyant`: a reference, not a policy anyone can run. It knows the whole trace
-//! and gives every minute the fewest prefill replicas under which that minute's
-//! requests met their SLOs in fixed-size runs, starting them one start-up ahead; decode
-//! stays at `static-peak`'s size. It bounds what scaling can save on a trace: a
-//! policy that reacts to load cannot do better than knowing it in advance, minute by
-//! minute, so when even this schedule is close to `static-peak`, no causal policy can
-//! be clearly below it.
+//! and gives every minute the fewest prefill and decode replicas under which that
+//! minute's requests meet their SLOs, starting them one start-up ahead. It bounds what
+//! scaling can save on a trace: a policy that reacts to load cannot do better than
+//! knowing it in advance, minute by minute, so when even this schedule is close to
+//! `static-peak`, no causal policy can be clearly below it.
+//!
+//! The sizes are found by bisecting every minute at once: each round replays one
+//! schedule (every minute at the middle of its bracket, replicas ready the moment
+//! they are planned), and a minute whose requests all met their SLOs keeps the lower
+//! half of its bracket, the others the upper half (a request late on its first token
+//! counts against its minute's prefill, one slow to decode against its decode).
+//! Requests no size meets, not even the pools' maxima, count against no one. A minute
+//! left short leaves a backlog for the next, which then looks short too: the plan errs
+//! towards more replicas, never fewer. ⌈log2(max replicas)⌉ + 1 replays in all, where a
+//! fixed-size run per candidate size took one replay per size.
 
-use super::autoscalers::{Autoscaler, PoolView, Static};
-use super::config::SimConfig;
+use super::autoscalers::{Autoscaler, PoolView};
+use super::config::{SimConfig, StartClass};
 use super::replay::Sim;
 use super::trace::TraceRequest;
 
 const MINUTE: f64 = 60.0;
 
-/// Prefill replicas per minute of the trace, applied one start-up ahead.
+/// Replicas per minute of the trace, applied one start-up ahead.
 #[derive(Clone, Debug)]
 pub struct Plan {
     per_minute: Vec<u32>,
@@ -49,38 +58,83 @@ impl Autoscaler for Plan {
     }
 }
 
-/// Plans prefill replicas from fixed-size runs of 1..=`peak` replicas (decode fixed at
-/// `decode`): each request needs the smallest size it attained under (`peak` if none),
-/// each minute the most any of its requests needed.
+/// Replicas of each pool per minute of the trace, each planned minute's replicas
+/// started one start-up ahead (both pools' plans).
 #[must_use]
-pub fn prefill_plan(cfg: &SimConfig, trace: &[TraceRequest], peak: u32, decode: u32) -> Plan {
-    let mut need = vec![peak; trace.len()];
-    for n in (1..peak).rev() {
-        let (_, attained) =
-            Sim::new(cfg, trace, Box::new(Static(n)), Box::new(Static(decode))).run_detailed();
-        let mut any = false;
-        for (need, ok) in need.iter_mut().zip(attained) {
-            if ok && *need == n + 1 {
-                *need = n;
-                any = true;
-            }
-        }
-        // A request met at n+1 but not at n needs n+1; smaller sizes cannot lower it.
-        if !any {
+pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
+    let minutes = trace.last().map_or(0.0, |r| r.t / MINUTE) as usize + 1;
+    let minute_of = |r: &TraceRequest| ((r.t / MINUTE) as usize).min(minutes - 1);
+    // The schedules are what each minute needs, not when to start it: replicas in them
+    // are ready at once.
+    let instant = {
+        let mut c = cfg.clone();
+        c.start = StartClass::Hot;
+        c.with_startup_s(0.0)
+    };
+    let replay = |prefill: &[u32], decode: &[u32]| -> Vec<(bool, bool)> {
+        let sched = |per_minute: &[u32]| {
+            Box::new(Plan {
+                per_minute: per_minute.to_vec(),
+                lead_s: 0.0,
+            })
+        };
+        let sim = Sim::new(&instant, trace, sched(prefill), sched(decode));
+        sim.run_outcomes()
+    };
+    let (mp, md) = (
+        cfg.prefill.max_replicas.max(1),
+        cfg.decode.max_replicas.max(1),
+    );
+    let mut brackets = [
+        (vec![1; minutes], vec![mp; minutes]),
+        (vec![1; minutes], vec![md; minutes]),
+    ];
+    let reachable = replay(&brackets[0].1, &brackets[1].1);
+    loop {
+        let mid = |(lo, hi): &(Vec<u32>, Vec<u32>)| -> Vec<u32> {
+            lo.iter().zip(hi).map(|(l, h)| (l + h) / 2).collect()
+        };
+        let open = brackets.iter().any(|(lo, hi)| lo != hi);
+        if !open {
             break;
         }
-    }
-    let minutes = trace.last().map_or(0.0, |r| r.t / MINUTE) as usize + 1;
-    let mut per_minute = vec![1; minutes];
-    for (r, n) in trace.iter().zip(need) {
-        let m = &mut per_minute[(r.t / MINUTE) as usize];
-        *m = (*m).max(n);
+        let tried = [mid(&brackets[0]), mid(&brackets[1])];
+        let outcomes = replay(&tried[0], &tried[1]);
+        let mut short = [vec![false; minutes], vec![false; minutes]];
+        for ((r, met), can) in trace.iter().zip(outcomes).zip(&reachable) {
+            let m = minute_of(r);
+            // (first token in time, decode in time), each where the maxima manage it.
+            short[0][m] |= can.0 && !met.0;
+            short[1][m] |= can.1 && !met.1;
+        }
+        for (pool, (lo, hi)) in brackets.iter_mut().enumerate() {
+            for m in 0..minutes {
+                if lo[m] == hi[m] {
+                    continue;
+                }
+                if short[pool][m] {
+                    lo[m] = tried[pool][m] + 1;
+                } else {
+                    hi[m] = tried[pool][m];
+                }
+            }
+        }
     }
     // Without standbys of its own, every start it makes takes the full (hot) time.
-    let lead_s = if cfg.start == super::StartClass::Standby {
+    let lead_s = if cfg.start == StartClass::Standby {
         cfg.profile.startup_s.hot
     } else {
         cfg.startup_s()
     };
-    Plan { per_minute, lead_s }
+    let [(_, prefill), (_, decode)] = brackets;
+    (
+        Plan {
+            per_minute: prefill,
+            lead_s,
+        },
+        Plan {
+            per_minute: decode,
+            lead_s,
+        },
+    )
 }

@@ -4,17 +4,62 @@
 //! one token per step, a step lasting the profile's ITL at the current batch size, and
 //! a sequence holds its prompt + output tokens of KV from admission to completion.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
 
 use preheat_scaler::profile::Profile;
 
-/// LRU set of prefix blocks held by one prefill replica.
+/// LRU set of prefix blocks held by one prefill replica: a map from block to its node
+/// in a list ordered by last use (nodes kept in a slab, reused after eviction), so a
+/// touch costs one map lookup per block whether the block is new or not. The simulator
+/// touches every routed request's blocks, so this is one of its innermost loops.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixCache {
     capacity: usize,
-    stamp: u64,
-    by_id: HashMap<u64, u64>,
-    by_stamp: BTreeMap<u64, u64>,
+    by_id: HashMap<u64, u32, BlockIdHasher>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    /// Least and most recently used nodes.
+    head: Option<u32>,
+    tail: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    block: u64,
+    prev: Option<u32>,
+    next: Option<u32>,
+}
+
+/// Block ids are hashes already (or salted copies of them): a multiply spreads them
+/// over the table without SipHash's cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BlockIdHasher;
+
+impl BuildHasher for BlockIdHasher {
+    type Hasher = BlockIdHash;
+    fn build_hasher(&self) -> BlockIdHash {
+        BlockIdHash(0)
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BlockIdHash(u64);
+
+impl Hasher for BlockIdHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.0 = (self.0 ^ i).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 ^= self.0 >> 29;
+    }
 }
 
 impl PrefixCache {
@@ -35,21 +80,71 @@ impl PrefixCache {
             .count()
     }
 
+    /// Blocks held.
+    pub fn blocks(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_id.keys().copied()
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
+        match prev {
+            Some(p) => self.nodes[p as usize].next = next,
+            None => self.head = next,
+        }
+        match next {
+            Some(n) => self.nodes[n as usize].prev = prev,
+            None => self.tail = prev,
+        }
+    }
+
+    fn push_back(&mut self, i: u32) {
+        self.nodes[i as usize].prev = self.tail;
+        self.nodes[i as usize].next = None;
+        match self.tail {
+            Some(t) => self.nodes[t as usize].next = Some(i),
+            None => self.head = Some(i),
+        }
+        self.tail = Some(i);
+    }
+
     /// Marks `blocks` as used now, inserting missing ones and evicting the least
-    /// recently used past capacity.
-    pub fn touch(&mut self, blocks: &[u64]) {
+    /// recently used past capacity; `changed(block, added)` hears of each block that
+    /// comes or goes.
+    pub fn touch(&mut self, blocks: &[u64], mut changed: impl FnMut(u64, bool)) {
         for &b in blocks {
-            self.stamp += 1;
-            if let Some(old) = self.by_id.insert(b, self.stamp) {
-                self.by_stamp.remove(&old);
+            if let Some(&i) = self.by_id.get(&b) {
+                if self.tail != Some(i) {
+                    self.unlink(i);
+                    self.push_back(i);
+                }
+                continue;
             }
-            self.by_stamp.insert(self.stamp, b);
+            let node = Node {
+                block: b,
+                prev: None,
+                next: None,
+            };
+            let i = match self.free.pop() {
+                Some(i) => {
+                    self.nodes[i as usize] = node;
+                    i
+                }
+                None => {
+                    self.nodes.push(node);
+                    (self.nodes.len() - 1) as u32
+                }
+            };
+            self.by_id.insert(b, i);
+            self.push_back(i);
+            changed(b, true);
         }
         while self.by_id.len() > self.capacity {
-            let Some((_, id)) = self.by_stamp.pop_first() else {
-                break;
-            };
-            self.by_id.remove(&id);
+            let Some(i) = self.head else { break };
+            self.unlink(i);
+            let block = self.nodes[i as usize].block;
+            self.by_id.remove(&block);
+            self.free.push(i);
+            changed(block, false);
         }
     }
 }
@@ -68,10 +163,16 @@ pub struct PrefillJob {
 pub struct PrefillReplica {
     pub ready_at: f64,
     pub draining: bool,
-    pub queue: VecDeque<PrefillJob>,
+    queue: VecDeque<PrefillJob>,
+    /// Service seconds and tokens of `queue`, kept as it changes: routing asks every
+    /// replica for its backlog on every request.
+    queued_s: f64,
+    queued_tokens: f64,
     /// The job running and when it finishes.
     pub running: Option<(PrefillJob, f64)>,
     pub cache: PrefixCache,
+    /// Its slot in the simulator's prefix index, taken when it first caches a block.
+    pub(crate) slot: Option<u8>,
     /// Seconds spent computing, for utilisation.
     pub busy_s: f64,
 }
@@ -83,8 +184,11 @@ impl PrefillReplica {
             ready_at,
             draining: false,
             queue: VecDeque::new(),
+            queued_s: 0.0,
+            queued_tokens: 0.0,
             running: None,
             cache: PrefixCache::new(cache_blocks),
+            slot: None,
             busy_s: 0.0,
         }
     }
@@ -98,7 +202,26 @@ impl PrefillReplica {
     #[must_use]
     pub fn backlog_s(&self, t: f64) -> f64 {
         let left = self.running.map_or(0.0, |(_, end)| (end - t).max(0.0));
-        left + self.queue.iter().map(|j| j.service_s).sum::<f64>()
+        left + self.queued_s
+    }
+
+    /// Prompts waiting (not running).
+    #[must_use]
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Tokens of the prompts waiting.
+    #[must_use]
+    pub fn queued_tokens(&self) -> f64 {
+        self.queued_tokens
+    }
+
+    /// Queues a prompt behind the others.
+    pub fn enqueue(&mut self, job: PrefillJob) {
+        self.queued_s += job.service_s;
+        self.queued_tokens += job.tokens;
+        self.queue.push_back(job);
     }
 
     #[must_use]
@@ -135,6 +258,13 @@ impl PrefillReplica {
         if self.running.is_none()
             && let Some(job) = self.queue.pop_front()
         {
+            if self.queue.is_empty() {
+                // Sums of floats drift: an empty queue holds exactly nothing.
+                (self.queued_s, self.queued_tokens) = (0.0, 0.0);
+            } else {
+                self.queued_s -= job.service_s;
+                self.queued_tokens -= job.tokens;
+            }
             self.busy_s += job.service_s;
             self.running = Some((job, t + job.service_s));
         }
@@ -150,11 +280,42 @@ pub struct Seq {
     pub kv_tokens: f64,
 }
 
+/// A sequence decoding on a replica, by the replica's step count at which it ends.
+/// Ordered soonest end first (then by request, so ties resolve the same every run).
+#[derive(Clone, Copy, Debug)]
+struct Running {
+    end_step: u64,
+    req: usize,
+    kv_tokens: f64,
+}
+
+impl PartialEq for Running {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Running {}
+impl PartialOrd for Running {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Running {
+    /// Reversed: `BinaryHeap` is a max-heap and the soonest end must come out first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.end_step, other.req).cmp(&(self.end_step, self.req))
+    }
+}
+
+/// Every running sequence gets one token per step, so a replica counts steps and each
+/// sequence remembers the step it ends at: a step costs O(1) whatever the batch, and
+/// the next completion is the heap's top.
 #[derive(Clone, Debug)]
 pub struct DecodeReplica {
     pub ready_at: f64,
     pub draining: bool,
-    pub seqs: Vec<Seq>,
+    seqs: BinaryHeap<Running>,
+    steps: u64,
     pub kv_used: f64,
     /// Time of the last step boundary.
     pub clock: f64,
@@ -167,7 +328,8 @@ impl DecodeReplica {
         DecodeReplica {
             ready_at,
             draining: false,
-            seqs: Vec::new(),
+            seqs: BinaryHeap::new(),
+            steps: 0,
             kv_used: 0.0,
             clock: ready_at,
             busy_s: 0.0,
@@ -177,6 +339,17 @@ impl DecodeReplica {
     #[must_use]
     pub fn is_ready(&self, t: f64) -> bool {
         t >= self.ready_at
+    }
+
+    /// Sequences running.
+    #[must_use]
+    pub fn running(&self) -> usize {
+        self.seqs.len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
     }
 
     /// Whether a sequence needing `kv` tokens fits (a replica with nothing running
@@ -191,7 +364,16 @@ impl DecodeReplica {
             self.clock = self.clock.max(t);
         }
         self.kv_used += seq.kv_tokens;
-        self.seqs.push(seq);
+        self.seqs.push(Running {
+            end_step: self.steps + u64::from(seq.remaining),
+            req: seq.req,
+            kv_tokens: seq.kv_tokens,
+        });
+    }
+
+    /// Steps until the next sequence completes.
+    fn steps_to_next(&self) -> Option<u64> {
+        self.seqs.peek().map(|s| s.end_step - self.steps)
     }
 
     /// When the next sequence completes if nothing else changes.
@@ -200,8 +382,8 @@ impl DecodeReplica {
         if t < self.ready_at {
             return self.ready_at;
         }
-        match self.seqs.iter().map(|s| s.remaining).min() {
-            Some(min) => self.clock + f64::from(min) * profile.itl(self.seqs.len() as f64),
+        match self.steps_to_next() {
+            Some(min) => self.clock + min as f64 * profile.itl(self.seqs.len() as f64),
             None => f64::INFINITY,
         }
     }
@@ -209,35 +391,33 @@ impl DecodeReplica {
     /// Runs whole steps up to `t`, stopping at the first completion so the caller can
     /// admit at that boundary; returns `(request, completion time)` of finished ones.
     pub fn advance(&mut self, t: f64, profile: &Profile, done: &mut Vec<(usize, f64)>) {
-        if self.seqs.is_empty() {
+        let Some(min) = self.steps_to_next() else {
             self.clock = self.clock.max(t);
             return;
-        }
+        };
         let itl = profile.itl(self.seqs.len() as f64);
-        let min = self.seqs.iter().map(|s| s.remaining).min().unwrap_or(0);
         // Float slack: a completion due at exactly `t` must count as reached.
         let steps = (((t - self.clock) / itl) + 1e-9).floor().max(0.0);
-        let k = (steps as u32).min(min);
+        let k = (steps as u64).min(min);
         if k == 0 {
             return;
         }
-        self.clock += f64::from(k) * itl;
-        self.busy_s += f64::from(k) * itl;
-        for s in &mut self.seqs {
-            s.remaining -= k;
-        }
-        let clock = self.clock;
+        self.clock += k as f64 * itl;
+        self.busy_s += k as f64 * itl;
+        self.steps += k;
         let mut freed = 0.0;
-        self.seqs.retain(|s| {
-            if s.remaining == 0 {
-                done.push((s.req, clock));
-                freed += s.kv_tokens;
-                false
-            } else {
-                true
-            }
-        });
-        self.kv_used = (self.kv_used - freed).max(0.0);
+        while let Some(s) = self.seqs.peek()
+            && s.end_step <= self.steps
+        {
+            done.push((s.req, self.clock));
+            freed += s.kv_tokens;
+            self.seqs.pop();
+        }
+        self.kv_used = if self.seqs.is_empty() {
+            0.0
+        } else {
+            (self.kv_used - freed).max(0.0)
+        };
     }
 }
 
@@ -248,10 +428,10 @@ mod tests {
     #[test]
     fn prefix_cache_is_lru() {
         let mut c = PrefixCache::new(3);
-        c.touch(&[1, 2, 3]);
+        c.touch(&[1, 2, 3], |_, _| {});
         assert_eq!(c.overlap(&[1, 2, 3, 4]), 3);
-        c.touch(&[1]);
-        c.touch(&[4]);
+        c.touch(&[1], |_, _| {});
+        c.touch(&[4], |_, _| {});
         // 2 was least recently used.
         assert_eq!(c.overlap(&[1, 2]), 1);
         assert_eq!(c.overlap(&[4]), 1);

@@ -5,6 +5,7 @@ use preheat_scaler::policy::PoolPolicy;
 use preheat_scaler::profile::Profile;
 use serde::Serialize;
 
+use crate::keda::Actuation;
 use crate::trace::TraceRequest;
 
 /// How warm a new replica's node is, which sets its start-up time from the profile.
@@ -50,6 +51,8 @@ pub struct SimConfig {
     /// one is replaced by a hot start. Parked standbys hold a GPU, so their time counts
     /// in GPU-seconds.
     pub standbys: u32,
+    /// How `preheat`'s decisions reach the pools (the baselines model their own).
+    pub actuation: Actuation,
 }
 
 impl SimConfig {
@@ -64,7 +67,20 @@ impl SimConfig {
             max_drain_s: 1800.0,
             sample_s: 10.0,
             standbys: 1,
+            actuation: Actuation::default(),
         }
+    }
+
+    /// The same settings with replicas of this start class starting in `seconds`.
+    pub fn with_startup_s(mut self, seconds: f64) -> Self {
+        let s = &mut self.profile.startup_s;
+        *match self.start {
+            StartClass::Cold => &mut s.cold,
+            StartClass::Staged => &mut s.staged,
+            StartClass::Hot => &mut s.hot,
+            StartClass::Standby => &mut s.standby,
+        } = seconds;
+        self
     }
 
     pub(crate) fn startup_s(&self) -> f64 {
@@ -78,9 +94,13 @@ impl SimConfig {
             .map_or(1, |p| p.0.max(1.0) as usize)
     }
 
-    /// Whether a finished request met both SLOs.
-    pub(crate) fn attained(&self, r: &TraceRequest, ttft: f64, itl: Option<f64>) -> bool {
+    /// Whether a request's first token came within its TTFT target.
+    pub(crate) fn ttft_met(&self, r: &TraceRequest, ttft: f64) -> bool {
         ttft <= self.prefill.ttft_slo_for(f64::from(r.input_tokens)) + 1e-9
-            && itl.is_none_or(|i| i <= self.decode.slo_itl_s + 1e-9)
+    }
+
+    /// Whether a finished request's mean inter-token latency met the ITL target.
+    pub(crate) fn itl_met(&self, itl: Option<f64>) -> bool {
+        itl.is_none_or(|i| i <= self.decode.slo_itl_s + 1e-9)
     }
 }

@@ -23,16 +23,20 @@ pub mod clairvoyant;
 pub mod cluster;
 pub mod config;
 pub mod day;
+pub mod keda;
 mod observe;
 mod per_pool;
+mod prefix_index;
 pub mod registry;
 mod replay;
 pub mod report;
 mod sizing;
+pub mod sweep;
 pub mod trace;
 
 pub use config::{SimConfig, StartClass};
-pub use registry::{UnknownPolicy, run, run_policy};
+pub use keda::Actuation;
+pub use registry::{RunSpec, UnknownPolicy, run, run_many, run_policy};
 pub use report::{PolicyReport, SimReport};
 
 #[cfg(test)]

@@ -88,13 +88,9 @@ impl Sim<'_> {
         let queries = self.now.prefix_queries - oldest.prefix_queries;
         let signals = PoolSignals {
             endpoints_ok: ready,
-            waiting: reps.iter().map(|r| r.queue.len() as f64).sum(),
+            waiting: reps.iter().map(|r| r.waiting() as f64).sum(),
             running: reps.iter().filter(|r| r.running.is_some()).count() as f64,
-            queued_prompt_tokens: reps
-                .iter()
-                .flat_map(|r| r.queue.iter())
-                .map(|j| j.tokens)
-                .sum(),
+            queued_prompt_tokens: reps.iter().map(|r| r.queued_tokens()).sum(),
             prompt_rate: self.window_rate(oldest, |c| c.prompt_tokens),
             prompt_rate_peak: self.peak_prompt_rate(),
             peak_span_s: self.cfg.interval_s.max(1.0),
@@ -119,7 +115,7 @@ impl Sim<'_> {
         let t = self.t;
         let reps: Vec<&DecodeReplica> = self.decode.iter().filter(|r| r.is_ready(t)).collect();
         let ready = reps.len();
-        let running: f64 = reps.iter().map(|r| r.seqs.len() as f64).sum();
+        let running: f64 = reps.iter().map(|r| r.running() as f64).sum();
         let kv: f64 = reps.iter().map(|r| r.kv_used).sum();
         let mut signals = PoolSignals {
             endpoints_ok: ready,

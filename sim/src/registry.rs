@@ -1,14 +1,18 @@
-//! The policies by name: each one's pair of autoscalers, and runs of one or all of
-//! them over a trace.
+//! The policies by name: each one's pair of autoscalers and its knob, and runs of many
+//! (policy, knob, settings) on a trace, in parallel: a comparison, a frontier (each
+//! policy's knob swept), a start-up sweep.
 
-use std::cell::OnceCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use preheat_scaler::policy::Pool;
+use serde::Serialize;
 
 use crate::autoscalers::{
     Autoscaler, Capacity, HpaUtilization, KedaQueue, Kpa, POLICIES, Preheat, SlaPlanner, Static,
 };
 use crate::config::{SimConfig, StartClass};
+use crate::keda::{Actuation, Keda, KedaSettings};
 use crate::replay::Sim;
 use crate::report::{PolicyReport, SimReport, load_series};
 use crate::sizing::static_peak;
@@ -19,18 +23,77 @@ use crate::{clairvoyant, trace::TraceRequest};
 #[error("unknown policy {0:?} (expected one of: {list}, or all)", list = POLICIES.join(", "))]
 pub struct UnknownPolicy(pub String);
 
-/// A policy's (prefill, decode) autoscalers, and its fixed sizes if it has them.
-type PolicyPair = (Box<dyn Autoscaler>, Box<dyn Autoscaler>, Option<(u32, u32)>);
+/// The setting of a policy an operator would tune: what `--frontier` sweeps.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Knob {
+    pub name: &'static str,
+    /// The shipped (or an operator's first) setting.
+    pub default: f64,
+    /// Settings a frontier tries, from cheapest to most generous.
+    pub sweep: &'static [f64],
+}
 
-/// Builds a policy's pair of autoscalers (prefill, decode). `peak` holds the
-/// `static-peak` sizes once searched, shared by the policies that need them.
-fn autoscalers(
-    name: &str,
-    cfg: &SimConfig,
+/// A policy's knob; `None` for the references (`static-peak`, `clairvoyant`), which
+/// have none: they are points, not policies anyone tunes.
+#[must_use]
+pub fn knob(policy: &str) -> Option<Knob> {
+    let k = |name, default, sweep| {
+        Some(Knob {
+            name,
+            default,
+            sweep,
+        })
+    };
+    match policy {
+        "preheat" => k("headroom", 1.0, &[0.6, 0.7, 0.8, 0.9, 1.0, 1.15, 1.3, 1.5]),
+        "hpa-utilization" => k(
+            "target utilisation",
+            HpaUtilization::DEFAULT_TARGET,
+            &[0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
+        ),
+        "keda-queue" => k(
+            "waiting per replica (× its in-SLO capacity)",
+            KedaQueue::DEFAULT_FRACTION,
+            &[0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5],
+        ),
+        "kpa" => k(
+            "concurrency per replica (× its in-SLO capacity)",
+            Kpa::DEFAULT_FRACTION,
+            &[0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0],
+        ),
+        "sla-planner" => k("headroom", 1.0, &[0.8, 0.9, 1.0, 1.15, 1.3, 1.5, 2.0]),
+        _ => None,
+    }
+}
+
+/// One simulation to run: a policy at a knob setting under some settings.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    pub policy: String,
+    /// `None`: the policy's default.
+    pub knob: Option<f64>,
+    pub cfg: SimConfig,
+}
+
+/// A policy's (prefill, decode) autoscalers.
+type PolicyPair = (Box<dyn Autoscaler>, Box<dyn Autoscaler>);
+
+/// `static-peak`'s sizes and the report of its run at them.
+type Peak = (u32, u32, PolicyReport);
+
+/// Builds a policy's pair of autoscalers (prefill, decode). `peak` gives the
+/// `static-peak` sizes, searched once for all the runs that need them.
+fn autoscalers<'a>(
+    spec: &RunSpec,
     trace: &[TraceRequest],
-    peak: &OnceCell<(u32, u32)>,
+    peak: &dyn Fn() -> &'a Peak,
 ) -> Result<PolicyPair, UnknownPolicy> {
-    let peak = || *peak.get_or_init(|| static_peak(cfg, trace));
+    let cfg = &spec.cfg;
+    let name = spec.policy.as_str();
+    let knob = spec
+        .knob
+        .or_else(|| knob(name).map(|k| k.default))
+        .unwrap_or(1.0);
     let prof = &cfg.profile;
     let (cp, cd) = (
         Capacity::new(prof, &cfg.prefill),
@@ -38,44 +101,49 @@ fn autoscalers(
     );
     let (mp, md) = (cfg.prefill.max_replicas, cfg.decode.max_replicas);
     Ok(match name {
-        "preheat" => (
-            Box::new(Preheat::new(
-                Pool::Prefill,
-                cfg.prefill.clone(),
-                prof.clone(),
-                cfg.interval_s,
-            )),
-            Box::new(Preheat::new(
-                Pool::Decode,
-                cfg.decode.clone(),
-                prof.clone(),
-                cfg.interval_s,
-            )),
-            None,
-        ),
+        "preheat" => {
+            let scaler = |pool, policy: &preheat_scaler::policy::PoolPolicy| {
+                let mut policy = policy.clone();
+                policy.headroom = knob;
+                let inner: Box<dyn Autoscaler> = Box::new(Preheat::new(
+                    pool,
+                    policy.clone(),
+                    prof.clone(),
+                    cfg.interval_s,
+                ));
+                match cfg.actuation {
+                    Actuation::Direct => inner,
+                    Actuation::Keda => Box::new(Keda::new(
+                        inner,
+                        KedaSettings::default(),
+                        policy.max_replicas,
+                    )) as Box<dyn Autoscaler>,
+                }
+            };
+            (
+                scaler(Pool::Prefill, &cfg.prefill),
+                scaler(Pool::Decode, &cfg.decode),
+            )
+        }
         "static-peak" => {
-            let (p, d) = peak();
-            (Box::new(Static(p)), Box::new(Static(d)), Some((p, d)))
+            let &(p, d, _) = peak();
+            (Box::new(Static(p)), Box::new(Static(d)))
         }
         "clairvoyant" => {
-            let (p, d) = peak();
-            let plan = clairvoyant::prefill_plan(cfg, trace, p, d);
-            (Box::new(plan), Box::new(Static(d)), None)
+            let (p, d) = clairvoyant::plan(cfg, trace);
+            (Box::new(p), Box::new(d))
         }
         "hpa-utilization" => (
-            Box::new(HpaUtilization::new(mp)),
-            Box::new(HpaUtilization::new(md)),
-            None,
+            Box::new(HpaUtilization::new(mp, knob)),
+            Box::new(HpaUtilization::new(md, knob)),
         ),
         "keda-queue" => (
-            Box::new(KedaQueue::new(Pool::Prefill, cp, mp)),
-            Box::new(KedaQueue::new(Pool::Decode, cd, md)),
-            None,
+            Box::new(KedaQueue::new(Pool::Prefill, cp, mp, knob)),
+            Box::new(KedaQueue::new(Pool::Decode, cd, md, knob)),
         ),
         "kpa" => (
-            Box::new(Kpa::new(Pool::Prefill, cp, mp)),
-            Box::new(Kpa::new(Pool::Decode, cd, md)),
-            None,
+            Box::new(Kpa::new(Pool::Prefill, cp, mp, knob)),
+            Box::new(Kpa::new(Pool::Decode, cd, md, knob)),
         ),
         "sla-planner" => (
             Box::new(SlaPlanner::new(
@@ -83,61 +151,144 @@ fn autoscalers(
                 cp,
                 prof.clone(),
                 &cfg.prefill,
+                knob,
             )),
-            Box::new(SlaPlanner::new(Pool::Decode, cd, prof.clone(), &cfg.decode)),
-            None,
+            Box::new(SlaPlanner::new(
+                Pool::Decode,
+                cd,
+                prof.clone(),
+                &cfg.decode,
+                knob,
+            )),
         ),
         other => return Err(UnknownPolicy(other.to_owned())),
     })
 }
 
-/// Runs one named policy over the trace.
+/// Runs one named policy over the trace, at its default knob.
 pub fn run_policy(
     name: &str,
     cfg: &SimConfig,
     trace: &[TraceRequest],
 ) -> Result<PolicyReport, UnknownPolicy> {
-    run_policy_sharing(name, cfg, trace, &OnceCell::new())
+    let spec = RunSpec {
+        policy: name.to_owned(),
+        knob: None,
+        cfg: cfg.clone(),
+    };
+    let cell = OnceLock::new();
+    run_one(&spec, trace, &|| {
+        cell.get_or_init(|| static_peak(cfg, trace))
+    })
 }
 
-fn run_policy_sharing(
-    name: &str,
-    cfg: &SimConfig,
+fn run_one<'a>(
+    spec: &RunSpec,
     trace: &[TraceRequest],
-    peak: &OnceCell<(u32, u32)>,
+    peak: &dyn Fn() -> &'a Peak,
 ) -> Result<PolicyReport, UnknownPolicy> {
-    let (p, d, fixed) = autoscalers(name, cfg, trace, peak)?;
-    let mut r = Sim::new(cfg, trace, p, d).run();
-    r.name = name.to_owned();
-    r.fixed_replicas = fixed;
+    let mut r = if spec.policy == "static-peak" {
+        // Its search ran it at the sizes it found; replicas up from the start do not
+        // depend on start times or actuation.
+        peak().2.clone()
+    } else {
+        let (p, d) = autoscalers(spec, trace, peak)?;
+        Sim::new(&spec.cfg, trace, p, d).run()
+    };
+    r.name.clone_from(&spec.policy);
+    r.knob = spec.knob.or_else(|| knob(&spec.policy).map(|k| k.default));
+    r.fixed_replicas = (spec.policy == "static-peak").then(|| (peak().0, peak().1));
     Ok(r)
 }
 
-/// Runs the named policies (or all) and assembles the report; `progress` is told each
-/// policy's name as it starts.
-pub fn run(
-    names: &[String],
-    cfg: &SimConfig,
+/// Threads for a batch of runs: what the machine offers (each run is single-threaded
+/// and independent; results do not depend on the count).
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// Runs every spec (on all cores), reports in the specs' order; `progress` is told
+/// each run's label as it starts. `static-peak`'s search runs once, with `base`, for
+/// all the runs that need it (it does not depend on start times or actuation: its
+/// replicas are up from the start).
+pub fn run_many(
+    specs: &[RunSpec],
+    base: &SimConfig,
     trace: &[TraceRequest],
-    trace_name: &str,
-    mut progress: impl FnMut(&str),
-) -> Result<SimReport, UnknownPolicy> {
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<PolicyReport>, UnknownPolicy> {
+    if let Some(bad) = specs
+        .iter()
+        .find(|s| !POLICIES.contains(&s.policy.as_str()))
+    {
+        return Err(UnknownPolicy(bad.policy.clone()));
+    }
+    let peak_cell = OnceLock::new();
+    let peak = || peak_cell.get_or_init(|| static_peak(base, trace));
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<PolicyReport, UnknownPolicy>>>> =
+        Mutex::new((0..specs.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..threads().min(specs.len()) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(spec) = specs.get(i) else { break };
+                    progress(&label(spec));
+                    let r = run_one(spec, trace, &peak);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.expect("every spec was run"))
+        .collect()
+}
+
+fn label(spec: &RunSpec) -> String {
+    let mut l = spec.policy.clone();
+    if let Some(k) = spec.knob {
+        l.push_str(&format!(" at {k}"));
+    }
+    l
+}
+
+/// The named policies, `all` expanded; an unknown name is an error before anything
+/// runs.
+pub fn policy_list(names: &[String]) -> Result<Vec<String>, UnknownPolicy> {
     let list: Vec<String> = if names.iter().any(|n| n == "all") {
         POLICIES.iter().map(|s| (*s).to_owned()).collect()
     } else {
         names.to_vec()
     };
-    // Fail on a bad name before minutes of simulation.
     if let Some(bad) = list.iter().find(|n| !POLICIES.contains(&n.as_str())) {
         return Err(UnknownPolicy(bad.clone()));
     }
-    let mut policies = Vec::new();
-    // `static-peak` and `clairvoyant` both need the static search: done once.
-    let peak = OnceCell::new();
-    for n in &list {
-        progress(n);
-        policies.push(run_policy_sharing(n, cfg, trace, &peak)?);
-    }
+    Ok(list)
+}
+
+/// Runs the named policies (or all) and assembles the report; `progress` is told each
+/// run's label as it starts.
+pub fn run(
+    names: &[String],
+    cfg: &SimConfig,
+    trace: &[TraceRequest],
+    trace_name: &str,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<SimReport, UnknownPolicy> {
+    let specs: Vec<RunSpec> = policy_list(names)?
+        .into_iter()
+        .map(|policy| RunSpec {
+            policy,
+            knob: None,
+            cfg: cfg.clone(),
+        })
+        .collect();
+    let policies = run_many(&specs, cfg, trace, progress)?;
     Ok(SimReport {
         trace: trace_name.to_owned(),
         requests: trace.len(),
@@ -148,6 +299,7 @@ pub fn run(
         start_class: cfg.start,
         startup_s: cfg.startup_s(),
         standbys: (cfg.start == StartClass::Standby).then_some(cfg.standbys),
+        actuation: cfg.actuation,
         profile_source: cfg.profile.source.clone(),
         load: load_series(trace, cfg.sample_s),
         policies,

@@ -11,9 +11,15 @@ use crate::autoscalers::Autoscaler;
 use crate::cluster::{DecodeReplica, PrefillJob, PrefillReplica, Seq};
 use crate::config::{SimConfig, StartClass};
 use crate::per_pool::{POOLS, PerPool};
+use crate::prefix_index::{PrefixIndex, SLOTS};
 use crate::report::PolicyReport;
 use crate::sizing::warm_start;
 use crate::trace::{MOONCAKE_BLOCK_TOKENS, TraceRequest};
+
+/// A request's mean inter-token latency; `None` with a single output token.
+pub(crate) fn itl_of(r: &TraceRequest, first_token: f64, done: f64) -> Option<f64> {
+    (r.output_tokens > 1).then(|| (done - first_token) / f64::from(r.output_tokens - 1))
+}
 
 /// Cumulative counters, snapshotted every second for window rates.
 #[derive(Clone, Copy, Debug, Default)]
@@ -93,6 +99,7 @@ pub(crate) struct Sim<'a> {
     pub(crate) max_batch: usize,
     pub(crate) cache_blocks: usize,
     pub(crate) done_buf: Vec<(usize, f64)>,
+    pub(crate) prefix_index: PrefixIndex,
 }
 
 impl<'a> Sim<'a> {
@@ -150,15 +157,32 @@ impl<'a> Sim<'a> {
             max_batch: cfg.max_batch(),
             cache_blocks,
             done_buf: Vec::new(),
+            prefix_index: PrefixIndex::default(),
         }
     }
 
-    pub(crate) fn run(self) -> PolicyReport {
-        self.run_detailed().0
+    pub(crate) fn run(mut self) -> PolicyReport {
+        self.run_to_end();
+        self.report()
     }
 
-    /// Runs to the end; the report and, per request, whether it attained its SLOs.
-    pub(crate) fn run_detailed(mut self) -> (PolicyReport, Vec<bool>) {
+    /// Runs to the end; per request, whether its first token came within the TTFT SLO
+    /// and whether it then decoded within the ITL SLO.
+    pub(crate) fn run_outcomes(mut self) -> Vec<(bool, bool)> {
+        self.run_to_end();
+        self.trace
+            .iter()
+            .zip(&self.reqs)
+            .map(|(r, st)| {
+                let first = !st.first_token.is_nan() && self.cfg.ttft_met(r, st.first_token - r.t);
+                let decoded =
+                    !st.done.is_nan() && self.cfg.itl_met(itl_of(r, st.first_token, st.done));
+                (first, decoded)
+            })
+            .collect()
+    }
+
+    fn run_to_end(&mut self) {
         let last_arrival = self.trace.last().map_or(0.0, |r| r.t);
         let give_up = last_arrival + self.cfg.max_drain_s;
         loop {
@@ -173,7 +197,6 @@ impl<'a> Sim<'a> {
                 break;
             }
         }
-        self.report_detailed()
     }
 
     fn next_event_time(&self) -> f64 {
@@ -278,18 +301,29 @@ impl<'a> Sim<'a> {
     fn route_held(&mut self) {
         let t = self.t;
         let profile = &self.cfg.profile;
+        let mut overlap = [0u32; SLOTS];
         while let Some(&req) = self.held.front() {
             let r = &self.trace[req];
             let len = f64::from(r.input_tokens);
             let rate = profile.prefill_rate(len);
+            let eligible = |rep: &PrefillReplica| !rep.draining && rep.is_ready(t);
+            let asked = self
+                .prefill
+                .iter()
+                .filter(|rep| eligible(rep))
+                .filter_map(|rep| rep.slot)
+                .fold(0u128, |m, s| m | 1u128 << s);
+            self.prefix_index.overlaps(&r.blocks, asked, &mut overlap);
             let mut best: Option<(f64, usize, f64)> = None;
             for (i, rep) in self.prefill.iter().enumerate() {
-                if rep.draining || !rep.is_ready(t) {
+                if !eligible(rep) {
                     continue;
                 }
-                let cached = (rep.cache.overlap(&r.blocks) as f64
-                    * f64::from(MOONCAKE_BLOCK_TOKENS))
-                .min(len - 1.0);
+                let blocks = match rep.slot {
+                    Some(s) => overlap[usize::from(s)] as usize,
+                    None => rep.cache.overlap(&r.blocks),
+                };
+                let cached = (blocks as f64 * f64::from(MOONCAKE_BLOCK_TOKENS)).min(len - 1.0);
                 let work = (len - cached) / rate;
                 let cost = rep.backlog_s(t) + work;
                 if best.is_none_or(|b| cost < b.0) {
@@ -301,8 +335,21 @@ impl<'a> Sim<'a> {
             self.now.prefix_queries += len;
             self.now.prefix_hits += cached;
             let rep = &mut self.prefill[i];
-            rep.cache.touch(&r.blocks);
-            rep.queue.push_back(PrefillJob {
+            if rep.slot.is_none() {
+                rep.slot = self.prefix_index.take_slot();
+            }
+            let index = &mut self.prefix_index;
+            match rep.slot {
+                Some(slot) => rep.cache.touch(&r.blocks, |b, added| {
+                    if added {
+                        index.add(slot, b);
+                    } else {
+                        index.remove(slot, b);
+                    }
+                }),
+                None => rep.cache.touch(&r.blocks, |_, _| {}),
+            }
+            rep.enqueue(PrefillJob {
                 req,
                 tokens: len - cached,
                 service_s: (len - cached) / rate,
@@ -342,17 +389,21 @@ impl<'a> Sim<'a> {
 
     pub(crate) fn retire_drained(&mut self) {
         let mut busy = 0.0;
+        let index = &mut self.prefix_index;
         self.prefill.retain(|r| {
             let gone = r.draining && r.is_empty();
             if gone {
                 busy += r.busy_s;
+                if let Some(slot) = r.slot {
+                    index.release(slot, r.cache.blocks());
+                }
             }
             !gone
         });
         self.ctl.prefill.retired_busy += busy;
         let mut busy = 0.0;
         self.decode.retain(|r| {
-            let gone = r.draining && r.seqs.is_empty();
+            let gone = r.draining && r.is_empty();
             if gone {
                 busy += r.busy_s;
             }

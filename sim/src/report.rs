@@ -4,14 +4,19 @@ use preheat_scaler::percentile::percentile;
 use serde::Serialize;
 
 use crate::config::StartClass;
+use crate::keda::Actuation;
 use crate::per_pool::PerPool;
-use crate::replay::Sim;
+use crate::replay::{Sim, itl_of};
 use crate::trace::TraceRequest;
 
 /// One policy's results.
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyReport {
     pub name: String,
+    /// The policy's knob setting (see [`crate::registry::knob`]); `None` for the
+    /// references.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub knob: Option<f64>,
     pub slo_attainment: f64,
     pub gpu_seconds: f64,
     pub prefill_gpu_seconds: f64,
@@ -53,6 +58,8 @@ pub struct SimReport {
     /// Parked standbys per pool (`start_class` standby only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub standbys: Option<u32>,
+    /// How `preheat`'s decisions reach the pools.
+    pub actuation: Actuation,
     pub profile_source: String,
     /// (time, prompt tokens/s, requests/s) per `sample_s` bin.
     pub load: Vec<(f64, f64, f64)>,
@@ -76,28 +83,25 @@ pub(crate) fn load_series(trace: &[TraceRequest], bin: f64) -> Vec<(f64, f64, f6
 }
 
 impl Sim<'_> {
-    /// The report and, per request, whether it attained its SLOs.
-    pub(crate) fn report_detailed(self) -> (PolicyReport, Vec<bool>) {
+    /// The report of a run that has ended.
+    pub(crate) fn report(self) -> PolicyReport {
         let mut ttft = Vec::new();
         let mut itl = Vec::new();
         let mut ok = 0usize;
         let mut unfinished = 0usize;
-        let mut attained = vec![false; self.trace.len()];
-        for (i, (r, st)) in self.trace.iter().zip(&self.reqs).enumerate() {
+        for (r, st) in self.trace.iter().zip(&self.reqs) {
             if st.done.is_nan() {
                 unfinished += 1;
                 continue;
             }
             let tt = st.first_token - r.t;
-            let it = (r.output_tokens > 1)
-                .then(|| (st.done - st.first_token) / f64::from(r.output_tokens - 1));
+            let it = itl_of(r, st.first_token, st.done);
             ttft.push(tt);
             if let Some(i) = it {
                 itl.push(i);
             }
-            if self.cfg.attained(r, tt, it) {
+            if self.cfg.ttft_met(r, tt) && self.cfg.itl_met(it) {
                 ok += 1;
-                attained[i] = true;
             }
         }
         let pct = |v: &mut Vec<f64>, q: f64| percentile(v, q).unwrap_or(f64::NAN);
@@ -106,8 +110,9 @@ impl Sim<'_> {
             prefill: p,
             decode: d,
         } = &self.ctl;
-        let report = PolicyReport {
+        PolicyReport {
             name: String::new(),
+            knob: None,
             slo_attainment: ok as f64 / n as f64,
             gpu_seconds: p.gpu_s + d.gpu_s,
             standby_gpu_seconds: p.standby_gpu_s + d.standby_gpu_s,
@@ -130,7 +135,6 @@ impl Sim<'_> {
             max_decode_replicas: d.max_replicas,
             fixed_replicas: None,
             timeline: self.timeline,
-        };
-        (report, attained)
+        }
     }
 }

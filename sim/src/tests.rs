@@ -136,7 +136,7 @@ fn kv_capacity_bounds_decode_admission() {
 fn static_peak_is_the_smallest_fixed_size_reaching_99_percent() {
     let c = cfg();
     let trace = steady(0.0, 600, 0.05, 2048, 10);
-    let (p, d) = static_peak(&c, &trace);
+    let (p, d, _) = static_peak(&c, &trace);
     assert!(run_fixed(&c, &trace, p, d).slo_attainment >= 0.99);
     assert!(p > 1 && run_fixed(&c, &trace, p - 1, d).slo_attainment < 0.99);
     assert_eq!(d, 1);
@@ -150,7 +150,7 @@ fn unknown_policy_is_refused_before_running() {
         &c,
         &steady(0.0, 1, 1.0, 1, 1),
         "x",
-        |_| panic!("must not start"),
+        &|_| panic!("must not start"),
     )
     .unwrap_err();
     assert!(e.to_string().contains("magic") && e.to_string().contains("kpa"));
@@ -178,7 +178,7 @@ fn clairvoyant_plans_each_minute_for_its_own_load() {
     let mut trace = steady(0.0, 60, 1.0, 2048, 10);
     trace.extend(steady(60.0, 1740, 1.0 / 29.0, 2048, 10));
     trace.extend(steady(120.0, 180, 1.0, 2048, 10));
-    let plan = clairvoyant::prefill_plan(&c, &trace, 8, 2);
+    let (plan, _) = clairvoyant::plan(&c, &trace);
     let sizes: Vec<u32> = (0..5)
         .map(|m| plan_at(&plan, m as f64 * 60.0 + 30.0))
         .collect();
@@ -257,4 +257,138 @@ fn parked_standbys_are_promoted_first_and_their_gpu_time_counts() {
         hot.gpu_seconds,
         standby.standby_gpu_seconds
     );
+}
+
+/// Quiet, then a 10-minute step to ~5 prefill replicas' worth, then quiet.
+fn step_trace() -> Vec<TraceRequest> {
+    let mut trace = steady(0.0, 120, 1.0, 2048, 20);
+    trace.extend(steady(120.0, 24_000, 0.025, 2048, 20));
+    trace.extend(steady(720.0, 300, 1.0, 2048, 20));
+    trace
+}
+
+fn first_time_prefill_reaches(r: &PolicyReport, n: u32) -> f64 {
+    r.timeline
+        .iter()
+        .find(|x| x.1 >= n)
+        .map_or(f64::INFINITY, |x| x.0)
+}
+
+#[test]
+fn keda_actuation_waits_for_hpa_where_direct_scales_at_the_tick() {
+    let mut c = cfg();
+    c.sample_s = 1.0;
+    let trace = step_trace();
+    c.actuation = Actuation::Direct;
+    let direct = run_policy("preheat", &c, &trace).unwrap();
+    c.actuation = Actuation::Keda;
+    let keda = run_policy("preheat", &c, &trace).unwrap();
+    let (td, tk) = (
+        first_time_prefill_reaches(&direct, 4),
+        first_time_prefill_reaches(&keda, 4),
+    );
+    assert!(td.is_finite() && tk.is_finite(), "{td} {tk}");
+    // HPA reads the scaler every 15 s and doubles at most per period.
+    assert!(tk > td, "keda {tk} s, direct {td} s");
+    // Scale-down is one pod per 30 s under the chart's HPA policy: slower to shed.
+    assert!(
+        keda.gpu_seconds > direct.gpu_seconds,
+        "{keda:?}\n{direct:?}"
+    );
+}
+
+#[test]
+fn preheats_headroom_moves_it_along_its_frontier() {
+    let c = cfg();
+    let trace = step_trace();
+    let f = sweep::frontier(
+        &["preheat".into(), "static-peak".into()],
+        &c,
+        &trace,
+        &|_| {},
+    )
+    .unwrap();
+    let knob = registry::knob("preheat").unwrap();
+    let preheat: Vec<&sweep::Point> = f.points.iter().filter(|p| p.policy == "preheat").collect();
+    assert_eq!(preheat.len(), knob.sweep.len());
+    assert_eq!(
+        f.points.len(),
+        knob.sweep.len() + 1,
+        "the reference runs once"
+    );
+    let (low, high) = (preheat[0], preheat[preheat.len() - 1]);
+    assert_eq!((low.knob, high.knob), (Some(0.6), Some(1.5)));
+    assert!(high.gpu_seconds > low.gpu_seconds, "{low:?} {high:?}");
+    assert!(
+        high.slo_attainment >= low.slo_attainment,
+        "{low:?} {high:?}"
+    );
+    assert_eq!(f.preheat.as_ref().unwrap().knob, Some(1.0));
+    // Only causal baselines can beat preheat; none were asked for.
+    assert!(f.beaten_by.is_empty());
+}
+
+#[test]
+fn a_frontier_names_every_baseline_setting_that_matches_preheat() {
+    let c = cfg();
+    let trace = step_trace();
+    let f = sweep::frontier(&["preheat".into(), "kpa".into()], &c, &trace, &|_| {}).unwrap();
+    let me = f.preheat.clone().unwrap();
+    let expect: Vec<Option<f64>> = f
+        .points
+        .iter()
+        .filter(|p| p.policy == "kpa" && p.matches_or_beats(&me))
+        .map(|p| p.knob)
+        .collect();
+    let got: Vec<Option<f64>> = f.beaten_by.iter().map(|p| p.knob).collect();
+    assert_eq!(got, expect);
+    // KPA's lower concurrency targets hold more replicas.
+    let kpa: Vec<&sweep::Point> = f.points.iter().filter(|p| p.policy == "kpa").collect();
+    assert!(
+        kpa[0].gpu_seconds > kpa[kpa.len() - 1].gpu_seconds,
+        "{kpa:?}"
+    );
+}
+
+#[test]
+fn a_start_up_sweep_reruns_every_policy_per_start_time() {
+    let c = cfg();
+    let trace = step_trace();
+    let names = ["preheat".to_owned(), "kpa".to_owned()];
+    let s = sweep::startup_sweep(&names, &c, &trace, &[2.0, 120.0], &|_| {}).unwrap();
+    assert_eq!(s.rows.len(), 2);
+    for (_, points) in &s.rows {
+        let got: Vec<&str> = points.iter().map(|p| p.policy.as_str()).collect();
+        assert_eq!(got, ["preheat", "kpa"]);
+    }
+    // A step met by replicas that take two minutes to start misses more requests.
+    for i in 0..2 {
+        let (fast, slow) = (&s.rows[0].1[i], &s.rows[1].1[i]);
+        assert!(
+            slow.slo_attainment < fast.slo_attainment,
+            "{fast:?} {slow:?}"
+        );
+    }
+}
+
+#[test]
+fn runs_in_parallel_give_what_runs_one_at_a_time_give() {
+    let c = cfg();
+    let trace = step_trace();
+    let names: Vec<String> = POLICIES.iter().map(|s| (*s).to_owned()).collect();
+    let together = run(&names, &c, &trace, "t", &|_| {}).unwrap();
+    for (p, name) in together.policies.iter().zip(POLICIES) {
+        let alone = run_policy(name, &c, &trace).unwrap();
+        assert_eq!(p.name, name);
+        assert_eq!(
+            p.gpu_seconds.to_bits(),
+            alone.gpu_seconds.to_bits(),
+            "{name}"
+        );
+        assert_eq!(
+            p.slo_attainment.to_bits(),
+            alone.slo_attainment.to_bits(),
+            "{name}"
+        );
+    }
 }

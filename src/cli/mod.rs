@@ -240,6 +240,20 @@ pub struct SimulateArgs {
     /// copy), so the trace's shape loads a K-times larger fleet.
     #[arg(long, default_value_t = 1, value_name = "K")]
     pub rate_scale: u32,
+    /// How preheat's decisions reach the pools: keda (HPA's sync period, tolerances and
+    /// rate limits and KEDA's activation and cooldown, as the chart renders them) or
+    /// direct (the replica count set at the scaler's tick, as in `preheat up`).
+    #[arg(long, value_enum, default_value_t = ActuationFlag::Keda)]
+    pub actuation: ActuationFlag,
+    /// Sweep each policy's knob (preheat's headroom, HPA's target utilisation, KEDA's
+    /// queue target, KPA's concurrency target, the SLA planner's headroom) and report
+    /// every (SLO %, GPU-s) point, with the references.
+    #[arg(long, conflicts_with = "startup_s")]
+    pub frontier: bool,
+    /// Rerun every policy with replicas starting in each of these times (`1,2,5,20s,2m`)
+    /// and report attainment and GPU-seconds against start time.
+    #[arg(long, value_delimiter = ',', value_parser = seconds_arg, value_name = "SECONDS")]
+    pub startup_s: Vec<f64>,
     /// Write the full report (every policy, timelines) as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -475,6 +489,18 @@ impl From<StartFlag> for preheat_sim::StartClass {
             StartFlag::Staged => Self::Staged,
             StartFlag::Hot => Self::Hot,
             StartFlag::Standby => Self::Standby,
+        }
+    }
+}
+value_enum!(
+    /// `simulate --actuation`.
+    ActuationFlag { Keda => "keda", Direct => "direct" }
+);
+impl From<ActuationFlag> for preheat_sim::Actuation {
+    fn from(f: ActuationFlag) -> Self {
+        match f {
+            ActuationFlag::Keda => Self::Keda,
+            ActuationFlag::Direct => Self::Direct,
         }
     }
 }

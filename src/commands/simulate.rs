@@ -11,7 +11,12 @@ use preheat_scaler::profile::Profile;
 use preheat_sim::{self as sim, SimConfig, SimReport, StartClass};
 
 use crate::cli::SimulateArgs;
+
+mod sweeps;
 use crate::plot::{Panel, Series, svg};
+
+/// A start time longer than this is a typo (an hour to start a replica).
+const MAX_STARTUP_S: f64 = 3600.0;
 
 /// Validated options.
 struct Options {
@@ -55,6 +60,13 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     if a.policy.is_empty() {
         errs.push("--policy: name at least one policy".into());
     }
+    for &s in &a.startup_s {
+        if !(s.is_finite() && (0.0..=MAX_STARTUP_S).contains(&s)) {
+            errs.push(format!(
+                "--startup-s {s}: give start times from 0 to {MAX_STARTUP_S} seconds"
+            ));
+        }
+    }
     if !(1..=sim::trace::MAX_RATE_SCALE).contains(&a.rate_scale) {
         errs.push(format!(
             "--rate-scale {}: give a whole number from 1 to {}",
@@ -68,6 +80,7 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     let mut sim = SimConfig::new(prefill, decode, profile);
     sim.start = start;
     sim.standbys = a.standbys;
+    sim.actuation = a.actuation.into();
     if let Some(i) = interval {
         sim.interval_s = i;
     }
@@ -89,14 +102,29 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
         a.trace.display().to_string()
     };
     let started = std::time::Instant::now();
-    let report = sim::run(&o.policies, &o.sim, &trace, &name, |p| {
-        tracing::info!(policy = p, "simulating");
-    })?;
-    tracing::info!(
-        seconds = started.elapsed().as_secs_f64(),
-        requests = trace.len(),
-        "simulation done"
-    );
+    let progress = |p: &str| tracing::info!(run = p, "simulating");
+    let done = |runs: usize| {
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            seconds,
+            requests = trace.len(),
+            runs,
+            requests_per_s = (trace.len() * runs) as f64 / seconds.max(1e-9),
+            "simulation done"
+        );
+    };
+    if a.frontier {
+        let f = sim::sweep::frontier(&o.policies, &o.sim, &trace, &progress)?;
+        done(f.points.len());
+        return sweeps::write_frontier(a, &name, &f);
+    }
+    if !a.startup_s.is_empty() {
+        let s = sim::sweep::startup_sweep(&o.policies, &o.sim, &trace, &a.startup_s, &progress)?;
+        done(s.rows.iter().map(|r| r.1.len()).sum());
+        return sweeps::write_startup(a, &name, &s);
+    }
+    let report = sim::run(&o.policies, &o.sim, &trace, &name, &progress)?;
+    done(report.policies.len());
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -111,7 +139,7 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
 
 fn print_table(r: &SimReport) -> anyhow::Result<()> {
     outln!(
-        "{}: {} requests over {:.0} s; SLO TTFT {} s (per {} prompt tokens), ITL {} s; replicas start in {} s ({:?})",
+        "{}: {} requests over {:.0} s; SLO TTFT {} s (per {} prompt tokens), ITL {} s; replicas start in {} s ({:?}); preheat actuated by {:?}",
         r.trace,
         r.requests,
         r.trace_span_s,
@@ -119,7 +147,8 @@ fn print_table(r: &SimReport) -> anyhow::Result<()> {
         r.slo_ttft_ref_tokens,
         r.slo_itl_s,
         r.startup_s,
-        r.start_class
+        r.start_class,
+        r.actuation
     );
     if let Some(n) = r.standbys {
         outln!(

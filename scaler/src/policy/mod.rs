@@ -80,6 +80,10 @@ pub struct PoolPolicy {
     pub default_lead_s: f64,
     /// Mean prompt length assumed before any traffic is seen.
     pub default_prompt_len: f64,
+    /// Factor on the replicas the load model says are needed: above 1 buys SLO margin
+    /// with GPUs, below 1 saves GPUs at the SLO's expense. The one knob that moves
+    /// this policy along its cost/attainment frontier (`simulate --frontier`).
+    pub headroom: f64,
 }
 
 impl Default for PoolPolicy {
@@ -96,6 +100,7 @@ impl Default for PoolPolicy {
             burst_memory_s: 600.0,
             default_lead_s: 60.0,
             default_prompt_len: 2048.0,
+            headroom: 1.0,
         }
     }
 }
@@ -124,6 +129,7 @@ impl PoolPolicy {
             ("slo_itl_s", self.slo_itl_s),
             ("slo_ttft_ref_tokens", self.slo_ttft_ref_tokens),
             ("default_prompt_len", self.default_prompt_len),
+            ("headroom", self.headroom),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 e.push(format!("{what}: {n} must be > 0"));
@@ -232,8 +238,14 @@ impl PreheatPolicy {
         self.last_load
     }
 
-    /// Replicas needed for the observed and forecast load, before limits and damping.
+    /// Replicas needed for the observed and forecast load, with the configured
+    /// headroom, before limits and damping.
     fn raw_desired(&mut self, t: f64, o: &Observation) -> f64 {
+        self.needed(t, o) * self.cfg.headroom
+    }
+
+    /// Replicas the load model says are needed.
+    fn needed(&mut self, t: f64, o: &Observation) -> f64 {
         let s = &o.signals;
         let lead = o.measured_startup_s.unwrap_or(self.cfg.default_lead_s);
         match self.pool {

@@ -60,7 +60,7 @@ fn replay(
             .min(f64::from(r.input_tokens));
         hit += cached;
         total += f64::from(r.input_tokens);
-        caches[w].touch(&r.blocks);
+        caches[w].touch(&r.blocks, |_, _| {});
         memory[w].remember(&r.blocks);
         recent[w].push_back(r.t);
         counts[w] += 1;
