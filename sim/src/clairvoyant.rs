@@ -32,10 +32,15 @@ pub struct Plan {
 impl Plan {
     fn at(&self, t: f64) -> u32 {
         let minute = |t: f64| (t.max(0.0) / MINUTE) as usize;
-        let get = |i: usize| self.per_minute.get(i).copied().unwrap_or(0);
-        // Replicas for the next minute start a start-up before it begins; the current
-        // minute's stay until it ends (removed ones drain what they hold).
-        get(minute(t)).max(get(minute(t + self.lead_s)))
+        // Replicas for a minute start a start-up before it begins and stay until it
+        // ends (removed ones drain what they hold): every minute from now to one
+        // start-up ahead counts, not just the two ends (a lead over a minute spans
+        // minutes in between).
+        let (from, to) = (minute(t), minute(t + self.lead_s));
+        self.per_minute
+            .get(from..=to.min(self.per_minute.len().saturating_sub(1)))
+            .and_then(|m| m.iter().max().copied())
+            .unwrap_or(0)
     }
 }
 

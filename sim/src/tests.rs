@@ -392,3 +392,21 @@ fn runs_in_parallel_give_what_runs_one_at_a_time_give() {
         );
     }
 }
+
+#[test]
+fn clairvoyant_with_a_lead_over_a_minute_keeps_the_minutes_in_between() {
+    // Bug: with a two-minute start-up the plan looked at now and two minutes ahead
+    // only, dropping the replicas a busy minute in between needed.
+    let mut c = cfg().with_startup_s(120.0);
+    c.sample_s = 1.0;
+    let mut trace = steady(0.0, 60, 1.0, 2048, 10);
+    trace.extend(steady(60.0, 1740, 1.0 / 29.0, 2048, 10));
+    trace.extend(steady(120.0, 240, 1.0, 2048, 10));
+    let (plan, _) = clairvoyant::plan(&c, &trace);
+    let busy = plan_at(&plan, 90.0);
+    assert!(busy >= 4, "{busy}");
+    // At 30 s, the busy minute (60–120 s) is within the two-minute lead.
+    assert_eq!(plan_at(&plan, 30.0), busy);
+    let seer = run_policy("clairvoyant", &c, &trace).unwrap();
+    assert!(seer.slo_attainment >= 0.99, "{seer:?}");
+}

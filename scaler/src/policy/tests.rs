@@ -239,3 +239,35 @@ fn forecast_adds_capacity_ahead_of_a_ramp() {
         "a ramp ending at the same rate needs more ahead: {d_ramp} vs {d_flat}"
     );
 }
+
+#[test]
+fn headroom_scales_the_replicas_the_load_needs_and_must_be_positive() {
+    let desired = |headroom: f64| {
+        let mut p = PreheatPolicy::new(
+            Pool::Prefill,
+            PoolPolicy {
+                headroom,
+                ..PoolPolicy::default()
+            },
+            Profile::default(),
+        );
+        let mut o = obs(0, |s| s.prompt_rate = 100_000.0);
+        o.measured_startup_s = Some(2.0);
+        p.decide(0.0, &o).desired
+    };
+    let (one, two) = (desired(1.0), desired(2.0));
+    assert!(one >= 2, "{one}");
+    assert!((2 * one - 1..=2 * one).contains(&two), "{one} → {two}");
+    for bad in [0.0, -1.0, f64::NAN] {
+        let p = PoolPolicy {
+            headroom: bad,
+            ..PoolPolicy::default()
+        };
+        assert!(
+            p.validate("prefill")
+                .iter()
+                .any(|e| e.contains("headroom must be > 0")),
+            "{bad}"
+        );
+    }
+}
