@@ -75,6 +75,9 @@ fn open_svg(w: f64, h: f64, title: &str, title_x: f64) -> String {
     o
 }
 
+/// Series with at most this many points are drawn with a mark at each point.
+const MAX_MARKED_POINTS: usize = 24;
+
 /// Renders the panels one above the other; series keep their colour across panels by
 /// name, so one legend serves all.
 #[must_use]
@@ -146,12 +149,22 @@ pub fn svg(title: &str, x_label: &str, panels: &[Panel]) -> String {
         for s in &panel.series {
             let mut d = String::new();
             let mut prev: Option<(f64, f64)> = None;
+            // Series of a few points (a sweep, a single reference) get a mark at each:
+            // a line through one point draws nothing.
+            let marks = !s.step && s.points.len() <= MAX_MARKED_POINTS;
             for &(x, y) in s
                 .points
                 .iter()
                 .filter(|p| p.0.is_finite() && p.1.is_finite())
             {
                 let (px, pyy) = (sx(x), sy(y));
+                if marks {
+                    let _ = writeln!(
+                        o,
+                        r#"<circle cx="{px:.1}" cy="{pyy:.1}" r="3" fill="{}"/>"#,
+                        color(&s.name)
+                    );
+                }
                 match prev {
                     None => {
                         let _ = write!(d, "M{px:.1},{pyy:.1}");
