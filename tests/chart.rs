@@ -51,6 +51,15 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         let cfg = preheat_scaler::config::Config::load(Some(&scaler), &[])
             .unwrap_or_else(|e| panic!("{}: {e}", scaler.display()));
         assert_eq!(cfg.models.len(), 1);
+        // Every variant keeps the chart's default headroom: the policy the simulator's
+        // frontiers measure is the one the chart deploys.
+        let m = &cfg.models[0];
+        assert_eq!(
+            (m.prefill.policy.headroom, m.decode.policy.headroom),
+            (1.0, 1.0),
+            "{}",
+            scaler.display()
+        );
         checked += 1;
         let wp = variant.path().join("warmpool.yaml");
         if wp.exists() {
