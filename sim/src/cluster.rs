@@ -32,8 +32,9 @@ struct Node {
     next: Option<u32>,
 }
 
-/// Block ids are hashes already (or salted copies of them): a multiply spreads them
-/// over the table without SipHash's cost.
+/// Block ids are trace-assigned integers (Mooncake's `hash_ids`, or `--rate-scale`'s
+/// salted copies of them): a multiply and a shift spread them over the table without
+/// SipHash's cost; no peer chooses them.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct BlockIdHasher;
 
@@ -78,6 +79,12 @@ impl PrefixCache {
             .iter()
             .take_while(|b| self.by_id.contains_key(b))
             .count()
+    }
+
+    /// Whether nothing is cached.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
     }
 
     /// Blocks held.

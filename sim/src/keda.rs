@@ -27,8 +27,12 @@ pub enum Actuation {
 #[must_use]
 pub struct KedaSettings {
     /// The HPA controller's sync period (`--horizontal-pod-autoscaler-sync-period`).
+    /// HPA reads at the first scaler tick at or after each sync mark (the scaler's
+    /// default 5 s tick divides 15 s).
     pub sync_s: f64,
-    /// `behavior.scaleUp.tolerance` / `behavior.scaleDown.tolerance`.
+    /// `behavior.scaleUp.tolerance` / `behavior.scaleDown.tolerance`, as the chart
+    /// sets them; clusters without the `HPAConfigurableTolerance` feature use 10% both
+    /// ways instead.
     pub up_tolerance: f64,
     pub down_tolerance: f64,
     /// Scale-up policies (largest wins): +`up_percent`% or +`up_pods` per `up_period_s`.
@@ -92,20 +96,16 @@ impl Keda {
     }
 
     /// HPA's rate-limit base: replicas at the start of the policy's period, i.e. now
-    /// less what was added in it (scale-up) or plus what was removed (scale-down).
-    fn period_start(&self, t: f64, period: f64, current: u32, up: bool) -> u32 {
+    /// less what was added in it plus what was removed (both directions, as the HPA
+    /// controller counts them).
+    fn period_start(&self, t: f64, period: f64, current: u32) -> u32 {
         let moved: i64 = self
             .changes
             .iter()
-            .filter(|(at, d)| *at > t - period && (*d > 0) == up)
-            .map(|c| c.1.abs())
+            .filter(|(at, _)| *at > t - period)
+            .map(|c| c.1)
             .sum();
-        let base = if up {
-            i64::from(current) - moved
-        } else {
-            i64::from(current) + moved
-        };
-        u32::try_from(base.max(0)).unwrap_or(u32::MAX)
+        u32::try_from((i64::from(current) - moved).max(0)).unwrap_or(u32::MAX)
     }
 
     /// One HPA sync: `metric` is the scaler's desired replicas (target 1 per replica).
@@ -119,11 +119,11 @@ impl Keda {
             metric.clamp(1, self.max)
         };
         if want > current {
-            let base = self.period_start(t, self.s.up_period_s, current, true);
+            let base = self.period_start(t, self.s.up_period_s, current);
             let by_percent = (f64::from(base) * (1.0 + self.s.up_percent / 100.0)).ceil() as u32;
             want = want.min(by_percent.max(base + self.s.up_pods));
         } else if want < current {
-            let base = self.period_start(t, self.s.down_period_s, current, false);
+            let base = self.period_start(t, self.s.down_period_s, current);
             want = want.max(base.saturating_sub(self.s.down_pods));
         }
         if want != current {
@@ -231,6 +231,15 @@ mod tests {
     }
 
     #[test]
+    fn rate_limits_count_changes_both_ways_within_the_period() {
+        // +4 at 0 s, then the scaler wants fewer: the down period began at 6 replicas
+        // (10 − 4 added), so HPA may remove down to 5 at once, not only one pod.
+        let mut k = keda(vec![(0.0, 10), (10.0, 2)]);
+        assert_eq!(k.decide(&view(0.0, 6)), 10);
+        assert_eq!(k.decide(&view(15.0, 10)), 5);
+    }
+
+    #[test]
     fn scale_down_removes_one_pod_per_thirty_seconds() {
         let mut k = keda(vec![(0.0, 2)]);
         assert_eq!(k.decide(&view(0.0, 10)), 9);
@@ -254,10 +263,11 @@ mod tests {
         assert_eq!(k.decide(&view(0.0, 0)), 1, "activated at once, one replica");
         assert_eq!(k.decide(&view(5.0, 1)), 1, "HPA reads 3 at its next sync");
         assert_eq!(k.decide(&view(15.0, 1)), 3);
-        // Inactive after 15 s: HPA steps down to its minimum of one, and the pool stays
-        // there until KEDA's cooldown has passed.
-        assert_eq!(k.decide(&view(30.0, 3)), 2);
-        assert_eq!(k.decide(&view(60.0, 2)), 1);
+        // Inactive after 15 s: HPA goes back to its minimum of one at once (its 30 s
+        // scale-down period began at one replica: the +2 came within it), and the pool
+        // stays there until KEDA's cooldown has passed.
+        assert_eq!(k.decide(&view(30.0, 3)), 1);
+        assert_eq!(k.decide(&view(60.0, 1)), 1);
         assert_eq!(k.decide(&view(300.0, 1)), 1);
         assert_eq!(k.decide(&view(315.0, 1)), 0);
     }

@@ -66,6 +66,19 @@ pub fn knob(policy: &str) -> Option<Knob> {
     }
 }
 
+/// The knob setting a run uses: the one asked for, else `preheat`'s configured
+/// headroom (`None` when its pools' differ), else the policy's default.
+#[must_use]
+pub fn setting(spec: &RunSpec) -> Option<f64> {
+    spec.knob.or_else(|| match spec.policy.as_str() {
+        "preheat" => {
+            let (p, d) = (spec.cfg.prefill.headroom, spec.cfg.decode.headroom);
+            (p == d).then_some(p)
+        }
+        name => knob(name).map(|k| k.default),
+    })
+}
+
 /// One simulation to run: a policy at a knob setting under some settings.
 #[derive(Clone, Debug)]
 pub struct RunSpec {
@@ -90,10 +103,7 @@ fn autoscalers<'a>(
 ) -> Result<PolicyPair, UnknownPolicy> {
     let cfg = &spec.cfg;
     let name = spec.policy.as_str();
-    let knob = spec
-        .knob
-        .or_else(|| knob(name).map(|k| k.default))
-        .unwrap_or(1.0);
+    let knob = setting(spec).unwrap_or(1.0);
     let prof = &cfg.profile;
     let (cp, cd) = (
         Capacity::new(prof, &cfg.prefill),
@@ -104,7 +114,10 @@ fn autoscalers<'a>(
         "preheat" => {
             let scaler = |pool, policy: &preheat_scaler::policy::PoolPolicy| {
                 let mut policy = policy.clone();
-                policy.headroom = knob;
+                // Without a knob the configured headroom stands (`--config`, `--set`).
+                if let Some(k) = spec.knob {
+                    policy.headroom = k;
+                }
                 let inner: Box<dyn Autoscaler> = Box::new(Preheat::new(
                     pool,
                     policy.clone(),
@@ -196,7 +209,7 @@ fn run_one<'a>(
         Sim::new(&spec.cfg, trace, p, d).run()
     };
     r.name.clone_from(&spec.policy);
-    r.knob = spec.knob.or_else(|| knob(&spec.policy).map(|k| k.default));
+    r.knob = setting(spec);
     r.fixed_replicas = (spec.policy == "static-peak").then(|| (peak().0, peak().1));
     Ok(r)
 }

@@ -335,7 +335,9 @@ impl<'a> Sim<'a> {
             self.now.prefix_queries += len;
             self.now.prefix_hits += cached;
             let rep = &mut self.prefill[i];
-            if rep.slot.is_none() {
+            // Only a replica with nothing cached takes a slot: blocks it cached the slow
+            // way (while all slots were taken) would be missing from the index.
+            if rep.slot.is_none() && rep.cache.is_empty() {
                 rep.slot = self.prefix_index.take_slot();
             }
             let index = &mut self.prefix_index;

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::config::SimConfig;
-use crate::registry::{RunSpec, UnknownPolicy, knob, policy_list, run_many};
+use crate::registry::{RunSpec, UnknownPolicy, knob, policy_list, run_many, setting};
 use crate::report::PolicyReport;
 use crate::trace::TraceRequest;
 
@@ -34,14 +34,6 @@ impl From<&PolicyReport> for Point {
 }
 
 impl Point {
-    /// Whether `self` is at least as good on both axes and better on one.
-    #[must_use]
-    pub fn dominates(&self, other: &Point) -> bool {
-        self.slo_attainment >= other.slo_attainment
-            && self.gpu_seconds <= other.gpu_seconds
-            && (self.slo_attainment > other.slo_attainment || self.gpu_seconds < other.gpu_seconds)
-    }
-
     /// Whether `self` reaches `other`'s attainment at no more GPU time: what "a
     /// baseline does as well" means for the frontier target.
     #[must_use]
@@ -54,7 +46,7 @@ impl Point {
 #[derive(Clone, Debug, Serialize)]
 pub struct Frontier {
     pub points: Vec<Point>,
-    /// `preheat` at its shipped setting.
+    /// `preheat` at its configured (shipped) setting.
     pub preheat: Option<Point>,
     /// Points of causal baselines that reach `preheat`'s attainment at no more GPU
     /// time (empty: `preheat` is not beaten by any setting of any baseline).
@@ -72,39 +64,44 @@ pub fn frontier(
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Frontier, UnknownPolicy> {
     let mut specs = Vec::new();
+    let mut shipped = None;
     for policy in policy_list(names)? {
+        let unswept = RunSpec {
+            policy: policy.clone(),
+            knob: None,
+            cfg: cfg.clone(),
+        };
         match knob(&policy) {
             Some(k) => {
+                // The setting that runs without a sweep: preheat's configured headroom,
+                // a baseline's default.
+                let own = setting(&unswept);
+                if policy == "preheat" {
+                    shipped = Some(own);
+                }
                 for &v in k.sweep {
                     specs.push(RunSpec {
-                        policy: policy.clone(),
                         knob: Some(v),
-                        cfg: cfg.clone(),
+                        ..unswept.clone()
                     });
                 }
-                if !k.sweep.contains(&k.default) {
-                    specs.push(RunSpec {
-                        policy: policy.clone(),
-                        knob: Some(k.default),
-                        cfg: cfg.clone(),
-                    });
+                if own.is_none_or(|o| !k.sweep.contains(&o)) {
+                    specs.push(unswept);
                 }
             }
-            None => specs.push(RunSpec {
-                policy,
-                knob: None,
-                cfg: cfg.clone(),
-            }),
+            None => specs.push(unswept),
         }
     }
     let points: Vec<Point> = run_many(&specs, cfg, trace, progress)?
         .iter()
         .map(Point::from)
         .collect();
-    let preheat = points
-        .iter()
-        .find(|p| p.policy == "preheat" && p.knob == knob("preheat").map(|k| k.default))
-        .cloned();
+    let preheat = shipped.and_then(|own| {
+        points
+            .iter()
+            .find(|p| p.policy == "preheat" && p.knob == own)
+            .cloned()
+    });
     let beaten_by = preheat.as_ref().map_or_else(Vec::new, |me| {
         points
             .iter()

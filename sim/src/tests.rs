@@ -410,3 +410,17 @@ fn clairvoyant_with_a_lead_over_a_minute_keeps_the_minutes_in_between() {
     let seer = run_policy("clairvoyant", &c, &trace).unwrap();
     assert!(seer.slo_attainment >= 0.99, "{seer:?}");
 }
+
+#[test]
+fn a_configured_headroom_is_what_preheat_runs_with() {
+    // Bug (review): without a swept knob the run overwrote the configured headroom
+    // with the knob's default, so `--set prefill.headroom=…` did nothing.
+    let mut c = cfg();
+    let trace = step_trace();
+    let plain = run_policy("preheat", &c, &trace).unwrap();
+    c.prefill.headroom = 1.5;
+    c.decode.headroom = 1.5;
+    let generous = run_policy("preheat", &c, &trace).unwrap();
+    assert_eq!((plain.knob, generous.knob), (Some(1.0), Some(1.5)));
+    assert!(generous.gpu_seconds > plain.gpu_seconds, "{generous:?}");
+}

@@ -119,7 +119,11 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
         return sweeps::write_frontier(a, &name, &f);
     }
     if !a.startup_s.is_empty() {
-        let s = sim::sweep::startup_sweep(&o.policies, &o.sim, &trace, &a.startup_s, &progress)?;
+        // In order, once each: the table and plot read along start time.
+        let mut startups = a.startup_s.clone();
+        startups.sort_by(f64::total_cmp);
+        startups.dedup();
+        let s = sim::sweep::startup_sweep(&o.policies, &o.sim, &trace, &startups, &progress)?;
         done(s.rows.iter().map(|r| r.1.len()).sum());
         return sweeps::write_startup(a, &name, &s);
     }
