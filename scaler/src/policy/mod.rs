@@ -192,7 +192,8 @@ pub struct LoadView {
     pub forecast: f64,
     /// The lead time: a replica's measured start-up, or the configured default.
     pub lead_s: f64,
-    /// Replicas the load needs, before limits, rounding and damping.
+    /// Replicas the load needs, with the configured headroom, before limits, rounding
+    /// and damping.
     pub needed: f64,
 }
 
@@ -241,7 +242,12 @@ impl PreheatPolicy {
     /// Replicas needed for the observed and forecast load, with the configured
     /// headroom, before limits and damping.
     fn raw_desired(&mut self, t: f64, o: &Observation) -> f64 {
-        self.needed(t, o) * self.cfg.headroom
+        let n = self.needed(t, o) * self.cfg.headroom;
+        // What status and explain show is what the decision used.
+        if let Some(load) = &mut self.last_load {
+            load.needed = n;
+        }
+        n
     }
 
     /// Replicas the load model says are needed.

@@ -271,3 +271,23 @@ fn headroom_scales_the_replicas_the_load_needs_and_must_be_positive() {
         );
     }
 }
+
+#[test]
+fn the_load_view_shows_the_need_with_headroom() {
+    let need = |headroom: f64| {
+        let mut p = PreheatPolicy::new(
+            Pool::Prefill,
+            PoolPolicy {
+                headroom,
+                ..PoolPolicy::default()
+            },
+            Profile::default(),
+        );
+        let mut o = obs(0, |s| s.prompt_rate = 100_000.0);
+        o.measured_startup_s = Some(2.0);
+        p.decide(0.0, &o);
+        p.last_load().unwrap().needed
+    };
+    let (one, two) = (need(1.0), need(2.0));
+    assert!(one > 1.0 && (two - 2.0 * one).abs() < 1e-9, "{one} {two}");
+}
