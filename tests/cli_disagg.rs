@@ -216,6 +216,46 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             let (a, b) = (get(&gw).await, get(&serve).await);
             same_answer(&a, &b);
         }
+        // Several choices: the same sequences (seed + i each) through prefill → decode
+        // as colocated, best_of ranked the same, the prompt counted once; streamed,
+        // every choice finishes.
+        let prompt = &refj["cases"][0]["input_ids"];
+        for extra in [json!({"n": 3}), json!({"n": 2, "best_of": 4})] {
+            let mut body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 5,
+                                  "ignore_eos": true, "logprobs": 1});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let get = async |base: &str| -> Value {
+                c.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap()
+            };
+            let (a, b) = (get(&gw).await, get(&serve).await);
+            let n = b["choices"].as_array().map_or(0, Vec::len);
+            assert_eq!(n, body["n"].as_u64().unwrap() as usize, "{b}");
+            for k in ["prompt_tokens", "completion_tokens"] {
+                assert_eq!(a["usage"][k], b["usage"][k], "usage:\n{a}\n{b}");
+            }
+            for i in 0..n {
+                let (ca, cb) = (&a["choices"][i], &b["choices"][i]);
+                assert_eq!(ca["index"], i);
+                assert_eq!(
+                    (&ca["text"], &ca["logprobs"]["tokens"]),
+                    (&cb["text"], &cb["logprobs"]["tokens"]),
+                    "choice {i}:\n{a}\n{b}"
+                );
+            }
+        }
+        let body = json!({"prompt": prompt, "max_tokens": 4, "n": 2, "stream": true});
+        let text = c.post(format!("{gw}/v1/completions")).json(&body).send().await.unwrap().text().await.unwrap();
+        let finished: Vec<u64> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str::<Value>(d).unwrap())
+            .filter(|v| !v["choices"][0]["finish_reason"].is_null())
+            .map(|v| v["choices"][0]["index"].as_u64().unwrap())
+            .collect();
+        assert_eq!(finished.len(), 2, "{text}");
+        assert!(finished.contains(&0) && finished.contains(&1), "{text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
         // The decode worker holds nothing afterwards.
         let dm = format!("http://127.0.0.1:{dport}/metrics");
         wait_for("decode KV released", 10, async || {

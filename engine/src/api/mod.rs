@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API over a [`Frontend`]: the local engine, or a
 //! gateway's front.
 
+mod choices;
 pub mod error;
 pub mod openai;
 mod respond;
@@ -19,8 +20,8 @@ use serde_json::{Value, json};
 
 use self::error::ApiError;
 use self::openai::{ChatRequest, CompletionRequest, Prompt};
-use self::respond::{Style, generate, respond};
-use crate::engine::{Engine, GenerateRequest};
+use self::respond::{Style, generate};
+use crate::engine::Engine;
 use crate::frontend::Frontend;
 use crate::{EngineError, Result};
 
@@ -266,6 +267,7 @@ async fn completions(
         .into());
     }
     // The cheap checks first: nothing is tokenised for a request refused anyway.
+    let choices = openai::choices(&req.common, req.best_of)?;
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
     let tok = Arc::clone(e.tokenizer());
     // A text prompt echoes as sent; token ids are decoded below, once known to be one.
@@ -295,8 +297,16 @@ async fn completions(
         echo_text = Some(off_runtime(move || tok.decode(&ids)).await?);
     }
     let style = Style::new(false, params.logprobs.is_some(), &req.common);
-    let handle = e.submit(GenerateRequest { prompt, params })?;
-    Ok(respond(e.clone(), handle, style, req.common.stream, echo_text).await?)
+    Ok(generate(
+        e,
+        prompt,
+        params,
+        choices,
+        style,
+        req.common.stream,
+        echo_text,
+    )
+    .await?)
 }
 
 async fn chat_completions(
@@ -314,6 +324,7 @@ async fn chat_completions(
     };
     // The cheap checks first: nothing is rendered or tokenised for a request refused
     // anyway (the real default for max_tokens needs the prompt's length, below).
+    let choices = openai::choices(&req.common, None)?;
     openai::sampling(&req.common, top, e.max_model_len())?;
     let messages = openai::to_messages(&req.messages)?;
     let tok = Arc::clone(e.tokenizer());
@@ -327,7 +338,7 @@ async fn chat_completions(
     let default_max = e.max_model_len().saturating_sub(prompt.len()).max(1);
     let params = openai::sampling(&req.common, top, default_max)?;
     let style = Style::new(true, req.logprobs, &req.common);
-    Ok(generate(e, prompt, params, style, req.common.stream).await?)
+    Ok(generate(e, prompt, params, choices, style, req.common.stream, None).await?)
 }
 
 /// Stops new requests and waits up to `grace` for in-flight ones to finish.

@@ -72,6 +72,9 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     #[serde(default)]
     pub echo: bool,
+    /// Sequences to generate, of which the `n` with the highest cumulative logprob
+    /// are returned.
+    pub best_of: Option<i64>,
     #[serde(flatten)]
     pub common: Common,
     /// Every other field: checked by [`super::unread_fields`], never dropped. (After
@@ -162,14 +165,53 @@ pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
         .collect()
 }
 
+/// Most choices (`n`, `best_of`) one request may ask for: OpenAI's own limit for `n`.
+/// Each is a sequence with its own K/V blocks, queued like a request of its own.
+pub const MAX_CHOICES: usize = 128;
+
+/// How many sequences a request runs and how many of them it returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choices {
+    /// Returned.
+    pub n: usize,
+    /// Generated (`>= n`); the `n` with the highest cumulative logprob are returned.
+    pub best_of: usize,
+}
+
+/// Validates `n` and (completions') `best_of`.
+pub fn choices(c: &Common, best_of: Option<i64>) -> Result<Choices> {
+    let count = |v: i64, name: &str| {
+        usize::try_from(v)
+            .ok()
+            .filter(|v| (1..=MAX_CHOICES).contains(v))
+            .ok_or_else(|| {
+                EngineError::invalid(
+                    format!("{name} must be between 1 and {MAX_CHOICES}, got {v}"),
+                    name,
+                )
+            })
+    };
+    let n = c.n.map_or(Ok(1), |v| count(v, "n"))?;
+    let best_of = best_of.map_or(Ok(n), |v| count(v, "best_of"))?;
+    if best_of < n {
+        return Err(EngineError::invalid(
+            format!("best_of must be at least n ({n}), got {best_of}"),
+            "best_of",
+        ));
+    }
+    // Which sequences win is known only once all have finished.
+    if c.stream && best_of > n {
+        return Err(EngineError::invalid(
+            "best_of greater than n cannot be streamed",
+            "best_of",
+        ));
+    }
+    Ok(Choices { n, best_of })
+}
+
 /// Validates sampling fields; `logprobs` is the number of top logprobs wanted.
 pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result<SamplingParams> {
     let inv = |m: String, p: &str| EngineError::invalid(m, p);
-    if let Some(n) = c.n
-        && n != 1
-    {
-        return Err(inv("only n = 1 is supported".into(), "n"));
-    }
     if c.stream_options.is_some() && !c.stream {
         return Err(inv(
             "stream_options is only allowed when stream is true".into(),

@@ -9,9 +9,10 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{Value, json};
 
+use super::choices::{self, Run};
 use super::error::ApiError;
 use super::{Front, now, openai, request_id};
-use crate::engine::{Event, FinishReason, GenerateRequest, RequestHandle, TokenOut, Usage};
+use crate::engine::{Event, FinishReason, TokenOut, Usage};
 use crate::frontend::Frontend;
 use crate::{EngineError, Result};
 
@@ -35,16 +36,30 @@ impl Style {
     }
 }
 
-/// Queues a validated request and answers it, streamed or whole.
+/// Queues a validated request with `choices` and answers it, streamed or whole.
 pub(super) async fn generate(
     e: &Front,
     prompt: Vec<u32>,
-    params: crate::sampling::SamplingParams,
+    mut params: crate::sampling::SamplingParams,
+    choices: openai::Choices,
     style: Style,
     stream: bool,
+    echo: Option<String>,
 ) -> Result<Response> {
-    let handle = e.submit(GenerateRequest { prompt, params })?;
-    respond(e.clone(), handle, style, stream, None).await
+    // Ranking needs each sampled token's logprob, shown only when asked for.
+    if choices.best_of > choices.n && params.logprobs.is_none() {
+        params.logprobs = Some(0);
+    }
+    let runs = choices::submit(e, prompt, params, choices.best_of).await?;
+    let id = request_id(
+        if style.chat { "chatcmpl" } else { "cmpl" },
+        runs[0].handle.id,
+    );
+    if stream {
+        Ok(Sse::new(sse_stream(e.clone(), runs, style, id, echo)).into_response())
+    } else {
+        collect(e.clone(), runs, choices.n, style, id, echo).await
+    }
 }
 
 pub(super) fn token_str(e: &dyn Frontend, id: u32, style: Style) -> String {
@@ -107,68 +122,34 @@ pub(super) fn usage_json(u: &Usage) -> Value {
     })
 }
 
-/// Answers a queued request; `echo` (completions' `echo`: the prompt's text) comes
-/// before the generated text.
-pub(super) async fn respond(
-    e: Front,
-    mut handle: RequestHandle,
-    style: Style,
-    stream: bool,
-    echo: Option<String>,
-) -> Result<Response> {
-    let id = request_id(if style.chat { "chatcmpl" } else { "cmpl" }, handle.id);
-    if stream {
-        // Headers wait for the first event, so a request that fails before its first
-        // token (held at a gateway until the hold time ran out, refused by a worker)
-        // gets an HTTP error with its status and Retry-After, not a 200 stream
-        // holding an error.
-        let first = match handle.events.recv().await {
-            Some(Event::Error(err)) => return Err(err),
-            None => {
-                return Err(EngineError::Internal(
-                    "the engine dropped the request".into(),
-                ));
-            }
-            Some(ev) => ev,
-        };
-        Ok(Sse::new(sse_stream(e, handle, first, style, id, echo)).into_response())
-    } else {
-        collect(e, handle, style, id, echo).await
-    }
+/// What one sequence produced.
+struct Output {
+    text: String,
+    tokens: Vec<TokenOut>,
+    reason: FinishReason,
+    usage: Usage,
 }
 
-pub(super) async fn collect(
-    e: Front,
-    mut handle: RequestHandle,
-    style: Style,
-    id: String,
-    echo: Option<String>,
-) -> Result<Response> {
-    let mut text = echo.unwrap_or_default();
+async fn collect_one(mut run: Run) -> Result<Output> {
+    let mut text = String::new();
     let mut tokens = Vec::new();
     loop {
-        match handle.events.recv().await {
+        let ev = match run.pending.take() {
+            Some(ev) => Some(ev),
+            None => run.handle.events.recv().await,
+        };
+        match ev {
             Some(Event::Delta { tokens: t, text: s }) => {
                 text.push_str(&s);
                 tokens.extend(t);
             }
             Some(Event::Finished { reason, usage }) => {
-                let mut off = 0;
-                let lp = if style.logprobs {
-                    logprobs_json(&*e, &tokens, style, &mut off)
-                } else {
-                    Value::Null
-                };
-                let choice = if style.chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason.as_str()})
-                } else {
-                    json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": reason.as_str()})
-                };
-                return Ok(Json(json!({
-                    "id": id, "object": if style.chat { "chat.completion" } else { "text_completion" },
-                    "created": now(), "model": e.model_name(), "choices": [choice], "usage": usage_json(&usage),
-                }))
-                .into_response());
+                return Ok(Output {
+                    text,
+                    tokens,
+                    reason,
+                    usage,
+                });
             }
             Some(Event::Error(err)) => return Err(err),
             // Only prefill-only requests ship K/V; nothing to show a client.
@@ -182,11 +163,82 @@ pub(super) async fn collect(
     }
 }
 
-/// One SSE chunk of a stream.
+/// The usage of a request whose sequences share one prompt: its tokens (and those
+/// found cached for the first sequence) count once, every generated token counts.
+fn total_usage<'a>(all: impl IntoIterator<Item = &'a Usage>) -> Usage {
+    let mut total = Usage::default();
+    for (i, u) in all.into_iter().enumerate() {
+        if i == 0 {
+            total.prompt_tokens = u.prompt_tokens;
+            total.cached_tokens = u.cached_tokens;
+        }
+        total.completion_tokens += u.completion_tokens;
+    }
+    total
+}
+
+/// Waits for every sequence, keeps the `n` best (all of them unless `best_of`
+/// asked for more) and answers with them; `echo` (completions' `echo`: the prompt's
+/// text) comes before each choice's text.
+async fn collect(
+    e: Front,
+    runs: Vec<Run>,
+    n: usize,
+    style: Style,
+    id: String,
+    echo: Option<String>,
+) -> Result<Response> {
+    // The first error drops the other sequences, which cancels them.
+    let outs = futures_util::future::try_join_all(runs.into_iter().map(collect_one)).await?;
+    let usage = total_usage(outs.iter().map(|o| &o.usage));
+    let picked: Vec<usize> = if outs.len() > n {
+        let scores: Vec<f64> = outs
+            .iter()
+            .map(|o| {
+                o.tokens
+                    .iter()
+                    .map(|t| t.logprob.map_or(f64::NEG_INFINITY, f64::from))
+                    .sum()
+            })
+            .collect();
+        choices::best(&scores, n)
+    } else {
+        (0..outs.len()).collect()
+    };
+    let echo = echo.unwrap_or_default();
+    let choices: Vec<Value> = picked
+        .iter()
+        .enumerate()
+        .map(|(index, &i)| {
+            let o = &outs[i];
+            let mut off = 0;
+            let lp = if style.logprobs {
+                logprobs_json(&*e, &o.tokens, style, &mut off)
+            } else {
+                Value::Null
+            };
+            let reason = o.reason.as_str();
+            if style.chat {
+                json!({"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lp, "finish_reason": reason})
+            } else {
+                json!({"index": index, "text": format!("{echo}{}", o.text), "logprobs": lp, "finish_reason": reason})
+            }
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id, "object": if style.chat { "chat.completion" } else { "text_completion" },
+        "created": now(), "model": e.model_name(), "choices": choices, "usage": usage_json(&usage),
+    }))
+    .into_response())
+}
+
+/// One SSE chunk of a stream, for choice `index`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn chunk(
     e: &dyn Frontend,
     id: &str,
     style: Style,
+    index: usize,
     text: Option<&str>,
     first: bool,
     lp: Value,
@@ -201,9 +253,9 @@ pub(super) fn chunk(
         if let Some(t) = text {
             delta.insert("content".into(), json!(t));
         }
-        json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason})
+        json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
     } else {
-        json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": reason})
+        json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": reason})
     };
     json!({
         "id": id, "object": if style.chat { "chat.completion.chunk" } else { "text_completion" },
@@ -211,71 +263,103 @@ pub(super) fn chunk(
     })
 }
 
+/// The events of one sequence, tagged with its choice index; the stream owns the
+/// handle, so dropping it cancels the sequence.
+fn tagged(index: usize, run: Run) -> impl Stream<Item = (usize, Event)> {
+    stream::unfold(run, move |mut run| async move {
+        let ev = match run.pending.take() {
+            Some(ev) => ev,
+            None => run.handle.events.recv().await?,
+        };
+        Some(((index, ev), run))
+    })
+}
+
+/// Server-sent events of every sequence as they come, each chunk naming its choice;
+/// the usage chunk (when asked for) and `[DONE]` once all have finished.
 pub(super) fn sse_stream(
     e: Front,
-    handle: RequestHandle,
-    first_event: Event,
+    runs: Vec<Run>,
     style: Style,
     id: String,
     echo: Option<String>,
 ) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
-    struct St {
-        e: Front,
-        handle: RequestHandle,
-        /// The event already taken to decide the status.
-        pending: Option<Event>,
-        style: Style,
-        id: String,
+    /// Where one choice's stream stands.
+    struct Choice {
+        /// No chunk sent yet (chat's first carries the role).
         first: bool,
+        /// Logprobs' text offset (completions).
         off: usize,
-        done: bool,
         /// Not sent yet: goes before the first text.
         echo: Option<String>,
+        usage: Option<Usage>,
     }
+    struct St<S> {
+        e: Front,
+        events: S,
+        choices: Vec<Choice>,
+        style: Style,
+        id: String,
+        done: bool,
+    }
+    let choices = (0..runs.len())
+        .map(|_| Choice {
+            first: true,
+            off: 0,
+            echo: echo.clone(),
+            usage: None,
+        })
+        .collect();
+    let events = stream::select_all(
+        runs.into_iter()
+            .enumerate()
+            .map(|(i, r)| Box::pin(tagged(i, r))),
+    );
     let st = St {
         e,
-        handle,
-        pending: Some(first_event),
+        events,
+        choices,
         style,
         id,
-        first: true,
-        off: 0,
         done: false,
-        echo,
     };
     stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
         }
         let mut out: Vec<Value> = Vec::new();
-        let next = match st.pending.take() {
-            Some(ev) => Some(ev),
-            None => st.handle.events.recv().await,
-        };
-        match next {
-            Some(Event::Delta { tokens, text }) => {
-                let lp = if st.style.logprobs { logprobs_json(&*st.e, &tokens, st.style, &mut st.off) } else { Value::Null };
-                let text = st.echo.take().unwrap_or_default() + &text;
-                out.push(chunk(&*st.e, &st.id, st.style, Some(&text), st.first, lp, None));
-                st.first = false;
+        match st.events.next().await {
+            Some((i, Event::Delta { tokens, text })) => {
+                let c = &mut st.choices[i];
+                let lp = if st.style.logprobs { logprobs_json(&*st.e, &tokens, st.style, &mut c.off) } else { Value::Null };
+                let text = c.echo.take().unwrap_or_default() + &text;
+                out.push(chunk(&*st.e, &st.id, st.style, i, Some(&text), c.first, lp, None));
+                c.first = false;
             }
-            Some(Event::Finished { reason, usage }) => {
-                let echo = st.echo.take().unwrap_or_default();
+            Some((i, Event::Finished { reason, usage })) => {
+                let c = &mut st.choices[i];
+                let echo = c.echo.take().unwrap_or_default();
                 let text = if st.style.chat { None } else { Some(echo.as_str()) };
-                out.push(chunk(&*st.e, &st.id, st.style, text, st.first, Value::Null, Some(reason)));
-                if st.style.include_usage {
-                    out.push(json!({
-                        "id": st.id, "object": if st.style.chat { "chat.completion.chunk" } else { "text_completion" },
-                        "created": now(), "model": st.e.model_name(), "choices": [], "usage": usage_json(&usage),
-                    }));
+                out.push(chunk(&*st.e, &st.id, st.style, i, text, c.first, Value::Null, Some(reason)));
+                c.first = false;
+                c.usage = Some(usage);
+                if st.choices.iter().all(|c| c.usage.is_some()) {
+                    if st.style.include_usage {
+                        let usage = total_usage(st.choices.iter().filter_map(|c| c.usage.as_ref()));
+                        out.push(json!({
+                            "id": st.id, "object": if st.style.chat { "chat.completion.chunk" } else { "text_completion" },
+                            "created": now(), "model": st.e.model_name(), "choices": [], "usage": usage_json(&usage),
+                        }));
+                    }
+                    st.done = true;
                 }
-                st.done = true;
             }
-            Some(Event::Error(err)) => {
+            Some((_, Event::Error(err))) => {
                 out.push(ApiError(err).body());
                 st.done = true;
             }
-            Some(Event::KvReady(_)) => {}
+            Some((_, Event::KvReady(_))) => {}
+            // Every sequence's events ended, some before it finished.
             None => {
                 out.push(ApiError(EngineError::Internal("the engine dropped the request".into())).body());
                 st.done = true;

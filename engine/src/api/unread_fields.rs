@@ -80,7 +80,6 @@ const SHARED: &[(&str, Allowed)] = &[
     ("allowed_token_ids", Allowed::Neutral(never)),
     ("use_beam_search", Allowed::Neutral(is_false)),
     ("length_penalty", Allowed::Neutral(one)),
-    ("best_of", Allowed::Neutral(one)),
     ("prompt_logprobs", Allowed::Neutral(never)),
     ("truncate_prompt_tokens", Allowed::Neutral(never)),
     ("include_stop_str_in_output", Allowed::Neutral(is_false)),
@@ -111,6 +110,8 @@ const CHAT: &[(&str, Allowed)] = &[
     ("verbosity", Allowed::Neutral(never)),
     ("web_search_options", Allowed::Neutral(never)),
     ("echo", Allowed::Neutral(is_false)),
+    // Read by the completions API; on chat (a vLLM extension there) only 1.
+    ("best_of", Allowed::Neutral(one)),
     ("continue_final_message", Allowed::Neutral(is_false)),
     ("chat_template", Allowed::Neutral(never)),
     ("chat_template_kwargs", Allowed::Neutral(empty)),

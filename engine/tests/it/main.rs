@@ -2,10 +2,12 @@
 //! `cargo test -p preheat-engine --test it AREA::` runs one area.
 
 mod api;
+mod choices;
 mod cuda_gpu;
 mod cuda_nvrtc;
 mod disagg_worker;
 mod reference;
 mod regressions;
+mod server;
 mod text;
 mod transfer;

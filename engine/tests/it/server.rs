@@ -1,0 +1,147 @@
+//! A served model on a loopback port, and helpers for reading its answers: what the
+//! API-level test modules share.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use preheat_engine::colocated::{ServeOptions, serve_on};
+use serde_json::{Value, json};
+
+use preheat_testkit::model_fixture as fixture;
+
+pub(crate) fn reference(name: &str) -> Value {
+    serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()
+}
+
+pub(crate) struct Server {
+    pub(crate) base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<preheat_engine::Result<()>>,
+    pub(crate) client: reqwest::Client,
+}
+
+impl Server {
+    pub(crate) async fn start(model: PathBuf, tweak: impl FnOnce(&mut ServeOptions)) -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut opts = ServeOptions::new(model, addr);
+        opts.served_model_name = Some("m".into());
+        opts.kv_cache_bytes = 8 << 20;
+        tweak(&mut opts);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve_on(listener, opts, async move {
+            let _ = rx.await;
+        }));
+        let s = Server {
+            base: format!("http://{addr}"),
+            stop: Some(tx),
+            task,
+            client: reqwest::Client::new(),
+        };
+        for _ in 0..600 {
+            if let Ok(r) = s.client.get(format!("{}/health", s.base)).send().await
+                && r.status() == 200
+            {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("server did not become healthy");
+    }
+
+    pub(crate) async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Streams a request; returns the parsed `data:` payloads (without `[DONE]`) and
+    /// whether `[DONE]` came last.
+    pub(crate) async fn stream(&self, path: &str, body: Value) -> (Vec<Value>, bool) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.unwrap();
+        let datas: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        let done = datas.last() == Some(&"[DONE]");
+        (
+            datas
+                .iter()
+                .filter(|d| **d != "[DONE]")
+                .map(|d| serde_json::from_str(d).unwrap())
+                .collect(),
+            done,
+        )
+    }
+
+    pub(crate) async fn metrics_text(&self) -> String {
+        let r = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap();
+        r.text().await.unwrap()
+    }
+
+    pub(crate) async fn metric(&self, name: &str) -> f64 {
+        self.metrics_text()
+            .await
+            .lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub(crate) async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+}
+
+pub(crate) fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+pub(crate) fn greedy_body(prompt: &[u32], n: usize) -> Value {
+    json!({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": true,
+           "logprobs": 0, "return_tokens_as_token_ids": true})
+}
+
+pub(crate) fn token_ids_of(resp: &Value) -> Vec<u32> {
+    resp["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            t.as_str()
+                .unwrap()
+                .strip_prefix("token_id:")
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect()
+}
