@@ -19,19 +19,7 @@ fn spawn(args: &[&str]) -> Proc {
 }
 
 fn worker(role: &str, model: &str, gw: &str) -> (Proc, u16) {
-    let port = free_port();
-    let m = model_fixture(model);
-    // A prefill worker's KV port is its own free port: the default (--port + 1) can be
-    // the port another test's process was just given (the cause of "timed out waiting
-    // for three workers" in a CI run).
-    let kv_port = free_port().to_string();
-    let mut args = vec!["engine", role, "--model", m.to_str().unwrap(), "--port"];
-    let port_s = port.to_string();
-    args.extend([port_s.as_str(), "--kv-cache-mib", "16", "--gateway", gw]);
-    if role == "prefill" {
-        args.extend(["--kv-port", kv_port.as_str()]);
-    }
-    (spawn(&args), port)
+    harness::disagg_worker(role, &model_fixture(model), gw, 16, Stdio::piped())
 }
 
 async fn workers(c: &reqwest::Client, gw: &str) -> Vec<Value> {

@@ -79,6 +79,32 @@ pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
     )
 }
 
+/// Starts an `engine prefill` or `engine decode` worker (`role`) of `model` that
+/// registers at `gw` (a gateway's internal URL), with a KV cache of `kv_mib`; returns
+/// it and its HTTP port.
+pub fn disagg_worker(
+    role: &str,
+    model: &std::path::Path,
+    gw: &str,
+    kv_mib: u32,
+    stderr: std::process::Stdio,
+) -> (KillOnDrop, u16) {
+    let port = preheat_testkit::free_port();
+    // A prefill worker's KV port is its own free port: the default (--port + 1) can be
+    // the port another test's process was just given (the cause of "timed out waiting
+    // for three workers" in a CI run).
+    let kv_port = preheat_testkit::free_port().to_string();
+    let model = model.to_str().expect("utf-8 path");
+    let port_s = port.to_string();
+    let kv_mib = kv_mib.to_string();
+    let mut args = vec!["engine", role, "--model", model, "--port", &port_s];
+    args.extend(["--kv-cache-mib", &kv_mib, "--gateway", gw]);
+    if role == "prefill" {
+        args.extend(["--kv-port", kv_port.as_str()]);
+    }
+    (spawn(&args, stderr), port)
+}
+
 /// Waits until `GET /health` on `port` answers 200 (a server answers 503 while its
 /// model loads), up to `secs`.
 pub fn wait_healthy(port: u16, secs: u64) {

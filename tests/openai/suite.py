@@ -1,0 +1,195 @@
+"""The OpenAI API as a real client drives it: the official `openai` Python package
+against a running preheat server (`engine serve`, or a gateway with its workers).
+
+Usage: suite.py BASE_URL OUT_JSON. Every check asserts; the answers that must
+not depend on the deployment (greedy text, seeded choices) are written to OUT_JSON so
+the caller can compare deployments. Exits non-zero on the first failed check.
+"""
+
+import json
+import sys
+
+import openai
+
+base, out_path = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+# The one model served, under whatever name the deployment gives it.
+model = client.models.list().data[0].id
+chat = client.chat.completions
+comp = client.completions
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+answers = {}
+
+
+def check(name):
+    def run(f):
+        f()
+        print(f"ok {name}", flush=True)
+        return f
+
+    return run
+
+
+def refused(param, call, kind=openai.BadRequestError):
+    try:
+        call()
+    except kind as e:
+        assert e.param == param, (param, e.param, e.message)
+        return e
+    raise AssertionError(f"{param}: not refused")
+
+
+@check("models")
+def _():
+    assert [m.id for m in client.models.list()] == [model]
+
+
+@check("chat, greedy")
+def _():
+    r = chat.create(model=model, messages=QUESTION, max_tokens=20, temperature=0)
+    text = r.choices[0].message.content
+    assert "Paris" in text, text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0, r.usage
+    answers["chat"] = text
+    answers["chat_usage"] = [r.usage.prompt_tokens, r.usage.completion_tokens]
+
+
+@check("chat, streamed with usage")
+def _():
+    chunks = list(
+        chat.create(
+            model=model,
+            messages=QUESTION,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answers["chat"], (text, answers["chat"])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None, last
+    assert [last.usage.prompt_tokens, last.usage.completion_tokens] == answers["chat_usage"]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@check("completions, logprobs and echo")
+def _():
+    prompt = "The capital of France is"
+    r = comp.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 5 == r.usage.completion_tokens, lp
+    assert all(x <= 0 for x in lp.token_logprobs), lp
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs), lp
+    assert r.choices[0].finish_reason == "length"
+    answers["completion"] = r.choices[0].text
+    e = comp.create(model=model, prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert e.choices[0].text.startswith(prompt), e.choices[0].text
+
+
+@check("seed, stop, max_tokens")
+def _():
+    def seeded():
+        return chat.create(model=model, messages=QUESTION, max_tokens=12, temperature=1.0, seed=7)
+
+    a, b = seeded(), seeded()
+    assert a.choices[0].message.content == b.choices[0].message.content
+    r = chat.create(model=model, messages=QUESTION, max_tokens=20, temperature=0, stop=["Paris"])
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop", r
+    r = chat.create(model=model, messages=QUESTION, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3, r
+
+
+@check("n choices, whole and streamed")
+def _():
+    r = chat.create(
+        model=model, messages=QUESTION, max_tokens=8, temperature=1.0, seed=3, n=3, logprobs=True
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2], r
+    # The prompt counts once, every choice's tokens count.
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices), r
+    answers["n3"] = [c.message.content for c in r.choices]
+    finished = {}
+    for c in chat.create(
+        model=model, messages=QUESTION, max_tokens=6, temperature=1.0, seed=3, n=2, stream=True
+    ):
+        for ch in c.choices:
+            if ch.finish_reason is not None:
+                finished[ch.index] = finished.get(ch.index, 0) + 1
+    assert finished == {0: 1, 1: 1}, finished
+    b = comp.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=5, best_of=3)
+    assert len(b.choices) == 1 and b.usage.completion_tokens == 18, b
+    answers["best_of"] = b.choices[0].text
+
+
+@check("logit_bias and penalties are honoured")
+def _():
+    prompt = "apple apple apple apple apple apple"
+    plain = comp.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    first = plain.choices[0].logprobs.tokens[0].removeprefix("token_id:")
+    banned = comp.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        logprobs=0,
+        logit_bias={first: -100},
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert banned.choices[0].logprobs.tokens[0] != f"token_id:{first}", banned
+    penalised = comp.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        frequency_penalty=2.0,
+        presence_penalty=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert penalised.choices[0].text != plain.choices[0].text, penalised
+    # vLLM's extensions ride in extra_body.
+    r = comp.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 6, "top_k": 5},
+    )
+    assert r.usage.completion_tokens == 6, r
+
+
+@check("what is not supported is refused by name")
+def _():
+    refused("model", lambda: chat.create(model="nope", messages=QUESTION), openai.NotFoundError)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refused("tools", lambda: chat.create(model=model, messages=QUESTION, tools=[tool]))
+    refused(
+        "response_format",
+        lambda: chat.create(model=model, messages=QUESTION, response_format={"type": "json_object"}),
+    )
+    refused("n", lambda: chat.create(model=model, messages=QUESTION, n=0))
+    e = refused(
+        "temprature", lambda: chat.create(model=model, messages=QUESTION, extra_body={"temprature": 0.2})
+    )
+    assert "Unrecognized request argument" in e.message, e.message
+
+
+with open(out_path, "w") as f:
+    json.dump(answers, f, indent=1)
+print("all checks passed")
