@@ -208,8 +208,17 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         // as colocated, best_of ranked the same, the prompt counted once; streamed,
         // every choice finishes.
         let prompt = &refj["cases"][0]["input_ids"];
-        for extra in [json!({"n": 3}), json!({"n": 2, "best_of": 4})] {
-            let mut body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 5,
+        // Grammars travel with the K/V too: the prefill worker masks the first token, the
+        // decode worker's matcher takes it and masks the rest.
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                            "required": ["a"], "additionalProperties": false});
+        for extra in [
+            json!({"n": 3}),
+            json!({"n": 2, "best_of": 4}),
+            json!({"n": 2, "guided_regex": "[a-z]{3,6}!"}),
+            json!({"n": 2, "guided_json": schema}),
+        ] {
+            let mut body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "seed": 5,
                                   "ignore_eos": true, "logprobs": 1});
             body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             let get = async |base: &str| -> Value {
@@ -224,6 +233,14 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             for i in 0..n {
                 let (ca, cb) = (&a["choices"][i], &b["choices"][i]);
                 assert_eq!(ca["index"], i);
+                if body.get("guided_json").is_some() {
+                    let v: Value = serde_json::from_str(ca["text"].as_str().unwrap()).unwrap();
+                    assert!(v["a"].as_i64().is_some_and(|a| (0..=99).contains(&a)), "{a}");
+                }
+                if body.get("guided_regex").is_some() {
+                    let t = ca["text"].as_str().unwrap();
+                    assert!(t.ends_with('!') && (4..=7).contains(&t.len()), "{a}");
+                }
                 assert_eq!(
                     (&ca["text"], &ca["logprobs"]["tokens"]),
                     (&cb["text"], &cb["logprobs"]["tokens"]),

@@ -5,6 +5,9 @@ use minijinja::{Environment, Value as JValue};
 use preheat_snapshot::{Manifest, ModelCard, Snapshot};
 use serde::Serialize;
 
+use std::sync::{Arc, OnceLock};
+
+use crate::sampling::grammar::GrammarCompiler;
 use crate::{EngineError, Result};
 
 /// A chat message as templates see it.
@@ -38,6 +41,9 @@ pub struct Tokenizer {
     eos_token: Option<String>,
     add_bos: Option<u32>,
     eos_ids: Vec<u32>,
+    /// Built on the first request with a grammar (its trie takes a pass over the
+    /// vocabulary); an error is kept, not retried per request.
+    grammar: OnceLock<std::result::Result<Arc<GrammarCompiler>, String>>,
 }
 
 impl Tokenizer {
@@ -86,6 +92,7 @@ impl Tokenizer {
             eos_token,
             add_bos,
             eos_ids,
+            grammar: OnceLock::new(),
         })
     }
 
@@ -118,7 +125,24 @@ impl Tokenizer {
             eos_token: p.eos_token,
             add_bos: p.add_bos,
             eos_ids: p.eos_ids,
+            grammar: OnceLock::new(),
         })
+    }
+
+    /// The compiler of structured-output grammars for this vocabulary.
+    pub fn grammar(&self) -> Result<Arc<GrammarCompiler>> {
+        self.grammar
+            .get_or_init(|| {
+                let json = self
+                    .inner
+                    .to_string(false)
+                    .map_err(|e| format!("structured outputs: {e}"))?;
+                GrammarCompiler::new(&self.inner, &json, &self.eos_ids)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(EngineError::Tokenizer)
     }
 
     /// Token ids that end generation unless the request ignores EOS.

@@ -174,6 +174,54 @@ def _():
     assert r.usage.completion_tokens == 6, r
 
 
+@check("structured outputs")
+def _():
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "enum": ["France", "Spain"]}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    r = chat.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "strict": True, "schema": schema}},
+    )
+    place = json.loads(r.choices[0].message.content)
+    assert set(place) == {"city", "country"} and place["country"] in ("France", "Spain"), place
+    answers["json_schema"] = place
+    r = chat.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict), r
+    r = chat.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_choice": ["Paris", "Lyon", "Marseille"]},
+    )
+    # (Greedy among the three first tokens: not necessarily what it would say free.)
+    assert r.choices[0].message.content in ("Paris", "Lyon", "Marseille"), r
+    answers["choice"] = r.choices[0].message.content
+    r = comp.create(
+        model=model,
+        prompt="The year the Eiffel Tower was finished:",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_regex": "[12][0-9]{3}"},
+    )
+    text = r.choices[0].text
+    assert len(text) == 4 and text.isdigit(), text
+    answers["regex"] = text
+
+
 @check("what is not supported is refused by name")
 def _():
     refused("model", lambda: chat.create(model="nope", messages=QUESTION), openai.NotFoundError)
@@ -181,7 +229,7 @@ def _():
     refused("tools", lambda: chat.create(model=model, messages=QUESTION, tools=[tool]))
     refused(
         "response_format",
-        lambda: chat.create(model=model, messages=QUESTION, response_format={"type": "json_object"}),
+        lambda: chat.create(model=model, messages=QUESTION, response_format={"type": "xml"}),
     )
     refused("n", lambda: chat.create(model=model, messages=QUESTION, n=0))
     e = refused(

@@ -243,6 +243,16 @@ async fn off_runtime<T: Send + 'static>(
         .map_err(|e| EngineError::Internal(format!("tokenizer task: {e}")))?
 }
 
+/// Compiles the request's grammar once here (off the runtime), so one that does not
+/// compile is refused naming the field that carried it.
+async fn check_grammar(e: &Front, c: &openai::Common) -> Result<()> {
+    if let Some((g, field)) = openai::grammar(c)? {
+        let tok = Arc::clone(e.tokenizer());
+        off_runtime(move || tok.grammar()?.compile(&g, field).map(drop)).await?;
+    }
+    Ok(())
+}
+
 fn check_model(e: &dyn Frontend, model: Option<&str>) -> Result<()> {
     match model {
         Some(m) if m != e.model_name() => Err(EngineError::UnknownModel(m.to_owned())),
@@ -269,6 +279,7 @@ async fn completions(
     // The cheap checks first: nothing is tokenised for a request refused anyway.
     let choices = openai::choices(&req.common, req.best_of)?;
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
+    check_grammar(e, &req.common).await?;
     let tok = Arc::clone(e.tokenizer());
     // A text prompt echoes as sent; token ids are decoded below, once known to be one.
     let mut echo_text = match (&req.prompt, req.echo) {
@@ -326,6 +337,7 @@ async fn chat_completions(
     // anyway (the real default for max_tokens needs the prompt's length, below).
     let choices = openai::choices(&req.common, None)?;
     openai::sampling(&req.common, top, e.max_model_len())?;
+    check_grammar(e, &req.common).await?;
     let messages = openai::to_messages(&req.messages)?;
     let tok = Arc::clone(e.tokenizer());
     let add_generation_prompt = req.add_generation_prompt;

@@ -5,6 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::sampling::SamplingParams;
+use crate::sampling::grammar::Grammar;
 use crate::tokenizer::ChatMessage;
 use crate::{EngineError, Result};
 
@@ -63,6 +64,13 @@ pub struct Common {
     pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     /// vLLM's.
     pub min_tokens: Option<i64>,
+    /// Structured outputs: OpenAI's `{"type": "text" | "json_object" | "json_schema"}`.
+    pub response_format: Option<Value>,
+    /// vLLM's structured outputs.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -164,6 +172,82 @@ pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
         })
         .collect()
 }
+
+/// The grammar the output must match, and the field that asked for it.
+pub fn grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>> {
+    let mut asked: Vec<(Grammar, &'static str)> = Vec::new();
+    if let Some(rf) = &c.response_format {
+        let param = "response_format";
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => asked.push((Grammar::JsonObject, param)),
+            Some("json_schema") => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .filter(|s| s.is_object() || s.is_boolean())
+                    .ok_or_else(|| {
+                        EngineError::invalid(
+                            "response_format json_schema needs json_schema.schema, a JSON schema object",
+                            param,
+                        )
+                    })?;
+                asked.push((Grammar::JsonSchema(schema.clone()), param));
+            }
+            other => {
+                return Err(EngineError::invalid(
+                    format!(
+                        "response_format type must be text, json_object or json_schema, got {}",
+                        other.map_or_else(|| "none".to_owned(), |t| format!("{t:?}"))
+                    ),
+                    param,
+                ));
+            }
+        }
+    }
+    if let Some(s) = &c.guided_json {
+        // vLLM takes the schema as an object or as its JSON text.
+        let schema = match s {
+            Value::String(text) => serde_json::from_str(text).map_err(|e| {
+                EngineError::invalid(format!("guided_json is not JSON: {e}"), "guided_json")
+            })?,
+            v => v.clone(),
+        };
+        asked.push((Grammar::JsonSchema(schema), "guided_json"));
+    }
+    if let Some(r) = &c.guided_regex {
+        asked.push((Grammar::Regex(r.clone()), "guided_regex"));
+    }
+    if let Some(choices) = &c.guided_choice {
+        if choices.is_empty() || choices.len() > MAX_GUIDED_CHOICES {
+            return Err(EngineError::invalid(
+                format!(
+                    "guided_choice needs 1 to {MAX_GUIDED_CHOICES} strings, got {}",
+                    choices.len()
+                ),
+                "guided_choice",
+            ));
+        }
+        asked.push((Grammar::Choice(choices.clone()), "guided_choice"));
+    }
+    if let Some(g) = &c.guided_grammar {
+        asked.push((Grammar::Lark(g.clone()), "guided_grammar"));
+    }
+    if asked.len() > 1 {
+        let names: Vec<&str> = asked.iter().map(|(_, p)| *p).collect();
+        return Err(EngineError::invalid(
+            format!(
+                "only one structured-output field may be given, got {}",
+                names.join(", ")
+            ),
+            asked[1].1,
+        ));
+    }
+    Ok(asked.pop())
+}
+
+/// Most strings `guided_choice` may list.
+pub const MAX_GUIDED_CHOICES: usize = 256;
 
 /// Most choices (`n`, `best_of`) one request may ask for: OpenAI's own limit for `n`.
 /// Each is a sequence with its own K/V blocks, queued like a request of its own.
@@ -320,6 +404,7 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
         logit_bias,
         min_tokens,
+        grammar: grammar(c)?.map(|(g, _)| g),
     };
     params.check()?;
     Ok(params)

@@ -1,11 +1,11 @@
 //! Request fields the server does not act on: refused by name, never dropped.
 //!
-//! A client that asks for `tools`, `response_format: json_object` or `best_of: 4`
+//! A client that asks for `tools`, `bad_words` or `use_beam_search`
 //! and gets a plain answer back has a wrong answer that looks right.
 //! So every field of the OpenAI chat and completions APIs (and of the vLLM extensions
 //! clients send) that [`super::openai`] does not read is either harmless here —
 //! metadata, or the value that asks for nothing (`best_of: 1`, `tools: []`,
-//! `response_format: {"type": "text"}`; clients such as LangChain send those by
+//! `tool_choice: "none"`; clients such as LangChain send those by
 //! default) — or answered with a 400 whose `param` names it. Fields nobody defined get
 //! OpenAI's own answer: "Unrecognized request argument supplied".
 
@@ -49,9 +49,6 @@ fn empty(v: &Value) -> bool {
 fn never(_: &Value) -> bool {
     false
 }
-fn text_format(v: &Value) -> bool {
-    v.get("type").and_then(Value::as_str) == Some("text")
-}
 /// With no tools offered, asking the model to choose among them asks for nothing.
 fn no_tool_choice(v: &Value) -> bool {
     matches!(v.as_str(), Some("none" | "auto"))
@@ -86,12 +83,7 @@ const SHARED: &[(&str, Allowed)] = &[
     ("skip_special_tokens", Allowed::Neutral(is_true)),
     ("spaces_between_special_tokens", Allowed::Neutral(is_true)),
     ("priority", Allowed::Neutral(zero)),
-    // Structured outputs (vLLM's and OpenAI's).
-    ("response_format", Allowed::Neutral(text_format)),
-    ("guided_json", Allowed::Neutral(never)),
-    ("guided_regex", Allowed::Neutral(never)),
-    ("guided_choice", Allowed::Neutral(never)),
-    ("guided_grammar", Allowed::Neutral(never)),
+    // Structured outputs: the backend is llguidance, whatever is asked for.
     ("guided_decoding_backend", Allowed::Neutral(never)),
     ("structured_outputs", Allowed::Neutral(never)),
 ];
@@ -192,7 +184,7 @@ mod tests {
     #[test]
     fn defaults_pass_and_anything_else_is_refused_by_name() {
         let neutral = json!({"best_of": 1, "bad_words": [], "use_beam_search": false,
-            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u1",
+            "tools": [], "tool_choice": "none", "user": "u1",
             "store": false, "n_unused": null});
         // `n_unused` is unknown: refused even when null.
         assert_eq!(
@@ -210,8 +202,7 @@ mod tests {
                 json!([{"type": "function", "function": {"name": "f"}}]),
             ),
             ("tool_choice", json!("required")),
-            ("response_format", json!({"type": "json_object"})),
-            ("guided_json", json!({"type": "object"})),
+            ("structured_outputs", json!({"json": {"type": "object"}})),
             ("store", json!(true)),
             ("temprature", json!(0.2)),
         ] {

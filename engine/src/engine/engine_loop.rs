@@ -15,6 +15,7 @@ use crate::backend::{Backend, ForwardBatch, SeqSlice};
 use crate::kv::BlockId;
 use crate::kv::transfer::{self, KvHeader, KvMessage};
 use crate::metrics::EngineMetrics;
+use crate::sampling::grammar::Constraint;
 use crate::sampling::penalties;
 use crate::sampling::{Rng, SamplingParams, sample_with_state};
 use crate::scheduler::{Scheduler, SeqState};
@@ -24,15 +25,18 @@ use crate::{EngineError, Result};
 pub(crate) enum Command {
     Submit {
         id: u64,
-        req: GenerateRequest,
+        req: Box<GenerateRequest>,
         out: tmpsc::UnboundedSender<Event>,
         arrival: Instant,
         /// Prefill only, shipping the K/V under this transfer id.
         prefill_only: Option<String>,
+        /// The request's grammar, compiled by the submitter.
+        constraint: Option<Box<Constraint>>,
     },
     Resume {
         id: u64,
         msg: Box<KvMessage>,
+        constraint: Option<Box<Constraint>>,
         /// Blocks reserved before the payload flowed ([`Engine::reserve`]).
         blocks: Option<Vec<BlockId>>,
         out: tmpsc::UnboundedSender<Event>,
@@ -60,6 +64,8 @@ pub(crate) struct Live {
     prefill_only: Option<String>,
     /// What the penalties read of the sequence, kept as tokens are appended.
     penalties: penalties::State,
+    /// Where the output stands in its grammar (structured outputs).
+    constraint: Option<Box<Constraint>>,
 }
 
 pub(crate) struct EngineLoop {
@@ -116,6 +122,7 @@ impl EngineLoop {
                 out,
                 arrival,
                 prefill_only,
+                constraint,
             } => {
                 let rng = req.params.seed.map_or_else(Rng::entropy, Rng::new);
                 let penalties = penalties::State::new(&req.params, &req.prompt);
@@ -133,6 +140,7 @@ impl EngineLoop {
                         stopped_by_string: false,
                         prefill_only,
                         penalties,
+                        constraint,
                     },
                 );
                 self.sched.add(SeqState::new(id, req.prompt));
@@ -140,10 +148,11 @@ impl EngineLoop {
             Command::Resume {
                 id,
                 msg,
+                constraint,
                 blocks,
                 out,
                 arrival,
-            } => self.resume(id, *msg, blocks, out, arrival),
+            } => self.resume(id, *msg, constraint, blocks, out, arrival),
             Command::Reserve { blocks, reply } => {
                 let got = self.sched.pool.allocate(blocks);
                 if let Err(Some(b)) = reply.send(got) {
@@ -288,12 +297,21 @@ impl EngineLoop {
         let Some(live) = self.live.get_mut(&id) else {
             return;
         };
+        let allowed = match live.constraint.as_mut().map(|c| c.allowed()) {
+            None => None,
+            Some(Ok(a)) => Some(a),
+            Some(Err(e)) => {
+                self.finish(id, FinishReason::Abort, Some(e));
+                return;
+            }
+        };
         let s = sample_with_state(
             logits,
             &live.params,
             &mut live.rng,
             &live.penalties,
             self.tokenizer.eos_ids(),
+            allowed.as_ref(),
         );
         if live.prefill_only.is_some() {
             self.ship(id, s.token, s.logprob, s.top);
@@ -350,6 +368,7 @@ impl EngineLoop {
         &mut self,
         id: u64,
         msg: KvMessage,
+        constraint: Option<Box<Constraint>>,
         reserved: Option<Vec<BlockId>>,
         out: tmpsc::UnboundedSender<Event>,
         arrival: Instant,
@@ -399,6 +418,7 @@ impl EngineLoop {
                 last_token: None,
                 stopped_by_string: false,
                 prefill_only: None,
+                constraint,
             },
         );
         self.sched
@@ -431,6 +451,14 @@ impl EngineLoop {
         };
         seq.tokens.push(s.token);
         live.penalties.push(s.token);
+        let grammar_done = match live.constraint.as_mut().map(|c| c.accept(s.token)) {
+            None => false,
+            Some(Ok(())) => live.constraint.as_ref().is_some_and(|c| c.is_done()),
+            Some(Err(e)) => {
+                self.finish(id, FinishReason::Abort, Some(e));
+                return;
+            }
+        };
         let n_gen = seq.generated().len();
         let at_context_end =
             seq.tokens.len() >= self.backend.config().max_position_embeddings as usize;
@@ -462,7 +490,7 @@ impl EngineLoop {
             tokens: vec![tok],
             text,
         });
-        let reason = if is_eos || is_stop_token || stopped_by_string {
+        let reason = if is_eos || is_stop_token || stopped_by_string || grammar_done {
             Some(FinishReason::Stop)
         } else if n_gen >= live.params.max_tokens || at_context_end {
             Some(FinishReason::Length)

@@ -15,6 +15,8 @@ use crate::backend::{Backend, KvLayout};
 use crate::kv::transfer::{self, KvMessage, TransferError};
 use crate::kv::{BlockId, BlockPool};
 use crate::metrics::EngineMetrics;
+use crate::sampling::SamplingParams;
+use crate::sampling::grammar::Constraint;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::tokenizer::Tokenizer;
 use crate::{EngineError, Result};
@@ -378,6 +380,7 @@ impl Engine {
             ));
         }
         h.params.check_vocab(self.vocab_size)?;
+        let constraint = self.constraint(&h.params)?;
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (out, events) = tmpsc::unbounded_channel();
@@ -386,6 +389,7 @@ impl Engine {
             .send(Command::Resume {
                 id,
                 msg: Box::new(msg),
+                constraint,
                 blocks: res.as_mut().map(|r| std::mem::take(&mut r.blocks)),
                 out,
                 arrival: Instant::now(),
@@ -413,6 +417,7 @@ impl Engine {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
         request::check(&req, self.vocab_size, self.max_model_len)?;
+        let constraint = self.constraint(&req.params)?;
         if self.queued.load(Ordering::Relaxed) >= self.max_waiting {
             self.metrics.rejected.inc();
             return Err(EngineError::Overloaded {
@@ -426,10 +431,11 @@ impl Engine {
         self.tx
             .send(Command::Submit {
                 id,
-                req,
+                req: Box::new(req),
                 out,
                 arrival: Instant::now(),
                 prefill_only,
+                constraint,
             })
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
         Ok(RequestHandle {
@@ -437,6 +443,16 @@ impl Engine {
             events,
             cancel: Cancel::Local(self.tx.clone()),
         })
+    }
+
+    /// The request's grammar compiled for this model (here, off the engine thread).
+    fn constraint(&self, p: &SamplingParams) -> Result<Option<Box<Constraint>>> {
+        match &p.grammar {
+            None => Ok(None),
+            Some(g) => Ok(Some(Box::new(
+                self.tokenizer.grammar()?.compile(g, "grammar")?,
+            ))),
+        }
     }
 
     /// Stops accepting requests; [`Engine::in_flight`] reaches 0 when all are done.

@@ -27,7 +27,8 @@ pub const MAGIC: &[u8; 4] = b"PHKV";
 /// Bumped whenever the header or payload layout changes.
 /// 2: sampling parameters carry the penalties, `logit_bias` and `min_tokens` (a
 /// version-1 peer would drop them without a word).
-pub const FORMAT_VERSION: u32 = 2;
+/// 3: sampling parameters carry the grammar (structured outputs).
+pub const FORMAT_VERSION: u32 = 3;
 pub const MAX_HEADER: usize = 16 << 20;
 
 /// Why a message was refused.

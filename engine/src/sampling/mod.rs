@@ -2,6 +2,7 @@
 //! per-request seed so the same seed gives the same output, and logprobs; penalties and
 //! biases first ([`penalties`]).
 
+pub mod grammar;
 pub mod penalties;
 
 /// Sampling controls of one request (OpenAI + vLLM fields).
@@ -36,6 +37,9 @@ pub struct SamplingParams {
     /// EOS and `stop_token_ids` cannot end the sequence before this many tokens.
     #[serde(default)]
     pub min_tokens: usize,
+    /// What the output must match (structured outputs).
+    #[serde(default)]
+    pub grammar: Option<grammar::Grammar>,
 }
 
 fn one() -> f32 {
@@ -60,6 +64,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             logit_bias: Vec::new(),
             min_tokens: 0,
+            grammar: None,
         }
     }
 }
@@ -270,20 +275,36 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut Rng) -> Sampled {
 }
 
 /// Picks the next token of a sequence in `state` from the model's `logits`, after the
-/// request's biases, `min_tokens` and penalties ([`penalties`]); logprobs are the
-/// model's own.
+/// request's biases, `min_tokens` and penalties ([`penalties`]) and among the tokens
+/// its grammar allows ([`grammar`]); logprobs are the model's own.
 pub fn sample_with_state(
     logits: &[f32],
     p: &SamplingParams,
     rng: &mut Rng,
     state: &penalties::State,
     eos: &[u32],
+    allowed: Option<&grammar::Allowed>,
 ) -> Sampled {
-    if !p.adjusts_logits(state.generated()) {
+    if allowed.is_none() && !p.adjusts_logits(state.generated()) {
         return sample(logits, p, rng);
     }
     let mut adjusted = logits.to_vec();
     penalties::apply(&mut adjusted, p, state, eos);
+    if let Some(a) = allowed {
+        a.apply(&mut adjusted);
+        // A bias or min_tokens removed all the grammar allows (only EOS was left, say):
+        // the grammar wins, or the output would break it.
+        if adjusted.iter().all(|l| *l == f32::NEG_INFINITY) {
+            adjusted.copy_from_slice(logits);
+            a.apply(&mut adjusted);
+        }
+        if adjusted.iter().all(|l| *l == f32::NEG_INFINITY) {
+            // Nothing allowed at all (cannot happen with a sound grammar): sample as
+            // if unconstrained; the matcher refuses the token and the request ends
+            // with that error.
+            adjusted.copy_from_slice(logits);
+        }
+    }
     sample_adjusted(&adjusted, logits, p, rng)
 }
 

@@ -9,5 +9,6 @@ mod disagg_worker;
 mod reference;
 mod regressions;
 mod server;
+mod structured;
 mod text;
 mod transfer;

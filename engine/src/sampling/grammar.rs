@@ -1,0 +1,308 @@
+//! Structured outputs: a request's grammar (a JSON schema, a regular expression, a
+//! list of choices or a Lark grammar) compiled by llguidance into a per-sequence
+//! matcher that masks every token the grammar cannot take next.
+//!
+//! llguidance (over outlines-core) because it builds its lexer lazily, as tokens come,
+//! instead of an automaton over the whole vocabulary per schema up front, so a request
+//! with a new schema does not wait for a compilation before its first token.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{self, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId};
+use llguidance::{Matcher, ParserFactory};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{EngineError, Result};
+
+/// What a request's output must match.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Grammar {
+    /// Any JSON object (`response_format: json_object`).
+    JsonObject,
+    /// A JSON schema (`response_format: json_schema`, `guided_json`).
+    JsonSchema(Value),
+    /// A regular expression over the whole output (`guided_regex`).
+    Regex(String),
+    /// Exactly one of these strings (`guided_choice`).
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark dialect (`guided_grammar`).
+    Lark(String),
+}
+
+/// JSON without whitespace between tokens unless the schema asks otherwise (through
+/// llguidance's `x-guidance` options): a small model held to "any JSON" otherwise
+/// pads with newlines until `max_tokens`, a known failure of JSON modes.
+fn compact(schema: &Value) -> Value {
+    let mut s = schema.clone();
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+    }
+    s
+}
+
+impl Grammar {
+    fn top_level(&self) -> TopLevelGrammar {
+        match self {
+            Grammar::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(&serde_json::json!({"type": "object"})))
+            }
+            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s)),
+            Grammar::Regex(r) => TopLevelGrammar::from_regex(r),
+            Grammar::Choice(options) => {
+                let alts: Vec<String> = options
+                    .iter()
+                    .map(|o| serde_json::to_string(o).unwrap_or_default())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+            }
+            Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        }
+    }
+}
+
+/// The model's vocabulary as byte strings, for llguidance.
+struct Vocabulary {
+    trie: TokTrie,
+    tokenizer: tokenizers::Tokenizer,
+}
+
+impl toktrie::TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        match std::str::from_utf8(s) {
+            Ok(text) => self
+                .tokenizer
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_else(|_| self.trie.greedy_tokenize(s)),
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+/// Compiles grammars for one tokenizer (built once per model, on first use).
+pub struct GrammarCompiler {
+    factory: ParserFactory,
+    /// Every token that ends generation: allowed together when the grammar allows
+    /// its end (llguidance knows one EOS id).
+    eos: Vec<u32>,
+}
+
+impl std::fmt::Debug for GrammarCompiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarCompiler")
+            .field("vocab", &self.factory.tok_env().tok_trie().vocab_size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl GrammarCompiler {
+    /// Builds the token trie of `tokenizer` (`json`: its `tokenizer.json`).
+    pub fn new(tokenizer: &tokenizers::Tokenizer, json: &str, eos: &[u32]) -> Result<Self> {
+        let err = |e: String| EngineError::Tokenizer(format!("structured outputs: {e}"));
+        let value: Value = serde_json::from_str(json).map_err(|e| err(e.to_string()))?;
+        // llguidance asserts on token names it does not expect: a model file must not
+        // take the server down, so a panic there is this tokenizer's error.
+        let words =
+            std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&value))
+                .map_err(|_| err("unreadable vocabulary".into()))?
+                .map_err(|e| err(e.to_string()))?;
+        let vocab = words.len().max(tokenizer.get_vocab_size(true));
+        let mut words = words;
+        words.resize(vocab, Vec::new());
+        let eos_id = *eos
+            .first()
+            .ok_or_else(|| err("the model names no EOS token".into()))?;
+        let info = TokRxInfo::new(vocab as u32, eos_id);
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(Vocabulary {
+            trie,
+            tokenizer: tokenizer.clone(),
+        });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| err(e.to_string()))?;
+        factory.quiet();
+        Ok(GrammarCompiler {
+            factory,
+            eos: eos.to_vec(),
+        })
+    }
+
+    /// A fresh matcher for one sequence; a grammar that does not compile is the
+    /// request's error, naming `param`.
+    pub fn compile(&self, g: &Grammar, param: &str) -> Result<Constraint> {
+        let parser = self
+            .factory
+            .create_parser(g.top_level())
+            .map_err(|e| EngineError::invalid(format!("{param}: {e}"), param))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(EngineError::invalid(format!("{param}: {e}"), param));
+        }
+        Ok(Constraint {
+            matcher,
+            eos: self.eos.clone(),
+        })
+    }
+}
+
+/// One sequence's place in its grammar.
+pub struct Constraint {
+    matcher: Matcher,
+    eos: Vec<u32>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("stopped", &self.matcher.is_stopped())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Tokens the grammar allows next.
+#[derive(Debug)]
+pub struct Allowed(SimpleVob);
+
+impl Allowed {
+    #[must_use]
+    pub fn contains(&self, token: u32) -> bool {
+        (token as usize) < self.0.len() && self.0.is_allowed(token)
+    }
+
+    /// Sets the logit of every token not allowed to -inf.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for (i, l) in logits.iter_mut().enumerate() {
+            if !self.contains(i as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+impl Constraint {
+    /// What may come next: the grammar's tokens, and every EOS token once the grammar
+    /// may end (only EOS once it must).
+    pub fn allowed(&mut self) -> Result<Allowed> {
+        let mut mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| EngineError::Internal(format!("structured outputs: {e}")))?;
+        if self.eos.first().is_some_and(|&e| mask.is_allowed(e)) {
+            for &e in &self.eos {
+                if (e as usize) < mask.len() {
+                    mask.allow_token(e);
+                }
+            }
+        }
+        Ok(Allowed(mask))
+    }
+
+    /// Advances past `token` (which [`Constraint::allowed`] allowed).
+    pub fn accept(&mut self, token: u32) -> Result<()> {
+        if self.eos.contains(&token) {
+            // A grammar that cannot go on has already stopped: the end is its end.
+            if self.matcher.is_stopped() {
+                return Ok(());
+            }
+            // llguidance knows one EOS id; any of the model's means the same.
+            let eos = self.eos[0];
+            return self
+                .matcher
+                .consume_token(eos)
+                .map_err(|e| EngineError::Internal(format!("structured outputs: {e}")));
+        }
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| EngineError::Internal(format!("structured outputs: {e}")))
+    }
+
+    /// The grammar is complete and allows nothing more.
+    #[must_use]
+    pub fn is_done(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama-tiny's tokenizer: byte-level BPE, 512 tokens; `<|im_end|>` (2) and
+    /// `<|endoftext|>` (0) end generation.
+    fn compiler() -> (GrammarCompiler, tokenizers::Tokenizer) {
+        let dir = preheat_testkit::model_fixture("llama-tiny");
+        let json = std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
+        let tok = tokenizers::Tokenizer::from_bytes(json.as_bytes()).unwrap();
+        (GrammarCompiler::new(&tok, &json, &[2, 0]).unwrap(), tok)
+    }
+
+    fn allowed_ids(c: &mut Constraint) -> Vec<u32> {
+        let a = c.allowed().unwrap();
+        (0..512).filter(|&i| a.contains(i)).collect()
+    }
+
+    #[test]
+    fn a_choice_masks_all_but_its_prefixes_then_only_the_end() {
+        let (g, tok) = compiler();
+        let id = |s: &str| tok.token_to_id(s).unwrap();
+        let mut c = g
+            .compile(&Grammar::Choice(vec!["yes".into(), "no".into()]), "guided_choice")
+            .unwrap();
+        let mut first = allowed_ids(&mut c);
+        first.sort_unstable();
+        let mut want = vec![id("y"), id("n"), id("no")];
+        want.sort_unstable();
+        assert_eq!(first, want);
+        let mut logits = vec![1.0f32; 512];
+        c.allowed().unwrap().apply(&mut logits);
+        assert_eq!(logits.iter().filter(|l| l.is_finite()).count(), 3);
+        for t in ["y", "e", "s"] {
+            assert!(!c.is_done());
+            c.accept(id(t)).unwrap();
+        }
+        // Complete, and nothing can follow: done (the engine ends the sequence here);
+        // asked again, every EOS of the model and nothing else.
+        assert!(c.is_done());
+        assert_eq!(allowed_ids(&mut c), vec![0, 2]);
+        c.accept(2).unwrap();
+        assert!(c.is_done());
+        // A grammar that may end or go on allows both.
+        let mut c = g.compile(&Grammar::Regex("a+".into()), "guided_regex").unwrap();
+        c.accept(id("a")).unwrap();
+        let next = allowed_ids(&mut c);
+        assert!(next.contains(&0) && next.contains(&2) && next.contains(&id("a")), "{next:?}");
+        assert!(!c.is_done());
+    }
+
+    #[test]
+    fn a_token_the_grammar_does_not_allow_is_an_error_not_a_panic() {
+        let (g, tok) = compiler();
+        let mut c = g.compile(&Grammar::Regex("[0-9]+".into()), "guided_regex").unwrap();
+        assert!(c.accept(tok.token_to_id("y").unwrap()).is_err());
+    }
+
+    #[test]
+    fn json_is_compact_unless_the_schema_says_otherwise() {
+        let s = compact(&serde_json::json!({"type": "object"}));
+        assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
+        let own = serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
+        assert_eq!(compact(&own), own);
+        // A boolean schema has nowhere to say it: left as it is.
+        assert_eq!(compact(&serde_json::json!(true)), serde_json::json!(true));
+    }
+
+    #[test]
+    fn a_vocabulary_llguidance_cannot_read_is_an_error() {
+        let (_, tok) = compiler();
+        let json = r#"{"decoder": {"type": "WordPiece"}, "added_tokens": [], "model": {"vocab": {}}}"#;
+        let e = GrammarCompiler::new(&tok, json, &[2]).unwrap_err();
+        assert!(e.to_string().contains("structured outputs"), "{e}");
+    }
+}

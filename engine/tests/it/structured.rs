@@ -1,0 +1,176 @@
+//! Structured outputs (`response_format`, vLLM's `guided_*`): what comes back matches
+//! what was asked for, sampled at temperature 1 from a model with random weights
+//! (which, unconstrained, emits arbitrary tokens), streamed or whole; what cannot
+//! compile is refused naming its field.
+
+use serde_json::{Value, json};
+
+use preheat_testkit::model_fixture as fixture;
+
+use super::server::Server;
+
+fn chat(extra: Value, seed: u64) -> Value {
+    let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "Answer."}],
+        "max_tokens": 64, "temperature": 1.0, "seed": seed});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn content(r: &Value) -> &str {
+    r["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guided_outputs_match_their_choice_regex_and_schema() {
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    let choices = ["yes", "no", "maybe later"];
+    let schema = json!({"type": "object", "properties": {
+            "answer": {"type": "string", "enum": ["yes", "no"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["answer", "n"], "additionalProperties": false});
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..10 {
+        let (st, r) = s
+            .post(
+                "/v1/chat/completions",
+                chat(json!({"guided_choice": choices}), seed),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert!(choices.contains(&content(&r)), "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        seen.insert(content(&r).to_owned());
+
+        let (_, r) = s
+            .post(
+                "/v1/chat/completions",
+                chat(json!({"guided_regex": "[0-9]{1,3}-[a-c]{2}"}), seed),
+            )
+            .await;
+        let t = content(&r);
+        let (num, letters) = t.split_once('-').unwrap_or_else(|| panic!("{r}"));
+        assert!(
+            (1..=3).contains(&num.len()) && num.bytes().all(|b| b.is_ascii_digit()),
+            "{t}"
+        );
+        assert!(
+            letters.len() == 2 && letters.bytes().all(|b| (b'a'..=b'c').contains(&b)),
+            "{t}"
+        );
+
+        let rf = json!({"type": "json_schema", "json_schema": {"name": "a", "strict": true, "schema": schema}});
+        let (_, r) = s
+            .post(
+                "/v1/chat/completions",
+                chat(json!({"response_format": rf}), seed),
+            )
+            .await;
+        let v: Value = serde_json::from_str(content(&r)).unwrap_or_else(|e| panic!("{e}: {r}"));
+        assert!(
+            ["yes", "no"].contains(&v["answer"].as_str().unwrap()),
+            "{v}"
+        );
+        assert!((0..=9).contains(&v["n"].as_i64().unwrap()), "{v}");
+        assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+    }
+    assert!(
+        seen.len() > 1,
+        "ten seeds all chose {seen:?}: the grammar left no choice"
+    );
+
+    // Completions too, and streamed: the pieces join into one of the choices.
+    let (_, r) = s
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 16, "temperature": 1.0, "seed": 3,
+                   "guided_choice": choices}),
+        )
+        .await;
+    assert!(
+        choices.contains(&r["choices"][0]["text"].as_str().unwrap()),
+        "{r}"
+    );
+    let mut body = chat(json!({"guided_choice": choices, "stream": true}), 4);
+    body["n"] = json!(2);
+    let (chunks, done) = s.stream("/v1/chat/completions", body).await;
+    assert!(done);
+    let mut text = [String::new(), String::new()];
+    for c in &chunks {
+        let ch = &c["choices"][0];
+        if let Some(t) = ch["delta"]["content"].as_str() {
+            text[ch["index"].as_u64().unwrap() as usize].push_str(t);
+        }
+    }
+    for t in &text {
+        assert!(choices.contains(&t.as_str()), "{t:?}");
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_object_mode_answers_an_object() {
+    let s = Server::start(fixture("qwen2-tiny"), |_| {}).await;
+    for seed in 0..4 {
+        let (st, r) = s
+            .post(
+                "/v1/chat/completions",
+                chat(
+                    json!({"response_format": {"type": "json_object"}, "max_tokens": 200}),
+                    seed,
+                ),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        let t = content(&r);
+        assert!(t.starts_with('{'), "{t}");
+        if r["choices"][0]["finish_reason"] == "stop" {
+            let v: Value = serde_json::from_str(t).unwrap_or_else(|e| panic!("{e}: {t}"));
+            assert!(v.is_object());
+        }
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammars_that_do_not_compile_are_refused_by_field() {
+    let s = Server::start(fixture("llama-tiny"), |_| {}).await;
+    for (extra, param) in [
+        (json!({"guided_regex": "(unclosed"}), "guided_regex"),
+        (
+            json!({"guided_grammar": "start: undefined_rule"}),
+            "guided_grammar",
+        ),
+        (json!({"guided_choice": []}), "guided_choice"),
+        (json!({"guided_json": "{not json"}), "guided_json"),
+        (
+            json!({"response_format": {"type": "xml"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            "response_format",
+        ),
+        (
+            json!({"guided_regex": "a", "guided_choice": ["a"]}),
+            "guided_choice",
+        ),
+    ] {
+        let (st, r) = s.post("/v1/chat/completions", chat(extra.clone(), 0)).await;
+        assert_eq!(st, 400, "{extra} → {r}");
+        assert_eq!(r["error"]["param"], param, "{extra} → {r}");
+    }
+    // `text` asks for nothing.
+    let (st, r) = s
+        .post(
+            "/v1/chat/completions",
+            chat(
+                json!({"response_format": {"type": "text"}, "max_tokens": 2}),
+                0,
+            ),
+        )
+        .await;
+    assert_eq!(st, 200, "{r}");
+    s.stop().await;
+}
