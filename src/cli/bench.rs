@@ -29,6 +29,9 @@ pub enum BenchCmd {
     /// Replica start to first token from an HF checkpoint over HTTP, a staged snapshot
     /// (cold page cache), a hot one and a parked standby, against a page-cache read.
     Coldstart(BenchColdstartArgs),
+    /// Structured outputs: the per-token cost of a grammar's mask next to a decode step of
+    /// the same model (SmolLM2, a 49k vocabulary, by default), in the engine and alone.
+    Grammar(BenchGrammarArgs),
     /// A GPU replica's start phases (needs `--features cuda` and a GPU): weights upload
     /// vs the host-to-device copy limit, NVRTC compile vs kernel-cache restore, graphs.
     Gpu(BenchGpuArgs),
@@ -193,6 +196,18 @@ pub enum Callers {
     SameProcess,
     OwnProcess,
     Both,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchGrammarArgs {
+    /// A .gguf, an HF directory or a .preheat (`.ci/fetch-models` puts SmolLM2 here).
+    #[arg(long, default_value = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    pub model: PathBuf,
+    /// Tokens generated per run.
+    #[arg(long, default_value_t = 96)]
+    pub tokens: usize,
+    #[command(flatten)]
+    pub out: OutputArgs,
 }
 
 #[derive(Debug, Args)]

@@ -26,6 +26,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Trace(cmd) => trace::run(cmd),
         Command::Bench(BenchCmd::Snapshot(args)) => bench::snapshot::run(&args),
         Command::Bench(BenchCmd::Engine(args)) => bench::engine::run(&args),
+        Command::Bench(BenchCmd::Grammar(args)) => bench::grammar::run(&args),
         Command::Bench(BenchCmd::Scaler(args)) => bench::scaler::run(&args),
         Command::Bench(BenchCmd::Serve(args)) => bench::serve::run(&args),
         Command::Bench(BenchCmd::Router(args)) => bench::router::run(&args),

@@ -253,7 +253,10 @@ mod tests {
         let (g, tok) = compiler();
         let id = |s: &str| tok.token_to_id(s).unwrap();
         let mut c = g
-            .compile(&Grammar::Choice(vec!["yes".into(), "no".into()]), "guided_choice")
+            .compile(
+                &Grammar::Choice(vec!["yes".into(), "no".into()]),
+                "guided_choice",
+            )
             .unwrap();
         let mut first = allowed_ids(&mut c);
         first.sort_unstable();
@@ -274,17 +277,24 @@ mod tests {
         c.accept(2).unwrap();
         assert!(c.is_done());
         // A grammar that may end or go on allows both.
-        let mut c = g.compile(&Grammar::Regex("a+".into()), "guided_regex").unwrap();
+        let mut c = g
+            .compile(&Grammar::Regex("a+".into()), "guided_regex")
+            .unwrap();
         c.accept(id("a")).unwrap();
         let next = allowed_ids(&mut c);
-        assert!(next.contains(&0) && next.contains(&2) && next.contains(&id("a")), "{next:?}");
+        assert!(
+            next.contains(&0) && next.contains(&2) && next.contains(&id("a")),
+            "{next:?}"
+        );
         assert!(!c.is_done());
     }
 
     #[test]
     fn a_token_the_grammar_does_not_allow_is_an_error_not_a_panic() {
         let (g, tok) = compiler();
-        let mut c = g.compile(&Grammar::Regex("[0-9]+".into()), "guided_regex").unwrap();
+        let mut c = g
+            .compile(&Grammar::Regex("[0-9]+".into()), "guided_regex")
+            .unwrap();
         assert!(c.accept(tok.token_to_id("y").unwrap()).is_err());
     }
 
@@ -292,7 +302,8 @@ mod tests {
     fn json_is_compact_unless_the_schema_says_otherwise() {
         let s = compact(&serde_json::json!({"type": "object"}));
         assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
-        let own = serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
+        let own =
+            serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
         assert_eq!(compact(&own), own);
         // A boolean schema has nowhere to say it: left as it is.
         assert_eq!(compact(&serde_json::json!(true)), serde_json::json!(true));
@@ -301,7 +312,8 @@ mod tests {
     #[test]
     fn a_vocabulary_llguidance_cannot_read_is_an_error() {
         let (_, tok) = compiler();
-        let json = r#"{"decoder": {"type": "WordPiece"}, "added_tokens": [], "model": {"vocab": {}}}"#;
+        let json =
+            r#"{"decoder": {"type": "WordPiece"}, "added_tokens": [], "model": {"vocab": {}}}"#;
         let e = GrammarCompiler::new(&tok, json, &[2]).unwrap_err();
         assert!(e.to_string().contains("structured outputs"), "{e}");
     }

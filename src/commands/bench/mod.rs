@@ -5,6 +5,7 @@
 pub mod coldstart;
 pub mod engine;
 pub mod gpu;
+pub mod grammar;
 pub mod kv;
 pub mod router;
 pub mod scaler;
