@@ -269,6 +269,31 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         })
         .await;
 
+        // Regression: a worker of an older KV format (one that drops a grammar it does
+        // not know without a word) registered on a newer gateway. Now refused by version.
+        // (Its registration has the same compatibility hash, and no kv_format field.)
+        let info: Value = c
+            .get(format!("http://127.0.0.1:{dport}/internal/model"))
+            .header("authorization", harness::bearer())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let compat = info["compat"].clone();
+        assert!(compat.is_string(), "{info}");
+        let r = c
+            .post(format!("{gwi}/internal/register"))
+            .header("authorization", harness::bearer())
+            .json(&json!({"id": "old-1", "role": "decode", "url": "http://127.0.0.1:9",
+                          "model": "llama-tiny", "compat": compat}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 409);
+        assert!(r.text().await.unwrap().contains("KV format version"));
+        assert_eq!(workers(&c, &gwi).await.len(), 3, "the old worker joined");
         // A worker of another model is refused at registration, with a clear reason.
         let (mut other, _) = worker("decode", "qwen2-tiny", &gwi);
         let t0 = Instant::now();

@@ -17,6 +17,12 @@ pub trait Frontend: Send + Sync + 'static {
     fn max_model_len(&self) -> usize;
     fn tokenizer(&self) -> &Arc<Tokenizer>;
     fn metrics(&self) -> &Arc<EngineMetrics>;
+    /// Most sequences one request may run together (its `n`/`best_of`); `None` where
+    /// the front cannot tell (a gateway: its workers decide, up to
+    /// [`crate::api::openai::MAX_CHOICES`]).
+    fn max_sequences(&self) -> Option<usize> {
+        None
+    }
     /// Validates and queues a request; events arrive on the returned handle, and
     /// dropping the handle cancels the request.
     fn submit(&self, req: GenerateRequest) -> Result<RequestHandle>;
@@ -42,6 +48,10 @@ impl Frontend for Engine {
 
     fn metrics(&self) -> &Arc<EngineMetrics> {
         &self.metrics
+    }
+
+    fn max_sequences(&self) -> Option<usize> {
+        Some(Engine::max_sequences(self))
     }
 
     fn submit(&self, req: GenerateRequest) -> Result<RequestHandle> {

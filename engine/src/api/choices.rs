@@ -7,7 +7,8 @@
 //! partial block: the prompt's K/V are computed once and shared through the block
 //! pool's reference counts, as vLLM's parallel sampling shares them. Through a
 //! gateway the KV-aware router sends the followers to the prefill worker that holds
-//! that prefix, for the same reason.
+//! that prefix, so the prompt is computed once there too; each decode worker sequence
+//! then holds its own copy of the shipped K/V.
 
 use super::Front;
 use crate::engine::{Event, GenerateRequest, RequestHandle};

@@ -248,9 +248,36 @@ async fn off_runtime<T: Send + 'static>(
 async fn check_grammar(e: &Front, c: &openai::Common) -> Result<()> {
     if let Some((g, field)) = openai::grammar(c)? {
         let tok = Arc::clone(e.tokenizer());
-        off_runtime(move || tok.grammar()?.compile(&g, field).map(drop)).await?;
+        off_runtime(move || {
+            let compiler = tok.grammar().map_err(|e| {
+                EngineError::invalid(
+                    format!("structured outputs are not available for this model: {e}"),
+                    field,
+                )
+            })?;
+            compiler.compile(&g, field).map(drop)
+        })
+        .await?;
     }
     Ok(())
+}
+
+/// A request with more sequences than the engine runs at once would start some of them
+/// and then be refused the rest, every time: a 400 up front instead.
+fn check_capacity(e: &dyn Frontend, c: openai::Choices) -> Result<()> {
+    match e.max_sequences() {
+        Some(max) if c.best_of > max => {
+            let param = if c.best_of > c.n { "best_of" } else { "n" };
+            Err(EngineError::invalid(
+                format!(
+                    "{param} = {} is more sequences than this server runs at once ({max})",
+                    c.best_of
+                ),
+                param,
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn check_model(e: &dyn Frontend, model: Option<&str>) -> Result<()> {
@@ -278,6 +305,7 @@ async fn completions(
     }
     // The cheap checks first: nothing is tokenised for a request refused anyway.
     let choices = openai::choices(&req.common, req.best_of)?;
+    check_capacity(&**e, choices)?;
     let params = openai::sampling(&req.common, req.logprobs, 16)?;
     check_grammar(e, &req.common).await?;
     let tok = Arc::clone(e.tokenizer());
@@ -336,6 +364,7 @@ async fn chat_completions(
     // The cheap checks first: nothing is rendered or tokenised for a request refused
     // anyway (the real default for max_tokens needs the prompt's length, below).
     let choices = openai::choices(&req.common, None)?;
+    check_capacity(&**e, choices)?;
     openai::sampling(&req.common, top, e.max_model_len())?;
     check_grammar(e, &req.common).await?;
     let messages = openai::to_messages(&req.messages)?;

@@ -249,9 +249,12 @@ pub fn grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>> {
 /// Most strings `guided_choice` may list.
 pub const MAX_GUIDED_CHOICES: usize = 256;
 
-/// Most choices (`n`, `best_of`) one request may ask for: OpenAI's own limit for `n`.
-/// Each is a sequence with its own K/V blocks, queued like a request of its own.
-pub const MAX_CHOICES: usize = 128;
+/// Most choices (`n`, `best_of`) one request may ask for. Each is a sequence queued
+/// like a request of its own: on a decode worker each takes a running slot and its own
+/// copy of the prompt's K/V (only the prefill worker shares them), and a worker refuses
+/// what it cannot start at once, so `n` stays well under the default `max_running` (64);
+/// a colocated engine also refuses more than it runs at once.
+pub const MAX_CHOICES: usize = 16;
 
 /// How many sequences a request runs and how many of them it returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -83,7 +83,7 @@ const SHARED: &[(&str, Allowed)] = &[
     ("skip_special_tokens", Allowed::Neutral(is_true)),
     ("spaces_between_special_tokens", Allowed::Neutral(is_true)),
     ("priority", Allowed::Neutral(zero)),
-    // Structured outputs: the backend is llguidance, whatever is asked for.
+    // Structured outputs run on llguidance only: asking for a backend is refused.
     ("guided_decoding_backend", Allowed::Neutral(never)),
     ("structured_outputs", Allowed::Neutral(never)),
 ];

@@ -35,6 +35,12 @@ pub struct Registration {
     /// Prefill workers: `tcp://host:port` of their KV transport, if they serve one.
     #[serde(default)]
     pub kv: Option<String>,
+    /// The KV transfer format version the worker speaks ([`FORMAT_VERSION`]); absent
+    /// (0) from workers older than version 3.
+    ///
+    /// [`FORMAT_VERSION`]: crate::kv::transfer::FORMAT_VERSION
+    #[serde(default)]
+    pub kv_format: u32,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

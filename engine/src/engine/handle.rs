@@ -40,6 +40,7 @@ pub struct Engine {
     next_id: Arc<AtomicU64>,
     queued: Arc<AtomicUsize>,
     max_waiting: usize,
+    max_running: usize,
     /// Longest prompt + completion a request may ask for.
     pub max_model_len: usize,
     pub model_name: String,
@@ -213,6 +214,7 @@ impl Engine {
             next_id: Arc::new(AtomicU64::new(1)),
             queued,
             max_waiting: cfg.scheduler.max_waiting,
+            max_running: cfg.scheduler.max_running,
             max_model_len,
             model_name: cfg.model_name,
             vocab_size,
@@ -264,6 +266,13 @@ impl Engine {
     #[must_use]
     pub fn compat(&self) -> &str {
         &self.compat
+    }
+
+    /// Most sequences one request may run together (its `n`/`best_of`): what the
+    /// engine runs at once and queues at most.
+    #[must_use]
+    pub fn max_sequences(&self) -> usize {
+        self.max_running.min(self.max_waiting)
     }
 
     #[must_use]
@@ -417,13 +426,13 @@ impl Engine {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
         request::check(&req, self.vocab_size, self.max_model_len)?;
-        let constraint = self.constraint(&req.params)?;
         if self.queued.load(Ordering::Relaxed) >= self.max_waiting {
             self.metrics.rejected.inc();
             return Err(EngineError::Overloaded {
                 retry_after_secs: 1,
             });
         }
+        let constraint = self.constraint(&req.params)?;
         self.queued.fetch_add(1, Ordering::Relaxed);
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -445,7 +454,13 @@ impl Engine {
         })
     }
 
-    /// The request's grammar compiled for this model (here, off the engine thread).
+    /// The request's grammar compiled for this model, on the caller's thread rather than
+    /// the engine's. Usually a copy of a compiled one ([`GrammarCompiler`]'s cache: the
+    /// API compiled it to check it); the first grammar of a process also builds the
+    /// vocabulary's trie (a few hundred ms at a 49k vocabulary), which on a worker
+    /// happens on the runtime thread that took the request.
+    ///
+    /// [`GrammarCompiler`]: crate::sampling::grammar::GrammarCompiler
     fn constraint(&self, p: &SamplingParams) -> Result<Option<Box<Constraint>>> {
         match &p.grammar {
             None => Ok(None),

@@ -87,9 +87,17 @@ impl toktrie::TokenizerEnv for Vocabulary {
     }
 }
 
+/// Grammars kept compiled: a request's `n` sequences, and the engine after the API
+/// checked the grammar, start from a copy instead of compiling again.
+const CACHED_GRAMMARS: usize = 32;
+/// Larger grammars are compiled each time rather than kept (the cache stays small).
+const MAX_CACHED_GRAMMAR_BYTES: usize = 64 << 10;
+
 /// Compiles grammars for one tokenizer (built once per model, on first use).
 pub struct GrammarCompiler {
     factory: ParserFactory,
+    /// Most recently used last.
+    cache: std::sync::Mutex<std::collections::VecDeque<(String, Matcher)>>,
     /// Every token that ends generation: allowed together when the grammar allows
     /// its end (llguidance knows one EOS id).
     eos: Vec<u32>,
@@ -130,6 +138,7 @@ impl GrammarCompiler {
         factory.quiet();
         Ok(GrammarCompiler {
             factory,
+            cache: std::sync::Mutex::default(),
             eos: eos.to_vec(),
         })
     }
@@ -137,6 +146,23 @@ impl GrammarCompiler {
     /// A fresh matcher for one sequence; a grammar that does not compile is the
     /// request's error, naming `param`.
     pub fn compile(&self, g: &Grammar, param: &str) -> Result<Constraint> {
+        let key = serde_json::to_string(g).unwrap_or_default();
+        let cacheable = !key.is_empty() && key.len() <= MAX_CACHED_GRAMMAR_BYTES;
+        if cacheable {
+            let mut cache = self
+                .cache
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+                let hit = cache.remove(i).expect("found at i");
+                let matcher = hit.1.deep_clone();
+                cache.push_back(hit);
+                return Ok(Constraint {
+                    matcher,
+                    eos: self.eos.clone(),
+                });
+            }
+        }
         let parser = self
             .factory
             .create_parser(g.top_level())
@@ -144,6 +170,16 @@ impl GrammarCompiler {
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(EngineError::invalid(format!("{param}: {e}"), param));
+        }
+        if cacheable {
+            let mut cache = self
+                .cache
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if cache.len() >= CACHED_GRAMMARS {
+                cache.pop_front();
+            }
+            cache.push_back((key, matcher.deep_clone()));
         }
         Ok(Constraint {
             matcher,
@@ -287,6 +323,23 @@ mod tests {
             "{next:?}"
         );
         assert!(!c.is_done());
+    }
+
+    #[test]
+    fn a_cached_grammar_starts_fresh_for_each_sequence() {
+        let (g, tok) = compiler();
+        let id = |s: &str| tok.token_to_id(s).unwrap();
+        let choice = Grammar::Choice(vec!["yes".into(), "no".into()]);
+        let mut a = g.compile(&choice, "guided_choice").unwrap();
+        for t in ["y", "e", "s"] {
+            a.accept(id(t)).unwrap();
+        }
+        assert!(a.is_done());
+        // From the cache: at the start, untouched by the first sequence's tokens.
+        let mut b = g.compile(&choice, "guided_choice").unwrap();
+        assert!(!b.is_done());
+        assert!(allowed_ids(&mut b).contains(&id("n")));
+        assert_eq!(g.cache.lock().unwrap().len(), 1);
     }
 
     #[test]

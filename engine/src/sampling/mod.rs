@@ -292,8 +292,9 @@ pub fn sample_with_state(
     penalties::apply(&mut adjusted, p, state, eos);
     if let Some(a) = allowed {
         a.apply(&mut adjusted);
-        // A bias or min_tokens removed all the grammar allows (only EOS was left, say):
-        // the grammar wins, or the output would break it.
+        // Biases, penalties or min_tokens removed all the grammar allows (only EOS was
+        // left, say): the grammar wins over all of them for this token (its raw logits,
+        // masked), or the output would break it.
         if adjusted.iter().all(|l| *l == f32::NEG_INFINITY) {
             adjusted.copy_from_slice(logits);
             a.apply(&mut adjusted);

@@ -216,14 +216,14 @@ async fn choice_counts_out_of_bounds_are_refused_by_name() {
     };
     for (path, body, param) in [
         ("/v1/completions", with(json!({"n": 0})), "n"),
-        ("/v1/completions", with(json!({"n": 129})), "n"),
+        ("/v1/completions", with(json!({"n": 17})), "n"),
         ("/v1/completions", with(json!({"n": -1})), "n"),
         (
             "/v1/completions",
             with(json!({"n": 3, "best_of": 2})),
             "best_of",
         ),
-        ("/v1/completions", with(json!({"best_of": 129})), "best_of"),
+        ("/v1/completions", with(json!({"best_of": 17})), "best_of"),
         (
             "/v1/completions",
             with(json!({"best_of": 2, "stream": true})),
@@ -244,6 +244,27 @@ async fn choice_counts_out_of_bounds_are_refused_by_name() {
         assert_eq!(st, 400, "{body} → {r}");
         assert_eq!(r["error"]["param"], param, "{body} → {r}");
     }
+    // More than the engine runs at once: refused up front, not half-started.
+    let small = Server::start(fixture("llama-tiny"), |o| {
+        o.scheduler = preheat_engine::scheduler::SchedulerConfig {
+            max_running: 4,
+            ..o.scheduler
+        };
+    })
+    .await;
+    let (st, r) = small.post("/v1/completions", with(json!({"n": 5}))).await;
+    assert_eq!((st, r["error"]["param"].as_str()), (400, Some("n")), "{r}");
+    let (st, r) = small
+        .post("/v1/completions", with(json!({"n": 2, "best_of": 5})))
+        .await;
+    assert_eq!(
+        (st, r["error"]["param"].as_str()),
+        (400, Some("best_of")),
+        "{r}"
+    );
+    let (st, r) = small.post("/v1/completions", with(json!({"n": 4}))).await;
+    assert_eq!(st, 200, "{r}");
+    small.stop().await;
     // best_of equal to n streams: nothing to rank.
     let (chunks, done) = s
         .stream(

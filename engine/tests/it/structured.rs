@@ -97,21 +97,39 @@ async fn guided_outputs_match_their_choice_regex_and_schema() {
     let (chunks, done) = s.stream("/v1/chat/completions", body).await;
     assert!(done);
     let mut text = [String::new(), String::new()];
+    let mut reasons = Vec::new();
     for c in &chunks {
         let ch = &c["choices"][0];
         if let Some(t) = ch["delta"]["content"].as_str() {
             text[ch["index"].as_u64().unwrap() as usize].push_str(t);
         }
+        if let Some(r) = ch["finish_reason"].as_str() {
+            reasons.push(r.to_owned());
+        }
     }
     for t in &text {
         assert!(choices.contains(&t.as_str()), "{t:?}");
     }
+    assert_eq!(reasons, ["stop", "stop"]);
+    // A complete grammar ends the answer even before min_tokens, with ignore_eos.
+    let (_, r) = s
+        .post(
+            "/v1/chat/completions",
+            chat(
+                json!({"guided_choice": ["yes", "no"], "min_tokens": 10, "ignore_eos": true}),
+                1,
+            ),
+        )
+        .await;
+    assert!(["yes", "no"].contains(&content(&r)), "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_object_mode_answers_an_object() {
     let s = Server::start(fixture("qwen2-tiny"), |_| {}).await;
+    let mut closed = 0;
     for seed in 0..4 {
         let (st, r) = s
             .post(
@@ -128,8 +146,10 @@ async fn json_object_mode_answers_an_object() {
         if r["choices"][0]["finish_reason"] == "stop" {
             let v: Value = serde_json::from_str(t).unwrap_or_else(|e| panic!("{e}: {t}"));
             assert!(v.is_object());
+            closed += 1;
         }
     }
+    assert!(closed > 0, "no seed closed its object within 200 tokens");
     s.stop().await;
 }
 

@@ -136,7 +136,7 @@ pub fn run(args: &BenchGrammarArgs) -> anyhow::Result<std::process::ExitCode> {
         let mean = times.iter().sum::<Duration>() / times.len().max(1) as u32;
         let p99 = times[(times.len() * 99 / 100).min(times.len().saturating_sub(1))];
         // A few tokens say nothing about time per token.
-        let engine_ms = (ids.len() >= 16).then(|| per.as_secs_f64() * 1e3);
+        let engine_ms = (ids.len() >= 16).then_some(per.as_secs_f64() * 1e3);
         rows.push(json!({
             "grammar": name, "tokens": ids.len(),
             "engine_ms_per_token": engine_ms,

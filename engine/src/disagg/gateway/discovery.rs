@@ -128,6 +128,9 @@ impl Gateway {
                     model: info.model,
                     compat: info.compat,
                     kv: status.kv,
+                    // Checked above: its compatibility hash is this gateway's own
+                    // (computed with this build's format version).
+                    kv_format: crate::kv::transfer::FORMAT_VERSION,
                 },
                 status.load,
             ),

@@ -21,6 +21,17 @@ pub(super) async fn register(
     if let Some(why) = unannounceable(&r.url, r.kv.as_deref()) {
         return (StatusCode::BAD_REQUEST, why).into_response();
     }
+    // A worker that speaks another KV format version reads requests differently: an
+    // older one would drop the fields it does not know (a grammar, say) without a word.
+    let ours = crate::kv::transfer::FORMAT_VERSION;
+    if r.kv_format != ours {
+        let msg = format!(
+            "worker {} ({} at {}) speaks KV format version {}, this gateway {ours}",
+            r.id, r.model, r.url, r.kv_format
+        );
+        tracing::warn!("refusing worker: {msg}");
+        return conflict(msg);
+    }
     let known = gw.lock().compat.clone();
     match known {
         Some(c) if c != r.compat => {

@@ -354,6 +354,7 @@ async fn membership(
         model: e.model_name.clone(),
         compat: e.compat().to_owned(),
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
+        kv_format: crate::kv::transfer::FORMAT_VERSION,
     };
     // Discovered workers (no gateway) do not register: serving is being listed as a
     // Ready endpoint, so they count as registered once they serve.
