@@ -100,7 +100,9 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),
             ),
-            ("response_format", json!({"type": "json_object"})),
+            ("response_format", json!({"type": "xml"})),
+            // A grammar is compiled with the gateway's own tokenizer, before holding.
+            ("guided_regex", json!("(unclosed")),
         ] {
             let mut body =
                 json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]});
