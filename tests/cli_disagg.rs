@@ -114,21 +114,8 @@ fn rt() -> tokio::runtime::Runtime {
 
 #[test]
 fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
-    let gport = free_port();
-    let gw = format!("http://127.0.0.1:{gport}");
     // Workers register on the gateway's internal port (behind the cluster token).
-    let giport = free_port();
-    let gwi = format!("http://127.0.0.1:{giport}");
-    let _gateway = spawn(&[
-        "engine",
-        "gateway",
-        "--port",
-        &gport.to_string(),
-        "--internal-port",
-        &giport.to_string(),
-        "--disagg-min-tokens",
-        "1",
-    ]);
+    let (_gateway, gw, gwi) = harness::disagg_gateway(Stdio::piped());
     let (mut prefill_a, pa_port) = worker("prefill", "llama-tiny", &gwi);
     let (mut prefill_b, pb_port) = worker("prefill", "llama-tiny", &gwi);
     let (mut decode, dport) = worker("decode", "llama-tiny", &gwi);

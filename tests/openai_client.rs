@@ -93,21 +93,7 @@ fn the_official_openai_client_gets_the_same_answers_colocated_and_disaggregated(
         &dir.path().join("a.json"),
     );
 
-    let (gport, giport) = (free_port(), free_port());
-    let gw_internal = format!("http://127.0.0.1:{giport}");
-    let _gateway = harness::spawn(
-        &[
-            "engine",
-            "gateway",
-            "--port",
-            &gport.to_string(),
-            "--internal-port",
-            &giport.to_string(),
-            "--disagg-min-tokens",
-            "1",
-        ],
-        Stdio::inherit(),
-    );
+    let (_gateway, gw, gw_internal) = harness::disagg_gateway(Stdio::inherit());
     let _prefill = harness::disagg_worker("prefill", &model, &gw_internal, 64, Stdio::inherit());
     let _decode = harness::disagg_worker("decode", &model, &gw_internal, 64, Stdio::inherit());
     let t0 = Instant::now();
@@ -118,11 +104,7 @@ fn the_official_openai_client_gets_the_same_answers_colocated_and_disaggregated(
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let disaggregated = run_suite(
-        &py,
-        &format!("http://127.0.0.1:{gport}"),
-        &dir.path().join("b.json"),
-    );
+    let disaggregated = run_suite(&py, &gw, &dir.path().join("b.json"));
     // Greedy text, seeded choices and best_of's pick do not depend on where the
     // prompt was prefilled.
     assert_eq!(colocated, disaggregated);

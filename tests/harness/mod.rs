@@ -79,6 +79,32 @@ pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
     )
 }
 
+/// Starts an `engine gateway` that learns its model from the workers registering on
+/// its internal port and sends every prompt through a prefill worker; returns it, its
+/// public URL and its internal URL (where workers register).
+pub fn disagg_gateway(stderr: std::process::Stdio) -> (KillOnDrop, String, String) {
+    let (port, internal) = (preheat_testkit::free_port(), preheat_testkit::free_port());
+    let (port_s, internal_s) = (port.to_string(), internal.to_string());
+    let p = spawn(
+        &[
+            "engine",
+            "gateway",
+            "--port",
+            &port_s,
+            "--internal-port",
+            &internal_s,
+            "--disagg-min-tokens",
+            "1",
+        ],
+        stderr,
+    );
+    (
+        p,
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.1:{internal}"),
+    )
+}
+
 /// Starts an `engine prefill` or `engine decode` worker (`role`) of `model` that
 /// registers at `gw` (a gateway's internal URL), with a KV cache of `kv_mib`; returns
 /// it and its HTTP port.

@@ -68,16 +68,15 @@ fn matmul_only_rate(snap: &Arc<Snapshot>, len: usize) -> anyhow::Result<f64> {
     Ok(len as f64 / total.as_secs_f64())
 }
 
-/// Aggregate generated tokens/s with `streams` concurrent requests through the engine.
-fn engine_throughput(
+/// A CPU engine over `snap` with `num_blocks` KV blocks, running up to `max_running`
+/// sequences (and queueing as many).
+pub(super) fn start_engine(
     snap: &Arc<Snapshot>,
-    streams: usize,
-    tokens: usize,
     num_blocks: usize,
-) -> anyhow::Result<f64> {
-    let be = CpuBackend::new(Arc::clone(snap), num_blocks, BLOCK)?;
-    let engine = Engine::start(
-        Box::new(be),
+    max_running: usize,
+) -> anyhow::Result<Engine> {
+    Ok(Engine::start(
+        Box::new(CpuBackend::new(Arc::clone(snap), num_blocks, BLOCK)?),
         Tokenizer::from_snapshot(snap)?,
         EngineConfig {
             model_name: "bench".into(),
@@ -85,12 +84,22 @@ fn engine_throughput(
             num_blocks,
             scheduler: SchedulerConfig {
                 max_batched_tokens: 512,
-                max_running: 64,
-                max_waiting: 64,
+                max_running,
+                max_waiting: max_running,
             },
         },
         Arc::new(EngineMetrics::new("bench", Role::Colocated)),
-    )?;
+    )?)
+}
+
+/// Aggregate generated tokens/s with `streams` concurrent requests through the engine.
+fn engine_throughput(
+    snap: &Arc<Snapshot>,
+    streams: usize,
+    tokens: usize,
+    num_blocks: usize,
+) -> anyhow::Result<f64> {
+    let engine = start_engine(snap, num_blocks, 64)?;
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: tokens,

@@ -4,17 +4,13 @@
 //! ratio to the baseline), and its mask is timed alone: the tokens it generated are
 //! replayed through a fresh matcher, timing mask + apply to the logits + advance.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use preheat_engine::backend::cpu::CpuBackend;
-use preheat_engine::engine::{Engine, EngineConfig, Event, GenerateRequest};
-use preheat_engine::metrics::{EngineMetrics, Role};
+use preheat_engine::engine::{Engine, Event, GenerateRequest};
 use preheat_engine::model::open_model;
 use preheat_engine::profile::BLOCK;
 use preheat_engine::sampling::SamplingParams;
 use preheat_engine::sampling::grammar::Grammar;
-use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
@@ -69,21 +65,7 @@ pub fn run(args: &BenchGrammarArgs) -> anyhow::Result<std::process::ExitCode> {
     let compiler = tok.grammar()?;
     let trie = t0.elapsed();
     let num_blocks = (args.tokens + 64).div_ceil(BLOCK) * 2;
-    let engine = Engine::start(
-        Box::new(CpuBackend::new(Arc::clone(&snap), num_blocks, BLOCK)?),
-        Tokenizer::from_snapshot(&snap)?,
-        EngineConfig {
-            model_name: "bench".into(),
-            block_size: BLOCK,
-            num_blocks,
-            scheduler: SchedulerConfig {
-                max_batched_tokens: 512,
-                max_running: 4,
-                max_waiting: 4,
-            },
-        },
-        Arc::new(EngineMetrics::new("bench", Role::Colocated)),
-    )?;
+    let engine = super::engine::start_engine(&snap, num_blocks, 4)?;
     let prompt = tok.encode("Write a short story about a robot who learns to paint.")?;
     let vocab = engine.vocab_size();
     tracing::info!(tokens = args.tokens, "decode, unconstrained");
