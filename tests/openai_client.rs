@@ -1,7 +1,9 @@
 //! The API as users drive it: the official `openai` Python client (PyPI, fetched by
 //! `.ci/fetch-tools` into `.cache/openai`) runs `tests/openai/suite.py` against the real
 //! SmolLM2 served colocated (`engine serve`) and disaggregated (a gateway with a
-//! prefill and a decode worker); the two deployments answer alike.
+//! prefill and a decode worker); the two deployments answer alike. Both render chats
+//! with `--chat-template testdata/chat_templates/smollm2_hermes_tools.jinja` (SmolLM2's
+//! own template plus tools), so the suite's tool calls have a template that knows them.
 
 mod harness;
 
@@ -71,6 +73,8 @@ fn the_official_openai_client_gets_the_same_answers_colocated_and_disaggregated(
     };
     let dir = tempfile::tempdir().unwrap();
     let model_s = model.to_str().unwrap();
+    let template = preheat_testkit::testdata().join("chat_templates/smollm2_hermes_tools.jinja");
+    let template = template.to_str().unwrap();
 
     let port = free_port();
     let _serve = harness::spawn(
@@ -83,6 +87,8 @@ fn the_official_openai_client_gets_the_same_answers_colocated_and_disaggregated(
             &port.to_string(),
             "--kv-cache-mib",
             "64",
+            "--chat-template",
+            template,
         ],
         Stdio::inherit(),
     );
@@ -93,7 +99,8 @@ fn the_official_openai_client_gets_the_same_answers_colocated_and_disaggregated(
         &dir.path().join("a.json"),
     );
 
-    let (_gateway, gw, gw_internal) = harness::disagg_gateway(Stdio::inherit());
+    let (_gateway, gw, gw_internal) =
+        harness::disagg_gateway(&["--chat-template", template], Stdio::inherit());
     let _prefill = harness::disagg_worker("prefill", &model, &gw_internal, 64, Stdio::inherit());
     let _decode = harness::disagg_worker("decode", &model, &gw_internal, 64, Stdio::inherit());
     let t0 = Instant::now();

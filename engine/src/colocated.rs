@@ -23,6 +23,8 @@ use crate::{EngineError, Result};
 pub struct ServeOptions {
     pub model: PathBuf,
     pub served_model_name: Option<String>,
+    /// A chat template rendered instead of the model's (`--chat-template`).
+    pub chat_template: Option<String>,
     pub addr: SocketAddr,
     pub block_size: usize,
     /// KV-cache memory budget.
@@ -83,6 +85,7 @@ impl ServeOptions {
         ServeOptions {
             model,
             served_model_name: None,
+            chat_template: None,
             addr,
             block_size: 16,
             kv_cache_bytes: 512 << 20,
@@ -220,7 +223,10 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| default_name(&opts.model));
-    let tokenizer = Tokenizer::from_snapshot(&snap)?;
+    let mut tokenizer = Tokenizer::from_snapshot(&snap)?;
+    if let Some(t) = &opts.chat_template {
+        tokenizer = tokenizer.with_chat_template(t.clone())?;
+    }
     let metrics = Arc::new(EngineMetrics::new(&name, opts.role));
     metrics.set_startup_origin(opts.started, start_source);
     for (phase, secs) in [("snapshot_open", opened), ("weights_resident", resident)] {

@@ -22,6 +22,7 @@ pub mod kv;
 pub mod metrics;
 pub mod model;
 pub mod profile;
+mod python_json;
 pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;

@@ -18,6 +18,13 @@ pub struct ChatMessage {
     /// The participant's name (OpenAI's `name`), for templates that show it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant turn's tool calls, arguments as JSON values (what templates
+    /// expect; absent when there are none, so `if message.tool_calls` is false).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 /// A tokenizer as it travels between processes (a worker hands it to the gateway).
@@ -193,10 +200,27 @@ impl Tokenizer {
         self.decode(&[id]).unwrap_or_default()
     }
 
-    /// Renders a chat with the model's template.
+    /// This tokenizer with `template` as its chat template (an operator's
+    /// `--chat-template`, e.g. one that renders tools); checked here, not on the first
+    /// chat request.
+    pub fn with_chat_template(mut self, template: String) -> Result<Self> {
+        template_env(&template)?;
+        self.template = Some(template);
+        Ok(self)
+    }
+
+    /// The chat template's source.
+    #[must_use]
+    pub fn chat_template(&self) -> Option<&str> {
+        self.template.as_deref()
+    }
+
+    /// Renders a chat with the model's template; `tools` (OpenAI's `tools` entries)
+    /// are handed to it as Hugging Face's `apply_chat_template(tools=…)` does.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
         let t = self.template.as_deref().ok_or_else(|| {
@@ -211,6 +235,7 @@ impl Tokenizer {
             .map_err(|e| EngineError::Template(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => JValue::from(minijinja::value::Serde(messages)),
+            tools => tools.map(|t| JValue::from(minijinja::value::Serde(t))),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -221,6 +246,15 @@ impl Tokenizer {
 
 fn template_env(src: &str) -> Result<Environment<'static>> {
     let mut env = Environment::new();
+    // As transformers compiles chat templates: a block tag's own line leaves no
+    // newline or indentation behind.
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| EngineError::Template(e.to_string()))?,
+    );
     // Templates written for Python Jinja call str methods (.strip(), .startswith()…).
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
@@ -232,9 +266,34 @@ fn template_env(src: &str) -> Result<Environment<'static>> {
             ))
         },
     );
+    env.add_filter("tojson", tojson);
     env.add_template_owned("chat".to_owned(), src.to_owned())
         .map_err(|e| EngineError::Template(e.to_string()))?;
     Ok(env)
+}
+
+/// Hugging Face's `tojson` (Python's `json.dumps` layout), not minijinja's.
+fn tojson(
+    v: JValue,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<JValue, minijinja::Error> {
+    let bad = |e: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e);
+    let json = serde_json::to_value(&v).map_err(|e| bad(format!("tojson: {e}")))?;
+    let separators = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        None => None,
+        Some(s) if s.len() == 2 => Some((s[0].clone(), s[1].clone())),
+        Some(_) => return Err(bad("tojson: separators must be two strings".into())),
+    };
+    let style = crate::python_json::Style {
+        indent: kwargs.get::<Option<usize>>("indent")?,
+        separators,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    Ok(JValue::from_safe_string(crate::python_json::dumps(
+        &json, &style,
+    )))
 }
 
 /// Turns a growing list of token ids into text deltas. Decoding a window of recent

@@ -54,6 +54,11 @@ pub struct GatewayArgs {
     /// Name clients use in the `model` field (default: the file name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// A chat template (Jinja, as in Hugging Face's `chat_template`) rendered instead of
+    /// the model's own (the gateway renders every chat; workers' templates are not used), e.g. one that renders `tools`
+    /// (`testdata/chat_templates/smollm2_hermes_tools.jinja` for ChatML models).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     /// Tokens per KV block, as the workers are started with.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -142,6 +147,11 @@ pub struct ServeArgs {
     /// Name clients use in the `model` field (default: the file or directory name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// A chat template (Jinja, as in Hugging Face's `chat_template`) rendered instead of
+    /// the model's own, e.g. one that renders `tools`
+    /// (`testdata/chat_templates/smollm2_hermes_tools.jinja` for ChatML models).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     /// KV-cache memory budget in MiB.
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mib: usize,

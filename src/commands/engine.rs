@@ -82,6 +82,15 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// `--chat-template`'s text, read at start: a missing file fails the start, not the
+/// first chat.
+fn read_chat_template(path: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    path.map(|p| {
+        std::fs::read_to_string(p).with_context(|| format!("--chat-template {}", p.display()))
+    })
+    .transpose()
+}
+
 fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     let mut errs = Vec::new();
     if a.worker_timeout.is_zero() {
@@ -140,6 +149,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         disagg_min_tokens: a.disagg_min_tokens,
         drain_grace: a.drain_grace,
         model,
+        chat_template: read_chat_template(a.chat_template.as_deref())?,
         ..gateway::GatewayOptions::default()
     };
     let addr = addr.context("checked above")?;
@@ -405,6 +415,7 @@ pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<Serve
     }
     let mut o = ServeOptions::new(a.model.clone(), addr.context("checked above")?);
     o.served_model_name = a.served_model_name.clone();
+    o.chat_template = read_chat_template(a.chat_template.as_deref())?;
     o.block_size = a.block_size;
     o.kv_cache_bytes = a.kv_cache_mib << 20;
     o.scheduler = SchedulerConfig {

@@ -80,24 +80,23 @@ pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
 }
 
 /// Starts an `engine gateway` that learns its model from the workers registering on
-/// its internal port and sends every prompt through a prefill worker; returns it, its
-/// public URL and its internal URL (where workers register).
-pub fn disagg_gateway(stderr: std::process::Stdio) -> (KillOnDrop, String, String) {
+/// its internal port and sends every prompt through a prefill worker (with `extra`
+/// flags); returns it, its public URL and its internal URL (where workers register).
+pub fn disagg_gateway(extra: &[&str], stderr: std::process::Stdio) -> (KillOnDrop, String, String) {
     let (port, internal) = (preheat_testkit::free_port(), preheat_testkit::free_port());
     let (port_s, internal_s) = (port.to_string(), internal.to_string());
-    let p = spawn(
-        &[
-            "engine",
-            "gateway",
-            "--port",
-            &port_s,
-            "--internal-port",
-            &internal_s,
-            "--disagg-min-tokens",
-            "1",
-        ],
-        stderr,
-    );
+    let mut args = vec![
+        "engine",
+        "gateway",
+        "--port",
+        &port_s,
+        "--internal-port",
+        &internal_s,
+        "--disagg-min-tokens",
+        "1",
+    ];
+    args.extend(extra);
+    let p = spawn(&args, stderr);
     (
         p,
         format!("http://127.0.0.1:{port}"),

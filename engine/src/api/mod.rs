@@ -5,6 +5,7 @@ mod choices;
 pub mod error;
 pub mod openai;
 mod respond;
+pub mod tools;
 pub mod unread_fields;
 
 use std::sync::{Arc, OnceLock};
@@ -246,7 +247,14 @@ async fn off_runtime<T: Send + 'static>(
 /// Compiles the request's grammar once here (off the runtime), so one that does not
 /// compile is refused naming the field that carried it.
 async fn check_grammar(e: &Front, c: &openai::Common) -> Result<()> {
-    if let Some((g, field)) = openai::grammar(c)? {
+    check_compiles(e, openai::grammar(c)?).await
+}
+
+async fn check_compiles(
+    e: &Front,
+    grammar: Option<(crate::sampling::grammar::Grammar, &'static str)>,
+) -> Result<()> {
+    if let Some((g, field)) = grammar {
         let tok = Arc::clone(e.tokenizer());
         off_runtime(move || {
             let compiler = tok.grammar().map_err(|e| {
@@ -344,6 +352,7 @@ async fn completions(
         style,
         req.common.stream,
         echo_text,
+        None,
     )
     .await?)
 }
@@ -366,20 +375,56 @@ async fn chat_completions(
     let choices = openai::choices(&req.common, None)?;
     check_capacity(&**e, choices)?;
     openai::sampling(&req.common, top, e.max_model_len())?;
+    let tools = tools::parse(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+        e.tokenizer().chat_template(),
+    )?
+    .map(Arc::new);
+    let forced = tools.as_deref().and_then(tools::Tools::grammar);
+    if forced.is_some()
+        && let Some((_, field)) = openai::grammar(&req.common)?
+    {
+        return Err(EngineError::invalid(
+            format!("tool_choice forces a tool call, which {field} would constrain too; give one of them"),
+            "tool_choice",
+        )
+        .into());
+    }
     check_grammar(e, &req.common).await?;
+    check_compiles(e, forced.clone().map(|g| (g, "tool_choice"))).await?;
     let messages = openai::to_messages(&req.messages)?;
     let tok = Arc::clone(e.tokenizer());
     let add_generation_prompt = req.add_generation_prompt;
+    let raw_tools = tools.as_ref().map(|t| t.raw.clone());
     let prompt = off_runtime(move || {
-        let text = tok.apply_chat_template(&messages, add_generation_prompt)?;
+        let text =
+            tok.apply_chat_template(&messages, raw_tools.as_deref(), add_generation_prompt)?;
         // The template already placed BOS where the model wants it.
         tok.encode_no_bos(&text)
     })
     .await?;
     let default_max = e.max_model_len().saturating_sub(prompt.len()).max(1);
-    let params = openai::sampling(&req.common, top, default_max)?;
+    let mut params = openai::sampling(&req.common, top, default_max)?;
+    if let Some(t) = &tools {
+        if forced.is_some() {
+            params.grammar = forced;
+        }
+        params.stop.extend(t.stops());
+    }
     let style = Style::new(true, req.logprobs, &req.common);
-    Ok(generate(e, prompt, params, choices, style, req.common.stream, None).await?)
+    Ok(generate(
+        e,
+        prompt,
+        params,
+        choices,
+        style,
+        req.common.stream,
+        None,
+        tools,
+    )
+    .await?)
 }
 
 /// Stops new requests and waits up to `grace` for in-flight ones to finish.

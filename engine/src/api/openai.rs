@@ -100,6 +100,10 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     #[serde(default = "yes")]
     pub add_generation_prompt: bool,
+    /// Functions the model may call (see [`super::tools`]).
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
     /// As [`CompletionRequest::rest`].
@@ -119,7 +123,13 @@ pub struct RawMessage {
     /// Handed to the chat template (as vLLM does).
     #[serde(default)]
     pub name: Option<String>,
-    /// `name`, `tool_calls`, …: checked by [`super::unread_fields::check_message`].
+    /// An assistant turn's calls (OpenAI's form: arguments as JSON text).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// `refusal`, `audio`, …: checked by [`super::unread_fields::check_message`].
     #[serde(flatten)]
     pub rest: serde_json::Map<String, Value>,
 }
@@ -164,10 +174,30 @@ pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
         .enumerate()
         .map(|(i, m)| {
             super::unread_fields::check_message(&m.rest, i)?;
+            let tool_calls = match &m.tool_calls {
+                Some(calls) if !calls.is_empty() => {
+                    if m.role != "assistant" {
+                        return Err(EngineError::invalid(
+                            format!("messages[{i}].tool_calls: only assistant messages make calls"),
+                            &format!("messages[{i}].tool_calls"),
+                        ));
+                    }
+                    super::tools::template_calls(calls, i)?
+                }
+                _ => Vec::new(),
+            };
+            if m.tool_call_id.is_some() && m.role != "tool" {
+                return Err(EngineError::invalid(
+                    format!("messages[{i}].tool_call_id: only tool messages answer a call"),
+                    &format!("messages[{i}].tool_call_id"),
+                ));
+            }
             Ok(ChatMessage {
                 role: m.role.clone(),
                 content: m.text()?,
                 name: m.name.clone(),
+                tool_calls,
+                tool_call_id: m.tool_call_id.clone(),
             })
         })
         .collect()
@@ -363,6 +393,16 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         Some(StopField::One(s)) => vec![s.clone()],
         Some(StopField::Many(v)) => v.clone(),
     };
+    if stop.len() > crate::sampling::MAX_CLIENT_STOP {
+        return Err(inv(
+            format!(
+                "at most {} stop strings, got {}",
+                crate::sampling::MAX_CLIENT_STOP,
+                stop.len()
+            ),
+            "stop",
+        ));
+    }
     let logit_bias = c
         .logit_bias
         .iter()

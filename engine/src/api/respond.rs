@@ -2,6 +2,7 @@
 //! usage and the completions API's echo, in the OpenAI chat or completions shape.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::Json;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -11,6 +12,7 @@ use serde_json::{Value, json};
 
 use super::choices::{self, Run};
 use super::error::ApiError;
+use super::tools::{CallIds, Piece, ToolCall, ToolChoice, ToolStream, Tools};
 use super::{Front, now, openai, request_id};
 use crate::engine::{Event, FinishReason, TokenOut, Usage};
 use crate::frontend::Frontend;
@@ -36,7 +38,9 @@ impl Style {
     }
 }
 
-/// Queues a validated request with `choices` and answers it, streamed or whole.
+/// Queues a validated request with `choices` and answers it, streamed or whole;
+/// `tools` (chat) turns the model's calls into `tool_calls`.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn generate(
     e: &Front,
     prompt: Vec<u32>,
@@ -45,6 +49,7 @@ pub(super) async fn generate(
     style: Style,
     stream: bool,
     echo: Option<String>,
+    tools: Option<Arc<Tools>>,
 ) -> Result<Response> {
     // Ranking needs each sampled token's logprob, shown only when asked for.
     if choices.best_of > choices.n && params.logprobs.is_none() {
@@ -56,9 +61,9 @@ pub(super) async fn generate(
         runs[0].handle.id,
     );
     if stream {
-        Ok(Sse::new(sse_stream(e.clone(), runs, style, id, echo)).into_response())
+        Ok(Sse::new(sse_stream(e.clone(), runs, style, id, echo, tools)).into_response())
     } else {
-        collect(e.clone(), runs, choices.n, style, id, echo).await
+        collect(e.clone(), runs, choices.n, style, id, echo, tools).await
     }
 }
 
@@ -177,6 +182,44 @@ fn total_usage<'a>(all: impl IntoIterator<Item = &'a Usage>) -> Usage {
     total
 }
 
+/// The finish reason a client sees: a sequence that ended by making calls finished
+/// with `tool_calls` (OpenAI: `stop` when the call was forced by name).
+fn finish_reason(reason: FinishReason, calls: usize, tools: Option<&Tools>) -> &'static str {
+    match tools {
+        Some(t) if calls > 0 && reason == FinishReason::Stop => match t.choice {
+            ToolChoice::Named(_) => "stop",
+            _ => "tool_calls",
+        },
+        _ => reason.as_str(),
+    }
+}
+
+/// A whole answer's message: its text, or its content and tool calls.
+fn message(text: &str, tools: Option<ToolStream>) -> (Value, usize) {
+    let Some(mut stream) = tools else {
+        return (json!({"role": "assistant", "content": text}), 0);
+    };
+    let mut pieces = stream.push(text);
+    pieces.extend(stream.finish());
+    let mut content = String::new();
+    let mut calls: Vec<Value> = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Content(t) => content.push_str(&t),
+            Piece::Call(c) => calls.push(c.to_json(false)),
+        }
+    }
+    let n = calls.len();
+    let mut m = json!({"role": "assistant", "content": content});
+    if n > 0 {
+        if content.is_empty() {
+            m["content"] = Value::Null;
+        }
+        m["tool_calls"] = Value::Array(calls);
+    }
+    (m, n)
+}
+
 /// Waits for every sequence, keeps the `n` best (all of them unless `best_of`
 /// asked for more) and answers with them; `echo` (completions' `echo`: the prompt's
 /// text) comes before each choice's text.
@@ -187,6 +230,7 @@ async fn collect(
     style: Style,
     id: String,
     echo: Option<String>,
+    tools: Option<Arc<Tools>>,
 ) -> Result<Response> {
     // The first error drops the other sequences, which cancels them.
     let outs = futures_util::future::try_join_all(runs.into_iter().map(collect_one)).await?;
@@ -217,10 +261,13 @@ async fn collect(
             } else {
                 Value::Null
             };
-            let reason = o.reason.as_str();
             if style.chat {
-                json!({"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lp, "finish_reason": reason})
+                let stream = tools.as_deref().map(|t| t.stream(CallIds::new(&id, index)));
+                let (message, calls) = message(&o.text, stream);
+                let reason = finish_reason(o.reason, calls, tools.as_deref());
+                json!({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             } else {
+                let reason = o.reason.as_str();
                 json!({"index": index, "text": format!("{echo}{}", o.text), "logprobs": lp, "finish_reason": reason})
             }
         })
@@ -232,6 +279,14 @@ async fn collect(
     .into_response())
 }
 
+/// What one chunk carries for its choice.
+pub(super) enum Delta<'a> {
+    Nothing,
+    Text(&'a str),
+    /// A whole tool call (chat).
+    Call(&'a ToolCall),
+}
+
 /// One SSE chunk of a stream, for choice `index`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn chunk(
@@ -239,28 +294,45 @@ pub(super) fn chunk(
     id: &str,
     style: Style,
     index: usize,
-    text: Option<&str>,
+    body: Delta<'_>,
     first: bool,
     lp: Value,
-    finish: Option<FinishReason>,
+    finish: Option<&str>,
 ) -> Value {
-    let reason = finish.map(FinishReason::as_str);
+    let reason = finish;
     let choice = if style.chat {
         let mut delta = serde_json::Map::new();
         if first {
             delta.insert("role".into(), json!("assistant"));
         }
-        if let Some(t) = text {
-            delta.insert("content".into(), json!(t));
+        match body {
+            Delta::Nothing => {}
+            Delta::Text(t) => {
+                delta.insert("content".into(), json!(t));
+            }
+            Delta::Call(c) => {
+                delta.insert("tool_calls".into(), json!([c.to_json(true)]));
+            }
         }
         json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
     } else {
-        json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": reason})
+        let text = match body {
+            Delta::Text(t) => t,
+            Delta::Nothing | Delta::Call(_) => "",
+        };
+        json!({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
     };
     json!({
         "id": id, "object": if style.chat { "chat.completion.chunk" } else { "text_completion" },
         "created": now(), "model": e.model_name(), "choices": [choice],
     })
+}
+
+fn piece_delta(p: &Piece) -> Delta<'_> {
+    match p {
+        Piece::Content(t) => Delta::Text(t),
+        Piece::Call(c) => Delta::Call(c),
+    }
 }
 
 /// The events of one sequence, tagged with its choice index; the stream owns the
@@ -283,6 +355,7 @@ pub(super) fn sse_stream(
     style: Style,
     id: String,
     echo: Option<String>,
+    tools: Option<Arc<Tools>>,
 ) -> impl Stream<Item = std::result::Result<SseEvent, Infallible>> {
     /// Where one choice's stream stands.
     struct Choice {
@@ -293,6 +366,8 @@ pub(super) fn sse_stream(
         /// Not sent yet: goes before the first text.
         echo: Option<String>,
         usage: Option<Usage>,
+        /// Chat with tools: the model's text turned into content and calls.
+        tools: Option<ToolStream>,
     }
     struct St<S> {
         e: Front,
@@ -301,13 +376,15 @@ pub(super) fn sse_stream(
         style: Style,
         id: String,
         done: bool,
+        tools: Option<Arc<Tools>>,
     }
     let choices = (0..runs.len())
-        .map(|_| Choice {
+        .map(|i| Choice {
             first: true,
             off: 0,
             echo: echo.clone(),
             usage: None,
+            tools: tools.as_deref().map(|t| t.stream(CallIds::new(&id, i))),
         })
         .collect();
     let events = stream::select_all(
@@ -322,6 +399,7 @@ pub(super) fn sse_stream(
         style,
         id,
         done: false,
+        tools,
     };
     stream::unfold(st, |mut st| async move {
         if st.done {
@@ -333,14 +411,41 @@ pub(super) fn sse_stream(
                 let c = &mut st.choices[i];
                 let lp = if st.style.logprobs { logprobs_json(&*st.e, &tokens, st.style, &mut c.off) } else { Value::Null };
                 let text = c.echo.take().unwrap_or_default() + &text;
-                out.push(chunk(&*st.e, &st.id, st.style, i, Some(&text), c.first, lp, None));
-                c.first = false;
+                match c.tools.as_mut() {
+                    None => {
+                        out.push(chunk(&*st.e, &st.id, st.style, i, Delta::Text(&text), c.first, lp, None));
+                        c.first = false;
+                    }
+                    Some(ts) => {
+                        let pieces = ts.push(&text);
+                        let mut lp = Some(lp);
+                        for p in &pieces {
+                            let lp = lp.take().unwrap_or(Value::Null);
+                            out.push(chunk(&*st.e, &st.id, st.style, i, piece_delta(p), c.first, lp, None));
+                            c.first = false;
+                        }
+                        // Text held back (it may begin a call): its logprobs still go out.
+                        if let Some(lp) = lp.filter(|lp| !lp.is_null()) {
+                            out.push(chunk(&*st.e, &st.id, st.style, i, Delta::Nothing, c.first, lp, None));
+                            c.first = false;
+                        }
+                    }
+                }
             }
             Some((i, Event::Finished { reason, usage })) => {
                 let c = &mut st.choices[i];
                 let echo = c.echo.take().unwrap_or_default();
-                let text = if st.style.chat { None } else { Some(echo.as_str()) };
-                out.push(chunk(&*st.e, &st.id, st.style, i, text, c.first, Value::Null, Some(reason)));
+                let mut calls = 0;
+                if let Some(ts) = c.tools.as_mut() {
+                    for p in ts.finish() {
+                        out.push(chunk(&*st.e, &st.id, st.style, i, piece_delta(&p), c.first, Value::Null, None));
+                        c.first = false;
+                    }
+                    calls = ts.calls();
+                }
+                let body = if st.style.chat { Delta::Nothing } else { Delta::Text(&echo) };
+                let reason = finish_reason(reason, calls, st.tools.as_deref());
+                out.push(chunk(&*st.e, &st.id, st.style, i, body, c.first, Value::Null, Some(reason)));
                 c.first = false;
                 c.usage = Some(usage);
                 if st.choices.iter().all(|c| c.usage.is_some()) {

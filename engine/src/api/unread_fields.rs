@@ -1,11 +1,11 @@
 //! Request fields the server does not act on: refused by name, never dropped.
 //!
-//! A client that asks for `tools`, `bad_words` or `use_beam_search`
-//! and gets a plain answer back has a wrong answer that looks right.
+//! A client that asks for `bad_words` or `use_beam_search` and gets a plain answer
+//! back has a wrong answer that looks right.
 //! So every field of the OpenAI chat and completions APIs (and of the vLLM extensions
 //! clients send) that [`super::openai`] does not read is either harmless here —
-//! metadata, or the value that asks for nothing (`best_of: 1`, `tools: []`,
-//! `tool_choice: "none"`; clients such as LangChain send those by
+//! metadata, or the value that asks for nothing (`best_of: 1`, `functions: []`,
+//! `function_call: "none"`; clients such as LangChain send those by
 //! default) — or answered with a 400 whose `param` names it. Fields nobody defined get
 //! OpenAI's own answer: "Unrecognized request argument supplied".
 
@@ -49,8 +49,8 @@ fn empty(v: &Value) -> bool {
 fn never(_: &Value) -> bool {
     false
 }
-/// With no tools offered, asking the model to choose among them asks for nothing.
-fn no_tool_choice(v: &Value) -> bool {
+/// With no functions offered, asking the model to choose among them asks for nothing.
+fn no_function_call(v: &Value) -> bool {
     matches!(v.as_str(), Some("none" | "auto"))
 }
 fn text_only(v: &Value) -> bool {
@@ -90,11 +90,9 @@ const SHARED: &[(&str, Allowed)] = &[
 
 /// Chat only.
 const CHAT: &[(&str, Allowed)] = &[
-    ("tools", Allowed::Neutral(empty)),
-    ("tool_choice", Allowed::Neutral(no_tool_choice)),
-    ("parallel_tool_calls", Allowed::Any),
+    // The deprecated form of `tools` / `tool_choice` (read by `super::tools`).
     ("functions", Allowed::Neutral(empty)),
-    ("function_call", Allowed::Neutral(no_tool_choice)),
+    ("function_call", Allowed::Neutral(no_function_call)),
     ("modalities", Allowed::Neutral(text_only)),
     ("audio", Allowed::Neutral(never)),
     ("prediction", Allowed::Neutral(never)),
@@ -115,8 +113,6 @@ const COMPLETIONS: &[(&str, Allowed)] = &[("suffix", Allowed::Neutral(empty))];
 
 /// Fields of a chat message besides `role` and `content`.
 const MESSAGE: &[(&str, Allowed)] = &[
-    ("tool_calls", Allowed::Neutral(empty)),
-    ("tool_call_id", Allowed::Neutral(never)),
     ("function_call", Allowed::Neutral(never)),
     ("refusal", Allowed::Neutral(never)),
     ("audio", Allowed::Neutral(never)),
@@ -184,7 +180,7 @@ mod tests {
     #[test]
     fn defaults_pass_and_anything_else_is_refused_by_name() {
         let neutral = json!({"best_of": 1, "bad_words": [], "use_beam_search": false,
-            "tools": [], "tool_choice": "none", "user": "u1",
+            "functions": [], "function_call": "none", "user": "u1",
             "store": false, "n_unused": null});
         // `n_unused` is unknown: refused even when null.
         assert_eq!(
@@ -198,10 +194,10 @@ mod tests {
             ("best_of", json!(3)),
             ("bad_words", json!(["x"])),
             (
-                "tools",
-                json!([{"type": "function", "function": {"name": "f"}}]),
+                "functions",
+                json!([{"name": "f", "parameters": {"type": "object"}}]),
             ),
-            ("tool_choice", json!("required")),
+            ("function_call", json!({"name": "f"})),
             ("structured_outputs", json!({"json": {"type": "object"}})),
             ("store", json!(true)),
             ("temprature", json!(0.2)),
@@ -221,7 +217,11 @@ mod tests {
             param(json!({"tools": []}), Endpoint::Completions).as_deref(),
             Some("tools")
         );
-        let e = check_message(json!({"tool_call_id": "c1"}).as_object().unwrap(), 2).unwrap_err();
-        assert!(e.to_string().contains("messages[2].tool_call_id"), "{e}");
+        let e = check_message(
+            json!({"function_call": {"name": "f"}}).as_object().unwrap(),
+            2,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("messages[2].function_call"), "{e}");
     }
 }

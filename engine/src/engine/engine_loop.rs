@@ -15,7 +15,7 @@ use crate::backend::{Backend, ForwardBatch, SeqSlice};
 use crate::kv::BlockId;
 use crate::kv::transfer::{self, KvHeader, KvMessage};
 use crate::metrics::EngineMetrics;
-use crate::sampling::grammar::Constraint;
+use crate::sampling::grammar::{Allowed, Constraint};
 use crate::sampling::penalties;
 use crate::sampling::{Rng, SamplingParams, sample_with_state};
 use crate::scheduler::{Scheduler, SeqState};
@@ -297,7 +297,24 @@ impl EngineLoop {
         let Some(live) = self.live.get_mut(&id) else {
             return;
         };
-        let allowed = match live.constraint.as_mut().map(|c| c.allowed()) {
+        // Tokens this sequence may still generate, this one included.
+        let remaining = self.sched.get(id).map_or(1, |seq| {
+            let context = (self.backend.config().max_position_embeddings as usize)
+                .saturating_sub(seq.tokens.len());
+            live.params
+                .max_tokens
+                .saturating_sub(seq.generated().len())
+                .min(context.max(1))
+        });
+        let vocab = logits.len();
+        let allowed = match live.constraint.as_mut().map(|c| {
+            // Near the budget's end the grammar's closing path is forced, so the cut
+            // leaves complete output.
+            match c.closing_token(remaining)? {
+                Some(t) => Ok(Allowed::only(t, vocab)),
+                None => c.allowed(),
+            }
+        }) {
             None => None,
             Some(Ok(a)) => Some(a),
             Some(Err(e)) => {
@@ -490,7 +507,14 @@ impl EngineLoop {
             tokens: vec![tok],
             text,
         });
-        let reason = if is_eos || is_stop_token || stopped_by_string || grammar_done {
+        let closed_for_budget = live
+            .constraint
+            .as_ref()
+            .is_some_and(|c| c.closed_for_budget());
+        let reason = if (is_eos || grammar_done) && closed_for_budget {
+            // Ended early, complete, because max_tokens was near.
+            Some(FinishReason::Length)
+        } else if is_eos || is_stop_token || stopped_by_string || grammar_done {
             Some(FinishReason::Stop)
         } else if n_gen >= live.params.max_tokens || at_context_end {
             Some(FinishReason::Length)

@@ -102,6 +102,38 @@ pub struct GrammarCompiler {
     /// Every token that ends generation: allowed together when the grammar allows
     /// its end (llguidance knows one EOS id).
     eos: Vec<u32>,
+    /// Single-byte tokens (and their byte) in the order
+    /// [`Constraint::closing_token`] tries them.
+    closers: Arc<Vec<(u32, u8)>>,
+}
+
+/// The bytes that end a structure soonest, most eager first: close strings, objects
+/// and arrays; go on to the next required member; end numbers; finish literals and
+/// enum strings (letters); open only when nothing else is allowed (a required item);
+/// then everything else.
+fn closing_order() -> Vec<u8> {
+    let mut order: Vec<u8> = b"\"}],:0123456789".to_vec();
+    order.extend(b'a'..=b'z');
+    order.extend(b'A'..=b'Z');
+    order.extend(b".-_@/[{ ");
+    for b in 0..=255u8 {
+        if !order.contains(&b) {
+            order.push(b);
+        }
+    }
+    order
+}
+
+/// Digits and letters repeat forever in a number or a `[a-z]+`: the closer moves on
+/// to another class when one is allowed.
+fn byte_class(b: u8) -> u16 {
+    if b.is_ascii_digit() {
+        256
+    } else if b.is_ascii_alphabetic() {
+        257
+    } else {
+        u16::from(b)
+    }
 }
 
 impl std::fmt::Debug for GrammarCompiler {
@@ -131,6 +163,10 @@ impl GrammarCompiler {
             .ok_or_else(|| err("the model names no EOS token".into()))?;
         let info = TokRxInfo::new(vocab as u32, eos_id);
         let trie = TokTrie::from(&info, &words);
+        let closers: Vec<(u32, u8)> = closing_order()
+            .into_iter()
+            .filter_map(|b| Some((trie.token_id(&[b])?, b)))
+            .collect();
         let env: TokEnv = Arc::new(Vocabulary {
             trie,
             tokenizer: tokenizer.clone(),
@@ -141,6 +177,7 @@ impl GrammarCompiler {
             factory,
             cache: std::sync::Mutex::default(),
             eos: eos.to_vec(),
+            closers: Arc::new(closers),
         })
     }
 
@@ -158,10 +195,7 @@ impl GrammarCompiler {
                 let hit = cache.remove(i).expect("found at i");
                 let matcher = hit.1.deep_clone();
                 cache.push_back(hit);
-                return Ok(Constraint {
-                    matcher,
-                    eos: self.eos.clone(),
-                });
+                return Ok(self.constraint(matcher));
             }
         }
         let parser = self
@@ -182,17 +216,41 @@ impl GrammarCompiler {
             }
             cache.push_back((key, matcher.deep_clone()));
         }
-        Ok(Constraint {
+        Ok(self.constraint(matcher))
+    }
+
+    fn constraint(&self, matcher: Matcher) -> Constraint {
+        Constraint {
             matcher,
             eos: self.eos.clone(),
-        })
+            closers: Arc::clone(&self.closers),
+            closing: None,
+            watch: MAX_CLOSING + CLOSE_MARGIN + 1,
+        }
     }
 }
+
+/// Longest closing path looked for (tokens): a structure that needs more is cut.
+const MAX_CLOSING: usize = 64;
+/// The least budget at which the closing path is measured each token (it is first
+/// measured when the budget comes within [`MAX_CLOSING`]).
+const WATCH_MIN: usize = 16;
+/// Tokens after which a path too long for the budget is measured again.
+const RETRY_AFTER: usize = 4;
+/// Tokens of margin when the closer takes over: what one more freely sampled token
+/// might add to the path.
+const CLOSE_MARGIN: usize = 2;
 
 /// One sequence's place in its grammar.
 pub struct Constraint {
     matcher: Matcher,
     eos: Vec<u32>,
+    closers: Arc<Vec<(u32, u8)>>,
+    /// Closing for `max_tokens`: the path's tokens still to force (reversed), then
+    /// an EOS.
+    closing: Option<Vec<u32>>,
+    /// The budget at or below which the closing path is measured each token.
+    watch: usize,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -208,6 +266,14 @@ impl std::fmt::Debug for Constraint {
 pub struct Allowed(SimpleVob);
 
 impl Allowed {
+    /// Only `token` (one the grammar allows, forced).
+    #[must_use]
+    pub fn only(token: u32, vocab: usize) -> Self {
+        let mut v = SimpleVob::alloc(vocab.max(token as usize + 1));
+        v.allow_token(token);
+        Allowed(v)
+    }
+
     #[must_use]
     pub fn contains(&self, token: u32) -> bool {
         (token as usize) < self.0.len() && self.0.is_allowed(token)
@@ -265,11 +331,110 @@ impl Constraint {
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()
     }
+
+    /// With `remaining` tokens of budget left (this one included): the token that
+    /// must come next so the output still ends complete within the budget, or `None`
+    /// to sample freely. Once the shortest way to a complete output found (single
+    /// bytes, most closing first: `"`, `}`, `]`, digits, …) nearly fills the budget,
+    /// its tokens are forced, then an EOS: a `max_tokens` cut leaves valid output
+    /// (OpenAI's and vLLM's JSON modes leave it unclosed).
+    pub fn closing_token(&mut self, remaining: usize) -> Result<Option<u32>> {
+        if let Some(path) = self.closing.as_mut() {
+            return Ok(Some(path.pop().unwrap_or(self.eos[0])));
+        }
+        if remaining > self.watch || self.matcher.is_stopped() {
+            return Ok(None);
+        }
+        let Some(path) = self.close_path()?.filter(|p| p.len() <= remaining) else {
+            // No way to an end within the budget yet: measured again a few tokens on
+            // (the model may write the forced parts in fewer tokens).
+            self.watch = remaining.saturating_sub(RETRY_AFTER);
+            return Ok(None);
+        };
+        // Measured again each token while the budget is within twice the path.
+        self.watch = WATCH_MIN.max(2 * path.len() + 8);
+        if path.len() + 1 + CLOSE_MARGIN < remaining {
+            return Ok(None);
+        }
+        let mut path = path;
+        path.reverse();
+        let first = path.pop().unwrap_or(self.eos[0]);
+        self.closing = Some(path);
+        Ok(Some(first))
+    }
+
+    /// The output was cut short to end within the budget.
+    #[must_use]
+    pub fn closed_for_budget(&self) -> bool {
+        self.closing.is_some()
+    }
+
+    /// Tokens from here to a state where the grammar may end, by the closing order;
+    /// `None` when there is none within [`MAX_CLOSING`].
+    fn close_path(&self) -> Result<Option<Vec<u32>>> {
+        let err = |e: String| EngineError::Internal(format!("structured outputs: {e}"));
+        let mut m = self.matcher.deep_clone();
+        let mut path = Vec::new();
+        let mut prev: Option<u16> = None;
+        while path.len() <= MAX_CLOSING {
+            let mask = m.compute_mask_or_eos().map_err(|e| err(e.to_string()))?;
+            if m.is_stopped() || mask.is_allowed(self.eos[0]) {
+                return Ok(Some(path));
+            }
+            // Text the grammar forces (a key, a tag), in its own tokens rather than
+            // byte by byte.
+            let forced = m.consume_ff_tokens();
+            if !forced.is_empty() {
+                path.extend(forced);
+                prev = None;
+                continue;
+            }
+            let mut allowed = self.closers.iter().filter(|(t, _)| mask.is_allowed(*t));
+            let t = match allowed.clone().next() {
+                Some(&first) => {
+                    let (t, b) = allowed
+                        .find(|(_, b)| Some(byte_class(*b)) != prev)
+                        .copied()
+                        .unwrap_or(first);
+                    prev = Some(byte_class(b));
+                    t
+                }
+                // Only longer tokens go on (llguidance may force a lexeme's canonical
+                // tokens): the first of them.
+                None => {
+                    prev = None;
+                    match (0..mask.len() as u32).find(|&t| mask.is_allowed(t)) {
+                        Some(t) => t,
+                        None => return Ok(None),
+                    }
+                }
+            };
+            m.consume_token(t).map_err(|e| err(e.to_string()))?;
+            path.push(t);
+        }
+        Ok(None)
+    }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Whether `g` compiles and takes exactly `text` (in llama-tiny's tokens) to an
+    /// end where generation may stop.
+    pub(crate) fn accepts(g: &Grammar, text: &str) -> bool {
+        let (c, tok) = compiler();
+        let mut m = c
+            .compile(g, "test")
+            .unwrap_or_else(|e| panic!("{e}: {g:?}"));
+        for id in tok.encode(text, false).unwrap().get_ids() {
+            if !m.allowed().unwrap().contains(*id) {
+                return false;
+            }
+            m.accept(*id).unwrap();
+        }
+        m.allowed().unwrap().contains(2)
+    }
 
     /// llama-tiny's tokenizer: byte-level BPE, 512 tokens; `<|im_end|>` (2) and
     /// `<|endoftext|>` (0) end generation.
@@ -361,6 +526,73 @@ mod tests {
         assert_eq!(compact(&own), own);
         // A boolean schema has nowhere to say it: left as it is.
         assert_eq!(compact(&serde_json::json!(true)), serde_json::json!(true));
+    }
+
+    /// Plays a sequence with `remaining` tokens of budget after `prefix`: the "model"
+    /// keeps writing `x` (or the first token allowed) wherever it is free; returns
+    /// the text and whether the closer ended it.
+    pub(crate) fn run_to_budget(g: &Grammar, prefix: &str, mut remaining: usize) -> (String, bool) {
+        let (c, tok) = compiler();
+        let mut m = c.compile(g, "t").unwrap();
+        let mut out: Vec<u32> = tok.encode(prefix, false).unwrap().get_ids().to_vec();
+        for id in &out {
+            m.accept(*id).unwrap();
+        }
+        let x = tok.token_to_id("x").unwrap();
+        while remaining > 0 && !m.is_done() {
+            let t = match m.closing_token(remaining).unwrap() {
+                Some(t) => t,
+                None => {
+                    let a = m.allowed().unwrap();
+                    if a.contains(x) {
+                        x
+                    } else {
+                        (3..512).find(|&i| a.contains(i)).unwrap()
+                    }
+                }
+            };
+            m.accept(t).unwrap();
+            out.push(t);
+            remaining -= 1;
+            if t == 2 {
+                break;
+            }
+        }
+        (tok.decode(&out, true).unwrap(), m.closed_for_budget())
+    }
+
+    #[test]
+    fn near_max_tokens_the_closing_path_completes_the_output() {
+        let schema = serde_json::json!({"type": "object", "properties": {
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            "n": {"type": "integer", "minimum": 5},
+            "ok": {"type": "boolean"}},
+            "required": ["name", "tags", "n", "ok"], "additionalProperties": false});
+        let g = Grammar::JsonSchema(schema);
+        for budget in [30, 45, 60, 100] {
+            let (text, closed) = run_to_budget(&g, r#"{"name":"hel"#, budget);
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("budget {budget}: {e}: {text}"));
+            assert!(
+                v["tags"].as_array().is_some_and(|t| !t.is_empty()),
+                "{text}"
+            );
+            assert!(v["n"].as_i64().is_some_and(|n| n >= 5), "{text}");
+            assert!(v["ok"].is_boolean() && v["name"].is_string(), "{text}");
+            assert!(closed, "budget {budget}: {text}");
+        }
+        // Any JSON, cut inside nested arrays.
+        let (text, _) = run_to_budget(&Grammar::JsonObject, r#"{"a":[[{"b":"x"#, 12);
+        serde_json::from_str::<serde_json::Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        // A regex: ends where it may (EOS), not mid-number.
+        let (text, closed) =
+            run_to_budget(&Grammar::Regex("[0-9]+\\.[0-9]+ (kg|lb)".into()), "12", 6);
+        assert!(closed, "{text}");
+        assert!(text.ends_with(" kg") || text.ends_with(" lb"), "{text}");
+        // A budget that cannot hold the shortest end: cut as before, nothing forced.
+        let (_, closed) = run_to_budget(&g, r#"{"name":"hel"#, 3);
+        assert!(!closed);
     }
 
     #[test]

@@ -72,9 +72,12 @@ impl Default for SamplingParams {
 /// At most this many `logit_bias` entries (each applied per token on the engine thread).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
-/// At most this many stop strings (as OpenAI), each of at most [`MAX_STOP_BYTES`]:
-/// every generated token is checked against each of them on the engine thread.
-pub const MAX_STOP: usize = 4;
+/// At most this many stop strings, each of at most [`MAX_STOP_BYTES`]: every
+/// generated token is checked against each of them on the engine thread. A client
+/// gives at most [`MAX_CLIENT_STOP`] (as OpenAI); the server adds its own (a single
+/// tool call's closing tag).
+pub const MAX_STOP: usize = 8;
+pub const MAX_CLIENT_STOP: usize = 4;
 pub const MAX_STOP_BYTES: usize = 256;
 /// At most this many `stop_token_ids` (checked per token, like stop strings).
 pub const MAX_STOP_TOKEN_IDS: usize = 128;
@@ -408,7 +411,10 @@ mod tests {
             f(&mut p);
             p
         };
-        assert_eq!(field(with(&|p| p.stop = vec!["x".into(); 5])), "stop");
+        assert_eq!(
+            field(with(&|p| p.stop = vec!["x".into(); MAX_STOP + 1])),
+            "stop"
+        );
         assert_eq!(field(with(&|p| p.stop = vec!["x".repeat(257)])), "stop");
         assert_eq!(field(with(&|p| p.stop = vec![String::new()])), "stop");
         assert_eq!(

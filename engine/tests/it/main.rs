@@ -11,4 +11,5 @@ mod regressions;
 mod server;
 mod structured;
 mod text;
+mod tools;
 mod transfer;

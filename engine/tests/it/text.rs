@@ -20,9 +20,33 @@ fn chat_template_renders_like_transformers() {
     let msgs: Vec<ChatMessage> = serde_json::from_value(ex["messages"].clone()).unwrap();
     let t = tokenizer("llama-tiny");
     assert_eq!(
-        t.apply_chat_template(&msgs, true).unwrap(),
+        t.apply_chat_template(&msgs, None, true).unwrap(),
         ex["rendered"].as_str().unwrap()
     );
+}
+
+/// A template with tools, calls and tool results (and SmolLM2's own, without tools)
+/// renders as transformers renders it (`testdata/chat_templates/make_reference.py`):
+/// jinja2's block trimming, its `tojson` layout, tool calls' arguments as values.
+#[test]
+fn tool_template_renders_like_transformers() {
+    let dir = preheat_testkit::testdata().join("chat_templates");
+    let src = std::fs::read_to_string(dir.join("smollm2_hermes_tools.jinja")).unwrap();
+    let cases: Vec<serde_json::Value> = serde_json::from_slice(
+        &std::fs::read(dir.join("smollm2_hermes_tools.reference.json")).unwrap(),
+    )
+    .unwrap();
+    let t = tokenizer("llama-tiny").with_chat_template(src).unwrap();
+    for c in &cases {
+        let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let tools: Option<Vec<serde_json::Value>> =
+            serde_json::from_value(c["tools"].clone()).unwrap();
+        assert_eq!(
+            t.apply_chat_template(&msgs, tools.as_deref(), true)
+                .unwrap(),
+            c["rendered"].as_str().unwrap()
+        );
+    }
 }
 
 #[test]

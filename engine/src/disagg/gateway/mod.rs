@@ -67,6 +67,9 @@ pub struct GatewayOptions {
     pub cluster_token: Option<Arc<ClusterToken>>,
     /// Keys the OpenAI API asks for.
     pub api_keys: Option<Arc<ApiKeys>>,
+    /// A chat template rendered instead of the model's (`--chat-template`): the
+    /// gateway renders every chat, so only its template counts.
+    pub chat_template: Option<String>,
 }
 
 /// The workers that may serve now, as a platform lists them (Kubernetes: the pools'
@@ -117,6 +120,7 @@ impl Default for GatewayOptions {
             discovery: None,
             cluster_token: None,
             api_keys: None,
+            chat_template: None,
         }
     }
 }
@@ -223,7 +227,10 @@ struct Picked {
 impl Gateway {
     /// Starts serving `info`'s model: the front engine the OpenAI API runs on.
     fn install_front(self: &Arc<Self>, info: ModelInfo) -> Result<()> {
-        let tok = Tokenizer::from_parts(info.tokenizer)?;
+        let mut tok = Tokenizer::from_parts(info.tokenizer)?;
+        if let Some(t) = &self.opts.chat_template {
+            tok = tok.with_chat_template(t.clone())?;
+        }
         let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
         let _ = metrics.registry.register(Box::new(self.pending.clone()));
         let _ = metrics
