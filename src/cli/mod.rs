@@ -121,6 +121,10 @@ pub struct UpArgs {
     /// snapshot); default: an embedded synthetic tiny model that works offline.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// A chat template rendered instead of the model's own (the gateway renders every
+    /// chat), e.g. `testdata/chat_templates/smollm2_hermes_tools.jinja` for tools.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]

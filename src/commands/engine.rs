@@ -84,7 +84,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// `--chat-template`'s text, read at start: a missing file fails the start, not the
 /// first chat.
-fn read_chat_template(path: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+pub(super) fn read_chat_template(path: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
     path.map(|p| {
         std::fs::read_to_string(p).with_context(|| format!("--chat-template {}", p.display()))
     })

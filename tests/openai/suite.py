@@ -317,6 +317,7 @@ def _():
     else:
         assert m.content and "<tool_call>" not in m.content, m
     answers["tool_auto"] = m.model_dump(exclude={"tool_calls": {"__all__": {"id"}}})
+    print("tool_auto:", json.dumps(answers["tool_auto"]), flush=True)
 
 
 @check("what is not supported is refused by name")

@@ -71,6 +71,9 @@ pub struct Common {
     pub guided_regex: Option<String>,
     pub guided_choice: Option<Vec<String>>,
     pub guided_grammar: Option<String>,
+    /// vLLM's newer form of the same: `{"json" | "regex" | "choice" | "grammar" |
+    /// "json_object": …}`.
+    pub structured_outputs: Option<serde_json::Map<String, Value>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -263,6 +266,9 @@ pub fn grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>> {
     if let Some(g) = &c.guided_grammar {
         asked.push((Grammar::Lark(g.clone()), "guided_grammar"));
     }
+    if let Some(so) = &c.structured_outputs {
+        asked.extend(structured_outputs(so)?);
+    }
     if asked.len() > 1 {
         let names: Vec<&str> = asked.iter().map(|(_, p)| *p).collect();
         return Err(EngineError::invalid(
@@ -274,6 +280,65 @@ pub fn grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>> {
         ));
     }
     Ok(asked.pop())
+}
+
+/// vLLM's `structured_outputs` object: one constraint, its other options refused by
+/// name (they would change the grammar: whitespace, fallbacks, structural tags).
+fn structured_outputs(
+    so: &serde_json::Map<String, Value>,
+) -> Result<Option<(Grammar, &'static str)>> {
+    const P: &str = "structured_outputs";
+    let inv = |m: String| EngineError::invalid(m, P);
+    let mut asked = Vec::new();
+    for (k, v) in so {
+        if v.is_null() {
+            continue;
+        }
+        let g = match k.as_str() {
+            "json" => Grammar::JsonSchema(match v {
+                Value::String(text) => serde_json::from_str(text)
+                    .map_err(|e| inv(format!("structured_outputs.json is not JSON: {e}")))?,
+                v => v.clone(),
+            }),
+            "regex" => Grammar::Regex(
+                v.as_str()
+                    .ok_or_else(|| inv("structured_outputs.regex must be a string".into()))?
+                    .to_owned(),
+            ),
+            "choice" => {
+                let c: Vec<String> = serde_json::from_value(v.clone()).map_err(|_| {
+                    inv("structured_outputs.choice must be a list of strings".into())
+                })?;
+                if c.is_empty() || c.len() > MAX_GUIDED_CHOICES {
+                    return Err(inv(format!(
+                        "structured_outputs.choice needs 1 to {MAX_GUIDED_CHOICES} strings, got {}",
+                        c.len()
+                    )));
+                }
+                Grammar::Choice(c)
+            }
+            "grammar" => Grammar::Lark(
+                v.as_str()
+                    .ok_or_else(|| inv("structured_outputs.grammar must be a string".into()))?
+                    .to_owned(),
+            ),
+            "json_object" if v == &Value::Bool(true) => Grammar::JsonObject,
+            "json_object" => continue,
+            other => {
+                return Err(inv(format!(
+                    "structured_outputs.{other} is not supported by this server (json, regex, choice, grammar and json_object are)"
+                )));
+            }
+        };
+        asked.push(g);
+    }
+    if asked.len() > 1 {
+        return Err(inv(
+            "structured_outputs may give only one of json, regex, choice, grammar, json_object"
+                .into(),
+        ));
+    }
+    Ok(asked.pop().map(|g| (g, P)))
 }
 
 /// Most strings `guided_choice` may list.

@@ -57,6 +57,9 @@ fn text_only(v: &Value) -> bool {
     v.as_array()
         .is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))
 }
+fn llguidance_backend(v: &Value) -> bool {
+    matches!(v.as_str(), Some("auto" | "guidance" | "llguidance"))
+}
 fn default_tier(v: &Value) -> bool {
     matches!(v.as_str(), Some("auto" | "default"))
 }
@@ -83,9 +86,12 @@ const SHARED: &[(&str, Allowed)] = &[
     ("skip_special_tokens", Allowed::Neutral(is_true)),
     ("spaces_between_special_tokens", Allowed::Neutral(is_true)),
     ("priority", Allowed::Neutral(zero)),
-    // Structured outputs run on llguidance only: asking for a backend is refused.
-    ("guided_decoding_backend", Allowed::Neutral(never)),
-    ("structured_outputs", Allowed::Neutral(never)),
+    // Structured outputs run on llguidance (vLLM's `guidance` backend): asking for
+    // another backend is refused.
+    (
+        "guided_decoding_backend",
+        Allowed::Neutral(llguidance_backend),
+    ),
 ];
 
 /// Chat only.
@@ -198,7 +204,7 @@ mod tests {
                 json!([{"name": "f", "parameters": {"type": "object"}}]),
             ),
             ("function_call", json!({"name": "f"})),
-            ("structured_outputs", json!({"json": {"type": "object"}})),
+            ("guided_decoding_backend", json!("xgrammar")),
             ("store", json!(true)),
             ("temprature", json!(0.2)),
         ] {

@@ -257,6 +257,8 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         ("stream", json!(false), honoured),
         ("stream_options", json!({"include_usage": true}), 400),
         ("temperature", json!(0.5), honoured),
+        // Without tools there is nothing to require; and llama-tiny's template renders
+        // no tools (tools.rs serves them with one that does).
         ("tool_choice", json!("required"), 400),
         ("tools", tool.clone(), 400),
         ("top_p", json!(0.9), honoured),
@@ -279,6 +281,7 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         ("echo", json!(true), 400),
         ("guided_choice", json!(["a", "b"]), honoured),
         ("guided_decoding_backend", json!("xgrammar"), 400),
+        ("guided_decoding_backend", json!("guidance"), honoured),
         // Lark (llguidance's dialect); GBNF's `root ::= …` does not compile: 400.
         ("guided_grammar", json!("start: \"a\""), honoured),
         ("guided_json", json!({"type": "object"}), honoured),
@@ -296,7 +299,12 @@ async fn regression_tools_response_format_and_penalties_were_silently_ignored() 
         ("skip_special_tokens", json!(false), 400),
         ("spaces_between_special_tokens", json!(false), 400),
         ("stop_token_ids", json!([3]), honoured),
-        ("structured_outputs", json!({"json": {}}), 400),
+        ("structured_outputs", json!({"json": {}}), honoured),
+        (
+            "structured_outputs",
+            json!({"regex": "a", "whitespace_pattern": " "}),
+            400,
+        ),
         ("top_k", json!(5), honoured),
         ("top_logprobs", json!(2), honoured),
         ("truncate_prompt_tokens", json!(8), 400),

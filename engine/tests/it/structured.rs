@@ -79,6 +79,17 @@ async fn guided_outputs_match_their_choice_regex_and_schema() {
         seen.len() > 1,
         "ten seeds all chose {seen:?}: the grammar left no choice"
     );
+    // vLLM's newer `structured_outputs` object asks for the same.
+    for seed in 0..3 {
+        let (st, r) = s
+            .post(
+                "/v1/chat/completions",
+                chat(json!({"structured_outputs": {"choice": choices}}), seed),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert!(choices.contains(&content(&r)), "{r}");
+    }
 
     // Completions too, and streamed: the pieces join into one of the choices.
     let (_, r) = s

@@ -51,6 +51,7 @@ struct Options {
     limits: [(u32, u32); 2],
     cache: PathBuf,
     model: Option<PathBuf>,
+    chat_template: Option<String>,
     kv_cache_mib: usize,
     slo_ttft: f64,
     slo_itl: f64,
@@ -114,6 +115,7 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
         limits: [(a.prefill_min, a.prefill_max), (a.decode_min, a.decode_max)],
         cache: a.cache_dir.clone(),
         model: a.model.clone(),
+        chat_template: super::engine::read_chat_template(a.chat_template.as_deref())?,
         kv_cache_mib: a.kv_cache_mib,
         slo_ttft: a.slo_ttft,
         slo_itl: a.slo_itl,
@@ -233,6 +235,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         let outage = Arc::new(gateway::Outage::default());
         let gopts = GatewayOptions {
             model: Some(info),
+            chat_template: o.chat_template.clone(),
             hold_timeout: Duration::from_secs(600),
             outage: Arc::clone(&outage),
             cluster_token: Some(Arc::clone(&token)),
