@@ -212,7 +212,7 @@ fn message(text: &str, tools: Option<ToolStream>) -> (Value, usize) {
     let n = calls.len();
     let mut m = json!({"role": "assistant", "content": content});
     if n > 0 {
-        if content.is_empty() {
+        if content.trim().is_empty() {
             m["content"] = Value::Null;
         }
         m["tool_calls"] = Value::Array(calls);

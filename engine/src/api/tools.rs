@@ -123,6 +123,7 @@ pub fn parse(
         ));
     }
     let mut functions: Vec<Function> = Vec::with_capacity(tools.len());
+    let mut strict: Vec<bool> = Vec::with_capacity(tools.len());
     for (i, t) in tools.iter().enumerate() {
         let param = "tools";
         if t.get("type").and_then(Value::as_str) != Some("function") {
@@ -164,6 +165,7 @@ pub fn parse(
             name: name.to_owned(),
             parameters,
         });
+        strict.push(f.get("strict") == Some(&Value::Bool(true)));
     }
     let choice = match choice {
         None | Some(Value::Null) => ToolChoice::Auto,
@@ -201,6 +203,18 @@ pub fn parse(
             ToolChoice::Named(name.to_owned())
         }
     };
+    // `strict` promises arguments valid for the schema: kept by the grammar when a
+    // call is forced; under `auto` the model's free text is not held to it.
+    if choice == ToolChoice::Auto
+        && let Some(i) = strict.iter().position(|s| *s)
+    {
+        return Err(invalid(
+            format!(
+                "tools[{i}].function.strict: arguments are held to the schema only when tool_choice is \"required\" or names the function"
+            ),
+            "tools",
+        ));
+    }
     let format = template.and_then(ToolFormat::of_template).ok_or_else(|| {
         invalid(
             "this model's chat template does not render tools in a format this server parses (Hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]); serve it with --chat-template naming one that does",
@@ -415,14 +429,16 @@ impl ToolStream {
                     if t.is_empty() {
                         return out;
                     }
-                    self.mode = match format {
-                        ToolFormat::Llama3Json if t.starts_with('{') || could_be(t, PYTHON_TAG) => {
-                            Mode::Calls
-                        }
-                        ToolFormat::Mistral if t.starts_with('[') || could_be(t, MISTRAL_TAG) => {
-                            Mode::Calls
-                        }
-                        _ => Mode::Content,
+                    let start = match format {
+                        ToolFormat::Hermes => Start::No,
+                        ToolFormat::Llama3Json => call_start(t, PYTHON_TAG, "{"),
+                        ToolFormat::Mistral => call_start(t, MISTRAL_TAG, "[{"),
+                    };
+                    self.mode = match start {
+                        // Not known yet: wait for more text.
+                        Start::Maybe => return out,
+                        Start::Yes => Mode::Calls,
+                        Start::No => Mode::Content,
                     };
                 }
                 (ToolFormat::Hermes, Mode::Content) => {
@@ -486,12 +502,18 @@ impl ToolStream {
         let rest = std::mem::take(&mut self.buf);
         match (format, self.mode) {
             (ToolFormat::Hermes, Mode::Calls) => {
-                // A last block the model did not close (it stopped at EOS).
+                // Whitespace after the last call is no content.
                 let t = rest.trim();
-                if let Some(block) = t.strip_prefix(HERMES_OPEN)
-                    && let Some(call) = self.one_call(block, "arguments")
-                {
-                    return call.into_iter().collect();
+                if t.is_empty() {
+                    return Vec::new();
+                }
+                // A last block the model did not close (it stopped at EOS, or a stop
+                // string or `max_tokens` cut the closing tag).
+                if let Some(block) = t.strip_prefix(HERMES_OPEN) {
+                    let block = strip_partial_suffix(block.trim_end(), HERMES_CLOSE);
+                    if let Some(call) = self.one_call(block, "arguments") {
+                        return call.into_iter().collect();
+                    }
                 }
                 content(rest)
             }
@@ -515,10 +537,12 @@ impl ToolStream {
     /// parse, `Some(None)` when it does but is a call beyond the one allowed.
     fn one_call(&mut self, text: &str, args_key: &str) -> Option<Option<Piece>> {
         let v: Value = serde_json::from_str(text.trim()).ok()?;
+        let o = v.as_object()?;
+        o.get("name")?.as_str()?;
         if self.single && self.calls >= 1 {
             return Some(None);
         }
-        let call = self.call_of(v.as_object()?, args_key)?;
+        let call = self.call_of(o, args_key)?;
         Some(Some(Piece::Call(call)))
     }
 
@@ -527,12 +551,14 @@ impl ToolStream {
         let args = o
             .get(args_key)
             .or_else(|| o.get("arguments"))
-            .or_else(|| o.get("parameters"))?;
-        // Some models write the arguments as a JSON string already.
+            .or_else(|| o.get("parameters"));
+        // Some models write the arguments as a JSON string already, or leave out
+        // those of a function that takes none.
         let arguments = match args {
-            Value::String(s) if serde_json::from_str::<Value>(s).is_ok() => s.clone(),
-            Value::Object(_) => args.to_string(),
-            _ => return None,
+            None => "{}".to_owned(),
+            Some(Value::String(s)) if serde_json::from_str::<Value>(s).is_ok() => s.clone(),
+            Some(a @ Value::Object(_)) => a.to_string(),
+            Some(_) => return None,
         };
         let index = self.calls;
         self.calls += 1;
@@ -591,9 +617,51 @@ fn content(s: String) -> Vec<Piece> {
     }
 }
 
-/// Whether `text` (trimmed) is a prefix of `tag` or starts with it.
-fn could_be(text: &str, tag: &str) -> bool {
-    text.starts_with(tag) || tag.starts_with(text)
+/// Whether an answer (`t`, leading whitespace trimmed) is calls.
+enum Start {
+    Yes,
+    No,
+    Maybe,
+}
+
+/// `t` begins with `tag`, or with `open` (`{` or `[{`, whitespace between allowed)
+/// followed by `"name"`; `Maybe` while it is a strict prefix of either.
+fn call_start(t: &str, tag: &str, open: &str) -> Start {
+    if t.starts_with(tag) {
+        return Start::Yes;
+    }
+    let tag_prefix = tag.starts_with(t);
+    // Walk `open` then `"name"`, skipping whitespace between them.
+    let want: Vec<char> = open.chars().chain("\"name\"".chars()).collect();
+    let open_len = open.chars().count();
+    let mut i = 0;
+    for c in t.chars() {
+        if i == want.len() {
+            return Start::Yes;
+        }
+        if c.is_whitespace() && i > 0 && i <= open_len {
+            continue;
+        }
+        if c != want[i] {
+            return if tag_prefix { Start::Maybe } else { Start::No };
+        }
+        i += 1;
+    }
+    if i == want.len() {
+        Start::Yes
+    } else {
+        Start::Maybe
+    }
+}
+
+/// `s` without a trailing partial `tag` (a cut closing tag).
+fn strip_partial_suffix<'a>(s: &'a str, tag: &str) -> &'a str {
+    for k in (1..=tag.len()).rev() {
+        if s.len() >= k && s.is_char_boundary(s.len() - k) && tag.starts_with(&s[s.len() - k..]) {
+            return s[..s.len() - k].trim_end();
+        }
+    }
+    s
 }
 
 /// How much of `buf` can be sent as content: all but trailing whitespace and a
@@ -847,6 +915,60 @@ mod tests {
         assert_eq!(all_splits(&t, plain), vec![Piece::Content(plain.into())]);
     }
 
+    /// A stream that begins like a call but is not one is sent as it comes, not held
+    /// to the end.
+    #[test]
+    fn answers_that_only_begin_like_calls_stream_at_once() {
+        for (format, text) in [
+            (ToolFormat::Llama3Json, "<b>bold</b> text"),
+            (ToolFormat::Llama3Json, "{x} is a set"),
+            (ToolFormat::Mistral, "[a link](http://x) here"),
+            (ToolFormat::Mistral, "[ {not a call"),
+        ] {
+            let t = tools(format, ToolChoice::Auto);
+            let mut s = t.stream(CallIds::new("t", 0));
+            let mut sent = String::new();
+            for c in text.chars() {
+                for p in s.push(&c.to_string()) {
+                    let Piece::Content(c) = p else {
+                        panic!("{p:?}")
+                    };
+                    sent.push_str(&c);
+                }
+            }
+            assert!(
+                sent.len() + 4 >= text.len(),
+                "{format:?} held {text:?} back: sent {sent:?}"
+            );
+            assert_eq!(all_splits(&t, text), vec![Piece::Content(text.into())]);
+        }
+    }
+
+    #[test]
+    fn leftovers_after_calls_and_cut_tags() {
+        let t = tools(ToolFormat::Hermes, ToolChoice::Auto);
+        // Whitespace after the calls is no content.
+        let p = all_splits(
+            &t,
+            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n\n",
+        );
+        assert_eq!(p.len(), 1, "{p:?}");
+        // A closing tag cut short, arguments left out: still the call.
+        let p = all_splits(&t, "<tool_call>\n{\"name\": \"get_time\"}\n</tool_ca");
+        assert_eq!(call(&p[0]), ("get_time", json!({})));
+        // One call allowed: a later block that is no call stays content.
+        let mut single = tools(ToolFormat::Hermes, ToolChoice::Auto);
+        single.parallel = false;
+        let p = all_splits(
+            &single,
+            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call><tool_call>[1]</tool_call>",
+        );
+        assert!(
+            matches!(p.as_slice(), [Piece::Call(_), Piece::Content(_)]),
+            "{p:?}"
+        );
+    }
+
     #[test]
     fn tool_choice_none_returns_the_text_as_is() {
         let t = tools(ToolFormat::Hermes, ToolChoice::None);
@@ -883,6 +1005,9 @@ mod tests {
             "tools"
         );
         assert_eq!(err(std::slice::from_ref(&tool), None, None), "tools");
+        let strict = json!({"type": "function", "function": {"name": "f", "strict": true}});
+        assert_eq!(err(std::slice::from_ref(&strict), None, hermes), "tools");
+        assert!(parse(Some(&[strict]), Some(&json!("required")), None, hermes).is_ok());
         assert_eq!(err(&[json!({"type": "retrieval"})], None, hermes), "tools");
         assert_eq!(
             err(

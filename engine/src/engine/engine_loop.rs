@@ -306,15 +306,7 @@ impl EngineLoop {
                 .saturating_sub(seq.generated().len())
                 .min(context.max(1))
         });
-        let vocab = logits.len();
-        let allowed = match live.constraint.as_mut().map(|c| {
-            // Near the budget's end the grammar's closing path is forced, so the cut
-            // leaves complete output.
-            match c.closing_token(remaining)? {
-                Some(t) => Ok(Allowed::only(t, vocab)),
-                None => c.allowed(),
-            }
-        }) {
+        let allowed = match live.constraint.as_mut().map(|c| c.allowed()) {
             None => None,
             Some(Ok(a)) => Some(a),
             Some(Err(e)) => {
@@ -322,7 +314,7 @@ impl EngineLoop {
                 return;
             }
         };
-        let s = sample_with_state(
+        let mut s = sample_with_state(
             logits,
             &live.params,
             &mut live.rng,
@@ -330,6 +322,22 @@ impl EngineLoop {
             self.tokenizer.eos_ids(),
             allowed.as_ref(),
         );
+        // Near max_tokens, a token after which the grammar cannot end within the
+        // budget gives way to the way to an end (its logprob the model's own).
+        if let Some(t) = live
+            .constraint
+            .as_mut()
+            .and_then(|c| c.budget_check(s.token, remaining))
+        {
+            s = sample_with_state(
+                logits,
+                &live.params,
+                &mut live.rng,
+                &live.penalties,
+                self.tokenizer.eos_ids(),
+                Some(&Allowed::only(t, logits.len())),
+            );
+        }
         if live.prefill_only.is_some() {
             self.ship(id, s.token, s.logprob, s.top);
             return;

@@ -102,8 +102,8 @@ pub struct GrammarCompiler {
     /// Every token that ends generation: allowed together when the grammar allows
     /// its end (llguidance knows one EOS id).
     eos: Vec<u32>,
-    /// Single-byte tokens (and their byte) in the order
-    /// [`Constraint::closing_token`] tries them.
+    /// Single-byte tokens (and their byte) in the order the closing path
+    /// ([`Constraint::budget_check`]) tries them.
     closers: Arc<Vec<(u32, u8)>>,
 }
 
@@ -124,15 +124,15 @@ fn closing_order() -> Vec<u8> {
     order
 }
 
-/// Digits and letters repeat forever in a number or a `[a-z]+`: the closer moves on
-/// to another class when one is allowed.
-fn byte_class(b: u8) -> u16 {
+/// Digits and letters repeat forever in a number or a `[a-z]+`: after one of them the
+/// closer moves on to another class when one is allowed.
+fn repeating_class(b: u8) -> Option<u8> {
     if b.is_ascii_digit() {
-        256
+        Some(0)
     } else if b.is_ascii_alphabetic() {
-        257
+        Some(1)
     } else {
-        u16::from(b)
+        None
     }
 }
 
@@ -224,33 +224,22 @@ impl GrammarCompiler {
             matcher,
             eos: self.eos.clone(),
             closers: Arc::clone(&self.closers),
-            closing: None,
-            watch: MAX_CLOSING + CLOSE_MARGIN + 1,
+            closed_for_budget: false,
         }
     }
 }
 
-/// Longest closing path looked for (tokens): a structure that needs more is cut.
+/// Longest closing path looked for (tokens): within this budget every token is
+/// checked; a structure that needs more is cut.
 const MAX_CLOSING: usize = 64;
-/// The least budget at which the closing path is measured each token (it is first
-/// measured when the budget comes within [`MAX_CLOSING`]).
-const WATCH_MIN: usize = 16;
-/// Tokens after which a path too long for the budget is measured again.
-const RETRY_AFTER: usize = 4;
-/// Tokens of margin when the closer takes over: what one more freely sampled token
-/// might add to the path.
-const CLOSE_MARGIN: usize = 2;
 
 /// One sequence's place in its grammar.
 pub struct Constraint {
     matcher: Matcher,
     eos: Vec<u32>,
     closers: Arc<Vec<(u32, u8)>>,
-    /// Closing for `max_tokens`: the path's tokens still to force (reversed), then
-    /// an EOS.
-    closing: Option<Vec<u32>>,
-    /// The budget at or below which the closing path is measured each token.
-    watch: usize,
+    /// A token was replaced to end within `max_tokens`.
+    closed_for_budget: bool,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -332,87 +321,103 @@ impl Constraint {
         self.matcher.is_stopped()
     }
 
-    /// With `remaining` tokens of budget left (this one included): the token that
-    /// must come next so the output still ends complete within the budget, or `None`
-    /// to sample freely. Once the shortest way to a complete output found (single
-    /// bytes, most closing first: `"`, `}`, `]`, digits, …) nearly fills the budget,
-    /// its tokens are forced, then an EOS: a `max_tokens` cut leaves valid output
-    /// (OpenAI's and vLLM's JSON modes leave it unclosed).
-    pub fn closing_token(&mut self, remaining: usize) -> Result<Option<u32>> {
-        if let Some(path) = self.closing.as_mut() {
-            return Ok(Some(path.pop().unwrap_or(self.eos[0])));
+    /// The model sampled `token` with `remaining` tokens of budget left (this one
+    /// included): `None` keeps it; `Some(t)` is the token to put in its place because
+    /// after the model's one no end of the grammar fits in what is left, so the output
+    /// still ends complete when `max_tokens` comes (OpenAI's and vLLM's JSON modes cut
+    /// it open). The way to an end is found greedily, single bytes most closing first
+    /// (`"`, `}`, `]`, `,`, digits, letters…) with the grammar's forced text in its own
+    /// tokens; EOS once the grammar may end. A pure function of the state, the budget
+    /// and the token, so a decode worker resuming a prefill worker's sequence decides
+    /// as a colocated engine would.
+    pub fn budget_check(&mut self, token: u32, remaining: usize) -> Option<u32> {
+        if remaining > MAX_CLOSING + 1 || self.matcher.is_stopped() || self.eos.contains(&token) {
+            return None;
         }
-        if remaining > self.watch || self.matcher.is_stopped() {
-            return Ok(None);
+        // Probes run on clones (sharing the lexer's caches): an error in one is "no way
+        // to an end", never the request's.
+        let mut after = self.matcher.clone();
+        if after.try_consume_tokens(&[token]).ok() != Some(1) {
+            return None;
         }
-        let Some(path) = self.close_path()?.filter(|p| p.len() <= remaining) else {
-            // No way to an end within the budget yet: measured again a few tokens on
-            // (the model may write the forced parts in fewer tokens).
-            self.watch = remaining.saturating_sub(RETRY_AFTER);
-            return Ok(None);
-        };
-        // Measured again each token while the budget is within twice the path.
-        self.watch = WATCH_MIN.max(2 * path.len() + 8);
-        if path.len() + 1 + CLOSE_MARGIN < remaining {
-            return Ok(None);
+        if self.close_path(&after, remaining - 1).is_some() {
+            return None;
         }
-        let mut path = path;
-        path.reverse();
-        let first = path.pop().unwrap_or(self.eos[0]);
-        self.closing = Some(path);
-        Ok(Some(first))
+        let path = self.close_path(&self.matcher, remaining)?;
+        self.closed_for_budget = true;
+        Some(path.first().copied().unwrap_or(self.eos[0]))
     }
 
-    /// The output was cut short to end within the budget.
+    /// A token was replaced to end the output within the budget.
     #[must_use]
     pub fn closed_for_budget(&self) -> bool {
-        self.closing.is_some()
+        self.closed_for_budget
     }
 
-    /// Tokens from here to a state where the grammar may end, by the closing order;
-    /// `None` when there is none within [`MAX_CLOSING`].
-    fn close_path(&self) -> Result<Option<Vec<u32>>> {
-        let err = |e: String| EngineError::Internal(format!("structured outputs: {e}"));
-        let mut m = self.matcher.deep_clone();
+    /// Tokens from `m`'s state to one where the grammar may end, at most `limit`: the
+    /// shortest of the greedy walks that start as if the text so far ended in
+    /// punctuation, a digit or a letter (a number or a word may end now, or go on).
+    fn close_path(&self, m: &Matcher, limit: usize) -> Option<Vec<u32>> {
+        [None, Some(0), Some(1)]
+            .into_iter()
+            .filter_map(|prev| self.walk_to_end(&mut m.clone(), limit, prev))
+            .min_by_key(Vec::len)
+    }
+
+    fn walk_to_end(&self, m: &mut Matcher, limit: usize, prev: Option<u8>) -> Option<Vec<u32>> {
         let mut path = Vec::new();
-        let mut prev: Option<u16> = None;
-        while path.len() <= MAX_CLOSING {
-            let mask = m.compute_mask_or_eos().map_err(|e| err(e.to_string()))?;
-            if m.is_stopped() || mask.is_allowed(self.eos[0]) {
-                return Ok(Some(path));
+        let mut prev = prev;
+        loop {
+            let limit = limit.min(MAX_CLOSING);
+            if path.len() > limit {
+                return None;
             }
-            // Text the grammar forces (a key, a tag), in its own tokens rather than
-            // byte by byte.
+            if m.is_stopped() || m.is_accepting().ok()? {
+                return Some(path);
+            }
+            if path.len() == limit {
+                return None;
+            }
+            // Text the grammar forces (a key, a tag), in its own tokens.
             let forced = m.consume_ff_tokens();
+            if m.is_error() {
+                return None;
+            }
             if !forced.is_empty() {
                 path.extend(forced);
                 prev = None;
                 continue;
             }
-            let mut allowed = self.closers.iter().filter(|(t, _)| mask.is_allowed(*t));
-            let t = match allowed.clone().next() {
-                Some(&first) => {
-                    let (t, b) = allowed
-                        .find(|(_, b)| Some(byte_class(*b)) != prev)
-                        .copied()
-                        .unwrap_or(first);
-                    prev = Some(byte_class(b));
+            let mut first = None;
+            let mut pick = None;
+            for &(t, b) in self.closers.iter() {
+                if m.validate_tokens(&[t]).ok() != Some(1) {
+                    continue;
+                }
+                first.get_or_insert(t);
+                if prev.is_some() && repeating_class(b) == prev {
+                    continue;
+                }
+                pick = Some((t, b));
+                break;
+            }
+            let t = match (pick, first) {
+                (Some((t, b)), _) => {
+                    prev = repeating_class(b);
                     t
                 }
-                // Only longer tokens go on (llguidance may force a lexeme's canonical
-                // tokens): the first of them.
-                None => {
+                (None, Some(t)) => t,
+                // Only longer tokens go on (llguidance may hold a lexeme to its
+                // canonical tokens): the first of them.
+                (None, None) => {
                     prev = None;
-                    match (0..mask.len() as u32).find(|&t| mask.is_allowed(t)) {
-                        Some(t) => t,
-                        None => return Ok(None),
-                    }
+                    let mask = m.compute_mask().ok()?;
+                    (0..mask.len() as u32).find(|&t| mask.is_allowed(t))?
                 }
             };
-            m.consume_token(t).map_err(|e| err(e.to_string()))?;
+            m.consume_token(t).ok()?;
             path.push(t);
         }
-        Ok(None)
     }
 }
 
@@ -531,26 +536,33 @@ pub(crate) mod tests {
     /// Plays a sequence with `remaining` tokens of budget after `prefix`: the "model"
     /// keeps writing `x` (or the first token allowed) wherever it is free; returns
     /// the text and whether the closer ended it.
-    pub(crate) fn run_to_budget(g: &Grammar, prefix: &str, mut remaining: usize) -> (String, bool) {
+    pub(crate) fn run_to_budget(g: &Grammar, prefix: &str, remaining: usize) -> (String, bool) {
+        run_preferring(g, prefix, remaining, "x")
+    }
+
+    /// [`run_to_budget`] with a "model" that writes `prefer` wherever it may.
+    fn run_preferring(
+        g: &Grammar,
+        prefix: &str,
+        mut remaining: usize,
+        prefer: &str,
+    ) -> (String, bool) {
         let (c, tok) = compiler();
         let mut m = c.compile(g, "t").unwrap();
         let mut out: Vec<u32> = tok.encode(prefix, false).unwrap().get_ids().to_vec();
         for id in &out {
             m.accept(*id).unwrap();
         }
-        let x = tok.token_to_id("x").unwrap();
+        let x = tok.token_to_id(prefer).unwrap();
         while remaining > 0 && !m.is_done() {
-            let t = match m.closing_token(remaining).unwrap() {
-                Some(t) => t,
-                None => {
-                    let a = m.allowed().unwrap();
-                    if a.contains(x) {
-                        x
-                    } else {
-                        (3..512).find(|&i| a.contains(i)).unwrap()
-                    }
-                }
+            // The "model" writes `prefer` wherever it may, else the first token allowed.
+            let a = m.allowed().unwrap();
+            let want = if a.contains(x) {
+                x
+            } else {
+                (3..512).find(|&i| a.contains(i)).unwrap()
             };
+            let t = m.budget_check(want, remaining).unwrap_or(want);
             m.accept(t).unwrap();
             out.push(t);
             remaining -= 1;
@@ -590,6 +602,11 @@ pub(crate) mod tests {
             run_to_budget(&Grammar::Regex("[0-9]+\\.[0-9]+ (kg|lb)".into()), "12", 6);
         assert!(closed, "{text}");
         assert!(text.ends_with(" kg") || text.ends_with(" lb"), "{text}");
+        // Where the model's own choice still ends in time, it stands: the closer does
+        // not pick for it.
+        let choice = Grammar::Choice(vec!["positive".into(), "negative".into()]);
+        let (text, closed) = run_preferring(&choice, "", 9, "p");
+        assert_eq!((text.as_str(), closed), ("positive", false));
         // A budget that cannot hold the shortest end: cut as before, nothing forced.
         let (_, closed) = run_to_budget(&g, r#"{"name":"hel"#, 3);
         assert!(!closed);

@@ -333,3 +333,49 @@ async fn tools_are_refused_by_name_where_they_cannot_be_honoured() {
     );
     s.stop().await;
 }
+
+/// Minimal templates in the Llama 3 JSON and Mistral styles (the tiny fixtures' context
+/// is 512 tokens): what their markers make the server expect is what it forces and
+/// parses.
+fn llama3_template() -> String {
+    r#"{%- if tools %}<|start_header_id|>ipython<|end_header_id|>{% for t in tools %} {{ t.function.name }}{% endfor %}<|python_tag|>
+{% endif %}
+{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"#
+        .to_owned()
+}
+
+fn mistral_template() -> String {
+    r#"{%- if tools %}[AVAILABLE_TOOLS]{% for t in tools %} {{ t.function.name }}{% endfor %}[/AVAILABLE_TOOLS]{% endif %}
+{%- for m in messages %}[INST]{{ m.content }}[/INST]{% if m.tool_calls %}[TOOL_CALLS]{% endif %}{% endfor %}"#
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama3_and_mistral_formats_are_forced_and_parsed_too() {
+    for template in [llama3_template(), mistral_template()] {
+        let s = Server::start(fixture("llama-tiny"), |o| {
+            o.chat_template = Some(template.clone())
+        })
+        .await;
+        for seed in 0..3 {
+            let body = chat(json!({"tool_choice": "required"}), seed);
+            let (st, r) = s.post("/v1/chat/completions", body.clone()).await;
+            assert_eq!(st, 200, "{r}");
+            let c = calls(&r["choices"][0]["message"]);
+            assert!(!c.is_empty(), "{template}: {r}");
+            for (name, args) in &c {
+                match name.as_str() {
+                    "get_weather" => assert!(valid_weather(args), "{r}"),
+                    "get_time" => assert_eq!(args, &json!({}), "{r}"),
+                    other => panic!("{other}"),
+                }
+            }
+            let mut body = body;
+            body["stream"] = json!(true);
+            let (chunks, _) = s.stream("/v1/chat/completions", body).await;
+            assert_eq!(assemble(&chunks).0, c, "streamed alike");
+        }
+        s.stop().await;
+    }
+}
