@@ -33,6 +33,9 @@ pub struct TokenizerParts {
     /// `tokenizer.json` text.
     pub json: String,
     pub template: Option<String>,
+    /// The model's own template for chats with tools (absent from older workers).
+    #[serde(default)]
+    pub tool_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub add_bos: Option<u32>,
@@ -44,6 +47,8 @@ pub struct TokenizerParts {
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     template: Option<String>,
+    /// Renders chats that offer tools, where the model has such a template.
+    tool_template: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     add_bos: Option<u32>,
@@ -88,13 +93,15 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         let template = m.chat_template.clone();
-        if let Some(t) = &template {
+        let tool_template = m.tool_use_template.clone();
+        for t in template.iter().chain(&tool_template) {
             // Fail at load, not on the first chat request.
             template_env(t)?;
         }
         Ok(Tokenizer {
             inner,
             template,
+            tool_template,
             bos_token,
             eos_token,
             add_bos,
@@ -111,6 +118,7 @@ impl Tokenizer {
                 .to_string(false)
                 .map_err(|e| EngineError::Tokenizer(e.to_string()))?,
             template: self.template.clone(),
+            tool_template: self.tool_template.clone(),
             bos_token: self.bos_token.clone(),
             eos_token: self.eos_token.clone(),
             add_bos: self.add_bos,
@@ -122,12 +130,13 @@ impl Tokenizer {
     pub fn from_parts(p: TokenizerParts) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(p.json.as_bytes())
             .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        if let Some(t) = &p.template {
+        for t in p.template.iter().chain(&p.tool_template) {
             template_env(t)?;
         }
         Ok(Tokenizer {
             inner,
             template: p.template,
+            tool_template: p.tool_template,
             bos_token: p.bos_token,
             eos_token: p.eos_token,
             add_bos: p.add_bos,
@@ -206,13 +215,19 @@ impl Tokenizer {
     pub fn with_chat_template(mut self, template: String) -> Result<Self> {
         template_env(&template)?;
         self.template = Some(template);
+        // The operator's template renders every chat, tools or not.
+        self.tool_template = None;
         Ok(self)
     }
 
-    /// The chat template's source.
+    /// The source of the template that renders a chat (`tools`: one that offers
+    /// tools; the model's `tool_use` template where it has one).
     #[must_use]
-    pub fn chat_template(&self) -> Option<&str> {
-        self.template.as_deref()
+    pub fn chat_template(&self, tools: bool) -> Option<&str> {
+        match (tools, &self.tool_template) {
+            (true, Some(t)) => Some(t),
+            _ => self.template.as_deref(),
+        }
     }
 
     /// Renders a chat with the model's template; `tools` (OpenAI's `tools` entries)
@@ -223,7 +238,7 @@ impl Tokenizer {
         tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let t = self.template.as_deref().ok_or_else(|| {
+        let t = self.chat_template(tools.is_some()).ok_or_else(|| {
             EngineError::invalid(
                 "this model has no chat template; use /v1/completions",
                 "messages",

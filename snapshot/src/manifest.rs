@@ -81,6 +81,10 @@ pub struct Manifest {
     pub generation: GenerationDefaults,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// The template for chats that offer tools, where the model has one of its own
+    /// (Hugging Face's named `tool_use` template: Hermes 2 Pro, Command R).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_use_template: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSection>,
     #[serde(default)]

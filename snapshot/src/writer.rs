@@ -50,6 +50,8 @@ pub struct SnapshotBuilder {
     pub model: ModelConfig,
     pub generation: GenerationDefaults,
     pub chat_template: Option<String>,
+    /// See [`crate::Manifest::tool_use_template`].
+    pub tool_use_template: Option<String>,
     pub tokenizer: Option<TokenizerData>,
     pub source: SourceInfo,
     pub tensors: Vec<TensorSpec>,
@@ -70,6 +72,7 @@ impl SnapshotBuilder {
             model,
             generation: GenerationDefaults::default(),
             chat_template: None,
+            tool_use_template: None,
             tokenizer: None,
             source,
             tensors: Vec::new(),
@@ -172,6 +175,7 @@ impl SnapshotBuilder {
             model: self.model.clone(),
             generation: self.generation.clone(),
             chat_template: self.chat_template.clone(),
+            tool_use_template: self.tool_use_template.clone(),
             tokenizer: self.tokenizer.as_ref().map(|t| TokenizerSection {
                 blob: Blob {
                     offset: 0,

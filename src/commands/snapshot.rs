@@ -187,6 +187,7 @@ fn inspect(snap: &Snapshot, as_json: bool) -> anyhow::Result<()> {
             "generation": m.generation,
             "source": m.source,
             "chat_template": m.chat_template,
+            "tool_use_template": m.tool_use_template,
             "tokenizer": m.tokenizer,
             "kernel_cache": m.kernel_cache,
             "tensors": tensors,
@@ -233,10 +234,10 @@ fn inspect(snap: &Snapshot, as_json: bool) -> anyhow::Result<()> {
         m.tokenizer
             .as_ref()
             .map_or("none".into(), |t| human_bytes(t.blob.nbytes)),
-        if m.chat_template.is_some() {
-            "yes"
-        } else {
-            "no"
+        match (&m.chat_template, &m.tool_use_template) {
+            (Some(_), Some(_)) => "yes, and one for chats with tools",
+            (Some(_), None) => "yes",
+            (None, _) => "no",
         }
     );
     w!(

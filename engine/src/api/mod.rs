@@ -379,7 +379,7 @@ async fn chat_completions(
         req.tools.as_deref(),
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
-        e.tokenizer().chat_template(),
+        e.tokenizer().chat_template(true),
     )?
     .map(Arc::new);
     let forced = tools.as_deref().and_then(tools::Tools::grammar);

@@ -379,3 +379,50 @@ async fn llama3_and_mistral_formats_are_forced_and_parsed_too() {
         s.stop().await;
     }
 }
+
+/// A checkpoint whose tokenizer_config.json names its templates (`default` and
+/// `tool_use`, as Hermes 2 Pro and Command R ship them): chats with tools render with
+/// `tool_use`, as transformers renders them; the others with `default`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_named_tool_use_template_renders_chats_with_tools() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("named-templates");
+    std::fs::create_dir(&model).unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ] {
+        std::fs::copy(fixture("llama-tiny").join(f), model.join(f)).unwrap();
+    }
+    let mut tc: Value = serde_json::from_slice(
+        &std::fs::read(fixture("llama-tiny").join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let default =
+        std::fs::read_to_string(fixture("llama-tiny").join("chat_template.jinja")).unwrap();
+    tc["chat_template"] = json!([
+        {"name": "default", "template": default},
+        {"name": "tool_use", "template": template()},
+    ]);
+    std::fs::write(model.join("tokenizer_config.json"), tc.to_string()).unwrap();
+    let s = Server::start(model, |_| {}).await;
+    let named = json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}});
+    let (st, r) = s.post("/v1/chat/completions", chat(named, 0)).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(
+        calls(&r["choices"][0]["message"]),
+        vec![("get_time".to_owned(), json!({}))],
+        "{r}"
+    );
+    // Without tools: the default template (a shorter prompt than with the tools' list).
+    let mut plain = chat(json!({}), 0);
+    plain.as_object_mut().unwrap().remove("tools");
+    plain["max_tokens"] = json!(1);
+    let (_, p) = s.post("/v1/chat/completions", plain).await;
+    let with_tools = r["usage"]["prompt_tokens"].as_u64().unwrap();
+    let without = p["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(with_tools > without, "{with_tools} vs {without}");
+    s.stop().await;
+}

@@ -155,7 +155,8 @@ impl HfCheckpoint {
         self.config.tie_word_embeddings || !self.tensors.contains_key("lm_head.weight")
     }
 
-    fn tokenizer(&self) -> Result<(Option<TokenizerData>, Option<String>)> {
+    /// The tokenizer, the chat template and the `tool_use` template (if any).
+    fn tokenizer(&self) -> Result<(Option<TokenizerData>, Option<String>, Option<String>)> {
         let tok_path = self.dir.join("tokenizer.json");
         let tc_path = self.dir.join("tokenizer_config.json");
         let tc = if tc_path.exists() {
@@ -182,23 +183,39 @@ impl HfCheckpoint {
             None
         };
         // chat_template.jinja wins over the (older) string or named list in
-        // tokenizer_config.json, as in transformers.
+        // tokenizer_config.json, as in transformers; a named `tool_use` template
+        // (in the list, or additional_chat_templates/tool_use.jinja) renders chats
+        // that offer tools.
+        let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| Error::io(p, e));
+        let named = |name: &str| match &tc["chat_template"] {
+            Value::Array(list) => list
+                .iter()
+                .find(|t| t["name"] == name)
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_owned),
+            _ => None,
+        };
         let jinja = self.dir.join("chat_template.jinja");
         let template = if jinja.exists() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?)
+            Some(read(&jinja)?)
         } else {
             match &tc["chat_template"] {
                 Value::String(s) => Some(s.clone()),
-                Value::Array(list) => list
-                    .iter()
-                    .find(|t| t["name"] == "default")
-                    .or_else(|| list.first())
-                    .and_then(|t| t["template"].as_str())
-                    .map(str::to_owned),
+                Value::Array(list) => named("default").or_else(|| {
+                    list.first()
+                        .and_then(|t| t["template"].as_str())
+                        .map(str::to_owned)
+                }),
                 _ => None,
             }
         };
-        Ok((tokenizer, template))
+        let tool_jinja = self.dir.join("additional_chat_templates/tool_use.jinja");
+        let tool_use = if tool_jinja.exists() {
+            Some(read(&tool_jinja)?)
+        } else {
+            named("tool_use")
+        };
+        Ok((tokenizer, template, tool_use))
     }
 }
 
@@ -211,7 +228,7 @@ impl ModelSource for HfCheckpoint {
         if gen_path.exists() {
             b.generation = GenerationDefaults::from_hf_json(&read_json(&gen_path)?);
         }
-        (b.tokenizer, b.chat_template) = self.tokenizer()?;
+        (b.tokenizer, b.chat_template, b.tool_use_template) = self.tokenizer()?;
         for name in &self.order {
             let t = &self.tensors[name];
             if name == "lm_head.weight" && self.config.tie_word_embeddings {

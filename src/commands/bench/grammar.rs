@@ -2,7 +2,9 @@
 //! decode step of the same model in the same run (one stream through the engine,
 //! unconstrained). Each grammar is then run the same way (engine time per token, as a
 //! ratio to the baseline), and its mask is timed alone: the tokens it generated are
-//! replayed through a fresh matcher, timing mask + apply to the logits + advance.
+//! replayed through a fresh matcher, timing mask + apply to the logits + advance, and
+//! apart from them the `max_tokens` closer's check the engine makes for each of a
+//! budget's last tokens.
 
 use std::time::{Duration, Instant};
 
@@ -56,6 +58,20 @@ fn generate(
     Ok((out, per))
 }
 
+/// The budget left at which the closer's check is timed: within the last tokens of
+/// `max_tokens`, where the engine runs it for every token.
+const CLOSER_BUDGET: usize = 32;
+
+fn mean_p99(times: &mut [Duration]) -> (Duration, Duration) {
+    times.sort_unstable();
+    let mean = times.iter().sum::<Duration>() / times.len().max(1) as u32;
+    let p99 = times
+        .get((times.len() * 99 / 100).min(times.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or_default();
+    (mean, p99)
+}
+
 pub fn run(args: &BenchGrammarArgs) -> anyhow::Result<std::process::ExitCode> {
     tracing::info!(model = %args.model.display(), "opening the model");
     let (snap, _) = open_model(&args.model)?;
@@ -105,18 +121,24 @@ pub fn run(args: &BenchGrammarArgs) -> anyhow::Result<std::process::ExitCode> {
         let mut c = compiler.compile(&g, "grammar")?;
         let mut logits = vec![0.0f32; vocab];
         let mut times: Vec<Duration> = Vec::with_capacity(ids.len());
+        let mut checks: Vec<Duration> = Vec::with_capacity(ids.len());
         for &t in &ids {
             let t0 = Instant::now();
             c.allowed()?.apply(&mut logits);
+            let t1 = Instant::now();
+            // The max_tokens closer's check, as within the budget's last tokens (its
+            // answer is not used: the replay follows the generated tokens).
+            let _ = c.budget_check(t, CLOSER_BUDGET);
+            let t2 = Instant::now();
             c.accept(t)?;
-            times.push(t0.elapsed());
+            times.push((t1 - t0) + t2.elapsed());
+            checks.push(t2 - t1);
             if c.is_done() {
                 break;
             }
         }
-        times.sort_unstable();
-        let mean = times.iter().sum::<Duration>() / times.len().max(1) as u32;
-        let p99 = times[(times.len() * 99 / 100).min(times.len().saturating_sub(1))];
+        let (mean, p99) = mean_p99(&mut times);
+        let (check_mean, check_p99) = mean_p99(&mut checks);
         // A few tokens say nothing about time per token.
         let engine_ms = (ids.len() >= 16).then_some(per.as_secs_f64() * 1e3);
         rows.push(json!({
@@ -125,6 +147,8 @@ pub fn run(args: &BenchGrammarArgs) -> anyhow::Result<std::process::ExitCode> {
             "engine_vs_unconstrained": engine_ms.map(|ms| ms / 1e3 / step.as_secs_f64()),
             "mask_us_mean": mean.as_secs_f64() * 1e6, "mask_us_p99": p99.as_secs_f64() * 1e6,
             "mask_vs_decode_step": mean.as_secs_f64() / step.as_secs_f64(),
+            "closer_check_us_mean": check_mean.as_secs_f64() * 1e6,
+            "closer_check_us_p99": check_p99.as_secs_f64() * 1e6,
         }));
     }
     let report = json!({
@@ -153,12 +177,14 @@ pub fn run(args: &BenchGrammarArgs) -> anyhow::Result<std::process::ExitCode> {
             None => format!("{:>8} (too few tokens)", "-"),
         };
         outln!(
-            "  {:<34} {engine} (mask alone {:.0} µs mean, {:.0} µs p99 = {:.3} of a step; {} tokens)",
+            "  {:<34} {engine} (mask alone {:.0} µs mean, {:.0} µs p99 = {:.3} of a step; {} tokens; max_tokens closer's check {:.0} µs mean, {:.0} µs p99)",
             r["grammar"].as_str().unwrap_or(""),
             f("mask_us_mean"),
             f("mask_us_p99"),
             f("mask_vs_decode_step"),
-            r["tokens"]
+            r["tokens"],
+            f("closer_check_us_mean"),
+            f("closer_check_us_p99"),
         );
     }
     Ok(std::process::ExitCode::SUCCESS)

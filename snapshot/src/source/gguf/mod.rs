@@ -274,6 +274,7 @@ impl ModelSource for GgufModel {
         let mut b = SnapshotBuilder::new(self.config.clone(), source_info("gguf", &self.path));
         let tok = tokenizer::from_metadata(&self.header.metadata)?;
         b.chat_template = tok.chat_template.clone();
+        b.tool_use_template = tok.tool_use_template.clone();
         b.tokenizer = Some(tok.data);
         for (hf, &i) in &self.by_hf_name {
             let t = &self.header.tensors[i];

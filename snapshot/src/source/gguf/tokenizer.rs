@@ -22,6 +22,8 @@ const USER_DEFINED: i64 = 4;
 pub struct GgufTokenizer {
     pub data: TokenizerData,
     pub chat_template: Option<String>,
+    /// `tokenizer.chat_template.tool_use` (llama.cpp's name for a named template).
+    pub tool_use_template: Option<String>,
 }
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -194,6 +196,10 @@ pub fn from_metadata(m: &BTreeMap<String, MetaValue>) -> Result<GgufTokenizer> {
         },
         chat_template: m
             .get("tokenizer.chat_template")
+            .and_then(MetaValue::as_str)
+            .map(str::to_owned),
+        tool_use_template: m
+            .get("tokenizer.chat_template.tool_use")
             .and_then(MetaValue::as_str)
             .map(str::to_owned),
     })
