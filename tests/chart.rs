@@ -60,6 +60,19 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
             "{}",
             scaler.display()
         );
+        // A scheduled floor in the values reaches the scaler's policy as written.
+        if variant
+            .file_name()
+            .to_string_lossy()
+            .starts_with("always-on")
+        {
+            let s = &m.prefill.policy.schedule;
+            assert_eq!(s.len(), 1, "{}", scaler.display());
+            assert_eq!(
+                (s[0].cron.as_str(), s[0].duration_s, s[0].min_replicas),
+                ("0 8 * * 1-5", 36000.0, 2)
+            );
+        }
         checked += 1;
         let wp = variant.path().join("warmpool.yaml");
         if wp.exists() {

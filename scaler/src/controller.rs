@@ -454,6 +454,10 @@ impl Tick<'_> {
                 held_requests: held,
                 measured_startup_s: startup,
                 signals,
+                unix_time: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs_f64()),
                 ..Observation::default()
             };
             let d = p.policy.decide(t, &obs);

@@ -115,14 +115,23 @@ impl Capacity {
 pub struct Preheat {
     policy: PreheatPolicy,
     period: f64,
+    /// The wall clock at the trace's t = 0 (scheduled floors).
+    start_unix: f64,
 }
 
 impl Preheat {
     #[must_use]
-    pub fn new(pool: Pool, cfg: PoolPolicy, profile: Profile, interval_s: f64) -> Self {
+    pub fn new(
+        pool: Pool,
+        cfg: PoolPolicy,
+        profile: Profile,
+        interval_s: f64,
+        start_unix: f64,
+    ) -> Self {
         Preheat {
             policy: PreheatPolicy::new(pool, cfg, profile),
             period: interval_s,
+            start_unix,
         }
     }
 }
@@ -140,6 +149,7 @@ impl Autoscaler for Preheat {
             measured_startup_s: v.measured_startup_s,
             mean_prompt_len: v.mean_prompt_len,
             mean_seq_tokens: v.mean_seq_tokens,
+            unix_time: Some(self.start_unix + v.t),
         };
         self.policy.decide(v.t, &obs).desired
     }

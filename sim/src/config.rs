@@ -53,6 +53,9 @@ pub struct SimConfig {
     pub standbys: u32,
     /// How `preheat`'s decisions reach the pools (the baselines model their own).
     pub actuation: Actuation,
+    /// The wall clock (Unix seconds, UTC) at the trace's t = 0, for scheduled floors;
+    /// 0 is 1970-01-01T00:00Z, a Thursday midnight.
+    pub start_unix: f64,
 }
 
 impl SimConfig {
@@ -68,6 +71,7 @@ impl SimConfig {
             sample_s: 10.0,
             standbys: 1,
             actuation: Actuation::default(),
+            start_unix: 0.0,
         }
     }
 

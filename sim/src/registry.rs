@@ -123,6 +123,7 @@ fn autoscalers<'a>(
                     policy.clone(),
                     prof.clone(),
                     cfg.interval_s,
+                    cfg.start_unix,
                 ));
                 match cfg.actuation {
                     Actuation::Direct => inner,

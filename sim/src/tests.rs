@@ -424,3 +424,46 @@ fn a_configured_headroom_is_what_preheat_runs_with() {
     assert_eq!((plain.knob, generous.knob), (Some(1.0), Some(1.5)));
     assert!(generous.gpu_seconds > plain.gpu_seconds, "{generous:?}");
 }
+
+/// The scaler's scheduled floors run in the simulator too: a floor at 00:10 on the
+/// trace's clock (t = 0 is `start_unix`) raises prefill a start-up ahead and holds it,
+/// through KEDA actuation, over a trace that is idle then.
+#[test]
+fn a_scheduled_floor_raises_the_pool_ahead_of_its_start_in_the_simulator() {
+    let mut c = cfg();
+    c.sample_s = 5.0;
+    c.prefill.schedule = vec![preheat_scaler::policy::ScheduledFloor {
+        cron: "10 0 * * *".into(),
+        duration_s: 600.0,
+        min_replicas: 3,
+    }];
+    // 1970-01-01 is a Thursday; the floor fires daily.
+    c.start_unix = 0.0;
+    let mut trace = steady(0.0, 5, 1.0, 512, 8);
+    trace.extend(steady(1800.0, 5, 1.0, 512, 8));
+    let r = run_policy("preheat", &c, &trace).unwrap();
+    assert_eq!(r.unfinished, 0);
+    let at = |t0: f64, t1: f64| -> Vec<u32> {
+        r.timeline
+            .iter()
+            .filter(|x| x.0 >= t0 && x.0 < t1)
+            .map(|x| x.1)
+            .collect()
+    };
+    // Three replicas by 00:10 (the floor is raised one start-up ahead), held to 00:20.
+    assert!(
+        at(600.0, 1190.0).iter().all(|&p| p >= 3),
+        "{:?}",
+        r.timeline
+    );
+    // Before it, the idle pool was at zero.
+    assert!(at(300.0, 500.0).contains(&0), "{:?}", r.timeline);
+    // Without the schedule the same trace never has 3.
+    c.prefill.schedule.clear();
+    let plain = run_policy("preheat", &c, &trace).unwrap();
+    assert!(
+        plain.timeline.iter().all(|x| x.1 < 3),
+        "{:?}",
+        plain.timeline
+    );
+}

@@ -249,6 +249,10 @@ pub struct SimulateArgs {
     /// direct (the replica count set at the scaler's tick, as in `preheat up`).
     #[arg(long, value_enum, default_value_t = ActuationFlag::Keda)]
     pub actuation: ActuationFlag,
+    /// The wall clock at the trace's first second, Unix seconds (UTC), for the
+    /// policy's scheduled floors (`schedule:` in the config); 0 is a Thursday midnight.
+    #[arg(long, default_value_t = 0, value_name = "UNIX_SECONDS")]
+    pub start_unix: i64,
     /// Sweep each policy's knob (preheat's headroom, HPA's target utilisation, KEDA's
     /// queue target, KPA's concurrency target, the SLA planner's headroom) and report
     /// every (SLO %, GPU-s) point, with the references.

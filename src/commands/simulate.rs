@@ -81,6 +81,7 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     sim.start = start;
     sim.standbys = a.standbys;
     sim.actuation = a.actuation.into();
+    sim.start_unix = a.start_unix as f64;
     if let Some(i) = interval {
         sim.interval_s = i;
     }

@@ -10,17 +10,22 @@
 //! - **Decode**: concurrent sequences and KV tokens expected ahead, over one replica's
 //!   batch size at the ITL SLO and its KV capacity; raised when observed ITL exceeds
 //!   the SLO or KV pressure is high.
+//! - **Scheduled floors** (`schedule`): an operator's known peaks, as cron starts with a
+//!   duration; each floor holds from one start-up lead before its start, so the
+//!   replicas are serving when the peak begins.
 //! - Scale-up is immediate (a burst is answered in the tick it is seen); scale-down waits
 //!   a stabilisation window and then steps down gradually; a pool with work in flight
 //!   or queued never goes to zero; a pool goes to zero after an idle grace period, and
 //!   comes back at once when the gateway holds requests for it.
 
+pub mod cron;
 pub mod forecast;
 
 use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use self::cron::Cron;
 use self::forecast::Holt;
 use crate::profile::Profile;
 use crate::signals::PoolSignals;
@@ -84,7 +89,25 @@ pub struct PoolPolicy {
     /// with GPUs, below 1 saves GPUs at the SLO's expense. The one knob that moves
     /// this policy along its cost/attainment frontier (`simulate --frontier`).
     pub headroom: f64,
+    /// Floors for peaks the operator knows (`[{cron: "0 8 * * 1-5", duration_s:
+    /// 36000, min_replicas: 4}]`).
+    pub schedule: Vec<ScheduledFloor>,
 }
+
+/// At least `min_replicas` from each time `cron` fires (UTC) for `duration_s`; ready
+/// by then: the floor is raised one start-up lead earlier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduledFloor {
+    /// Five-field cron expression (minute hour day-of-month month day-of-week), UTC.
+    pub cron: String,
+    /// How long the floor holds after each start, seconds (at most a week).
+    pub duration_s: f64,
+    pub min_replicas: u32,
+}
+
+/// Longest floor: the policy scans its minutes each tick.
+const MAX_FLOOR_S: f64 = 7.0 * 86_400.0;
 
 impl Default for PoolPolicy {
     fn default() -> Self {
@@ -101,6 +124,7 @@ impl Default for PoolPolicy {
             default_lead_s: 60.0,
             default_prompt_len: 2048.0,
             headroom: 1.0,
+            schedule: Vec::new(),
         }
     }
 }
@@ -151,6 +175,24 @@ impl PoolPolicy {
         if !(self.scale_down_step > 0.0 && self.scale_down_step <= 1.0) {
             e.push(format!("{what}: scale_down_step must be in (0, 1]"));
         }
+        for (i, f) in self.schedule.iter().enumerate() {
+            let at = format!("{what}: schedule[{i}]");
+            if let Err(err) = Cron::parse(&f.cron) {
+                e.push(format!("{at}.cron: {err}"));
+            }
+            if !(f.duration_s > 0.0 && f.duration_s <= MAX_FLOOR_S) {
+                e.push(format!(
+                    "{at}.duration_s must be in (0, {MAX_FLOOR_S}], got {}",
+                    f.duration_s
+                ));
+            }
+            if f.min_replicas > self.max_replicas {
+                e.push(format!(
+                    "{at}.min_replicas {} > max_replicas {}",
+                    f.min_replicas, self.max_replicas
+                ));
+            }
+        }
         e
     }
 }
@@ -169,6 +211,8 @@ pub struct Observation {
     pub mean_prompt_len: Option<f64>,
     /// Decode only: mean tokens held per running sequence (prompt + generated so far).
     pub mean_seq_tokens: Option<f64>,
+    /// Wall-clock time (Unix seconds, UTC) for scheduled floors; `None`: none apply.
+    pub unix_time: Option<f64>,
 }
 
 /// A decision.
@@ -214,11 +258,24 @@ pub struct PreheatPolicy {
     /// load for a stabilisation window (a restarted scaler knows no history).
     first_seen: Option<f64>,
     last_load: Option<LoadView>,
+    /// `cfg.schedule`, parsed (entries that do not parse were refused by validation).
+    schedule: Vec<(Cron, f64, u32)>,
 }
 
 impl PreheatPolicy {
     #[must_use]
     pub fn new(pool: Pool, cfg: PoolPolicy, profile: Profile) -> Self {
+        let schedule = cfg
+            .schedule
+            .iter()
+            .filter_map(|f| {
+                Some((
+                    Cron::parse(&f.cron).ok()?,
+                    f.duration_s.clamp(0.0, MAX_FLOOR_S),
+                    f.min_replicas,
+                ))
+            })
+            .collect();
         PreheatPolicy {
             pool,
             cfg,
@@ -230,7 +287,27 @@ impl PreheatPolicy {
             bursts: VecDeque::new(),
             first_seen: None,
             last_load: None,
+            schedule,
         }
+    }
+
+    /// The scheduled floor at Unix time `now` for replicas that take `lead` seconds
+    /// to start: an entry counts from `lead` before a start until `duration_s` after.
+    #[must_use]
+    pub fn scheduled_floor(&self, now: f64, lead: f64) -> u32 {
+        let mut floor = 0;
+        for (cron, duration, min) in &self.schedule {
+            if *min <= floor {
+                continue;
+            }
+            // Starts F (minute marks) with now - duration < F <= now + lead.
+            let first = ((now - duration) / 60.0).floor() as i64 + 1;
+            let last = ((now + lead.max(0.0)) / 60.0).floor() as i64;
+            if (first..=last).any(|m| cron.fires(m)) {
+                floor = *min;
+            }
+        }
+        floor
     }
 
     /// The load the last decision sized for; `None` before one, and while blind.
@@ -369,6 +446,13 @@ impl PreheatPolicy {
     pub fn decide(&mut self, t: f64, o: &Observation) -> Decision {
         self.first_seen.get_or_insert(t);
         let s = &o.signals;
+        let lead = o.measured_startup_s.unwrap_or(self.cfg.default_lead_s);
+        let scheduled = o
+            .unix_time
+            .map_or(0, |now| self.scheduled_floor(now, lead))
+            .min(self.cfg.max_replicas);
+        // The floor this tick: the configured one, or a scheduled one above it.
+        let min = self.cfg.min_replicas.max(scheduled);
         // Work in flight or queued: never zero. Traffic of any kind: not idle.
         let work = s.running + s.waiting + s.queued_prompt_tokens + o.held_requests > 0.0;
         let busy = work || s.prompt_rate > 0.0 || s.generation_rate > 0.0;
@@ -380,7 +464,7 @@ impl PreheatPolicy {
             let desired = o
                 .current
                 .max(u32::from(o.held_requests > 0.0))
-                .clamp(self.cfg.min_replicas, self.cfg.max_replicas);
+                .clamp(min, self.cfg.max_replicas);
             return Decision {
                 desired,
                 // Holding means holding: a pool at zero stays inactive (KEDA would
@@ -394,7 +478,8 @@ impl PreheatPolicy {
         if work {
             desired = desired.max(1);
         }
-        desired = desired.clamp(self.cfg.min_replicas, self.cfg.max_replicas);
+        let by_schedule = desired < scheduled;
+        desired = desired.clamp(min, self.cfg.max_replicas);
         // Idle tracking for scale to zero.
         if busy {
             self.idle_since = None;
@@ -420,14 +505,16 @@ impl PreheatPolicy {
             };
         }
         if desired >= o.current {
-            let reason = if desired > o.current {
+            let reason = if desired > o.current && by_schedule {
+                "scheduled floor"
+            } else if desired > o.current {
                 "scale up"
             } else {
                 "steady"
             };
             // A pool at zero with nothing to do stays there: waking it costs a start.
             let idle_at_zero = o.current == 0 && desired == 0 && !busy;
-            let active = !(idle_at_zero || idle_long && self.cfg.min_replicas == 0 && !busy);
+            let active = !(idle_at_zero || idle_long && min == 0 && !busy);
             if !active {
                 return Decision {
                     desired: 0,
@@ -448,7 +535,7 @@ impl PreheatPolicy {
         // Scale down: only to the highest desired seen over the stabilisation window,
         // one step at a time.
         let window_max = self.recent.iter().map(|(_, d)| *d).max().unwrap_or(desired);
-        if idle_long && self.cfg.min_replicas == 0 && !busy {
+        if idle_long && min == 0 && !busy {
             return Decision {
                 desired: 0,
                 active: false,
@@ -470,9 +557,7 @@ impl PreheatPolicy {
         }
         let step = ((o.current as f64 * self.cfg.scale_down_step).ceil() as u32).max(1);
         self.last_scale_down = t;
-        let target = floor
-            .max(o.current.saturating_sub(step))
-            .max(self.cfg.min_replicas);
+        let target = floor.max(o.current.saturating_sub(step)).max(min);
         Decision {
             desired: target,
             active: true,
