@@ -1,7 +1,7 @@
 //! Cron expressions for scheduled floors: the five POSIX fields (minute, hour, day of
 //! month, month, day of week), each `*`, a number, a range `a-b`, a list `a,b` and a
-//! step `/n`; UTC. As in cron, when both day fields are restricted a day matching
-//! either counts.
+//! step `/n`; UTC. When both day fields are restricted (anything but a bare `*`) a
+//! day matching either counts, as robfig/cron (Kubernetes CronJobs) reads them.
 
 /// A parsed expression.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,8 +27,8 @@ fn field(text: &str, lo: u32, hi: u32, name: &str) -> Result<(u64, bool), String
                 let step: u32 = s
                     .parse()
                     .ok()
-                    .filter(|s| *s > 0)
-                    .ok_or_else(|| format!("{name}: step {s:?} is not a positive number"))?;
+                    .filter(|s| (1..=hi).contains(s))
+                    .ok_or_else(|| format!("{name}: step {s:?} is not a number in 1-{hi}"))?;
                 (r, step)
             }
             None => (part, 1),
@@ -190,6 +190,7 @@ mod tests {
             ("0 8 * * 8", "day of week"),
             ("0 8 * * 5-1", "backwards"),
             ("*/0 8 * * *", "step"),
+            ("1/4294967295 8 * * *", "step"),
         ] {
             let err = Cron::parse(e).unwrap_err();
             assert!(err.contains(want), "{e}: {err}");

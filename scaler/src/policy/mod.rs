@@ -11,8 +11,9 @@
 //!   batch size at the ITL SLO and its KV capacity; raised when observed ITL exceeds
 //!   the SLO or KV pressure is high.
 //! - **Scheduled floors** (`schedule`): an operator's known peaks, as cron starts with a
-//!   duration; each floor holds from one start-up lead before its start, so the
-//!   replicas are serving when the peak begins.
+//!   duration; each floor holds from one lead before its start (the longest start-up
+//!   measured, at least the default, plus actuation), so the replicas are serving when
+//!   the peak begins.
 //! - Scale-up is immediate (a burst is answered in the tick it is seen); scale-down waits
 //!   a stabilisation window and then steps down gradually; a pool with work in flight
 //!   or queued never goes to zero; a pool goes to zero after an idle grace period, and
@@ -108,6 +109,12 @@ pub struct ScheduledFloor {
 
 /// Longest floor: the policy scans its minutes each tick.
 const MAX_FLOOR_S: f64 = 7.0 * 86_400.0;
+/// What a floor's replicas need beyond their own start-up before they serve: a scaler
+/// tick, HPA's 15 s sync and its scale-up pacing, pod scheduling.
+const FLOOR_ACTUATION_S: f64 = 30.0;
+/// Longest lead a floor is raised ahead by (a bogus start-up reading must not keep
+/// it up for ever).
+const MAX_FLOOR_LEAD_S: f64 = 3600.0;
 
 impl Default for PoolPolicy {
     fn default() -> Self {
@@ -260,6 +267,10 @@ pub struct PreheatPolicy {
     last_load: Option<LoadView>,
     /// `cfg.schedule`, parsed (entries that do not parse were refused by validation).
     schedule: Vec<(Cron, f64, u32)>,
+    /// The longest start-up measured so far: a floor wakes a pool at zero, where no
+    /// start-up is measured, and its lead must not shrink when replicas come up (the
+    /// window would close before its start and reopen at zero).
+    longest_startup_s: f64,
 }
 
 impl PreheatPolicy {
@@ -288,11 +299,12 @@ impl PreheatPolicy {
             first_seen: None,
             last_load: None,
             schedule,
+            longest_startup_s: 0.0,
         }
     }
 
     /// The scheduled floor at Unix time `now` for replicas that take `lead` seconds
-    /// to start: an entry counts from `lead` before a start until `duration_s` after.
+    /// to serve: an entry counts from `lead` before a start until `duration_s` after.
     #[must_use]
     pub fn scheduled_floor(&self, now: f64, lead: f64) -> u32 {
         let mut floor = 0;
@@ -446,9 +458,14 @@ impl PreheatPolicy {
     pub fn decide(&mut self, t: f64, o: &Observation) -> Decision {
         self.first_seen.get_or_insert(t);
         let s = &o.signals;
-        let lead = o.measured_startup_s.unwrap_or(self.cfg.default_lead_s);
+        if let Some(s) = o.measured_startup_s.filter(|s| s.is_finite()) {
+            self.longest_startup_s = self.longest_startup_s.max(s);
+        }
+        let lead = (self.longest_startup_s.max(self.cfg.default_lead_s) + FLOOR_ACTUATION_S)
+            .min(MAX_FLOOR_LEAD_S);
         let scheduled = o
             .unix_time
+            .filter(|t| t.is_finite())
             .map_or(0, |now| self.scheduled_floor(now, lead))
             .min(self.cfg.max_replicas);
         // The floor this tick: the configured one, or a scheduled one above it.
@@ -478,7 +495,7 @@ impl PreheatPolicy {
         if work {
             desired = desired.max(1);
         }
-        let by_schedule = desired < scheduled;
+        let by_schedule = desired < scheduled && scheduled > self.cfg.min_replicas;
         desired = desired.clamp(min, self.cfg.max_replicas);
         // Idle tracking for scale to zero.
         if busy {

@@ -315,13 +315,14 @@ fn scheduled(min_replicas: u32) -> PreheatPolicy {
 #[test]
 fn a_scheduled_floor_is_ready_by_its_start_and_holds_for_its_duration() {
     // Table: (seconds from Thursday 08:00, desired, active); replicas start in 120 s,
-    // so the floor is raised at 07:58. No traffic at all.
+    // plus 30 s of actuation, so the floor is raised at 07:57:30. No traffic at all.
     let cases = [
         (-180.0, 0, false),
-        (-121.0, 0, false),
-        (-120.0, 4, true),
+        (-151.0, 0, false),
+        (-150.0, 4, true),
         (0.0, 4, true),
         (3599.0, 4, true),
+        (3600.0, 0, false),
         // Saturday 08:00: weekdays only.
         (2.0 * 86_400.0, 0, false),
     ];
@@ -396,4 +397,24 @@ fn schedule_errors_are_reported_together() {
         e[3].contains("schedule[1].min_replicas 9 > max_replicas 8"),
         "{e:?}"
     );
+}
+
+/// Regression: a pool woken from zero by a floor (no start-up measured: the default
+/// lead) whose replicas then reported a shorter start-up saw the window close before
+/// its start, went to zero, and was raised again: flapping. The lead never shrinks now.
+#[test]
+fn regression_a_floor_raised_from_zero_flapped_when_replicas_reported_a_short_start() {
+    let mut p = scheduled(4);
+    // At zero: the default lead (60 s) + actuation (30 s): raised at 07:58:30.
+    let mut o = obs(0, |_| {});
+    o.unix_time = Some(THU_8AM - 90.0);
+    assert_eq!(p.decide(0.0, &o).desired, 4);
+    // Up, having started in 20 s; still before 08:00, idle past the grace period.
+    for (k, at) in [-60.0, -30.0, -1.0].into_iter().enumerate() {
+        let mut o = obs(4, |_| {});
+        o.measured_startup_s = Some(20.0);
+        o.unix_time = Some(THU_8AM + at);
+        let d = p.decide(200.0 + k as f64, &o);
+        assert_eq!((d.desired, d.active), (4, true), "at {at}: {d:?}");
+    }
 }
