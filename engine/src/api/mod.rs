@@ -383,8 +383,10 @@ async fn chat_completions(
     )?
     .map(Arc::new);
     let forced = tools.as_deref().and_then(tools::Tools::grammar);
+    // The request's own grammar or the one forcing a call: never both, compiled once.
+    let asked = openai::grammar(&req.common)?;
     if forced.is_some()
-        && let Some((_, field)) = openai::grammar(&req.common)?
+        && let Some((_, field)) = &asked
     {
         return Err(EngineError::invalid(
             format!("tool_choice forces a tool call, which {field} would constrain too; give one of them"),
@@ -392,8 +394,11 @@ async fn chat_completions(
         )
         .into());
     }
-    check_grammar(e, &req.common).await?;
-    check_compiles(e, forced.clone().map(|g| (g, "tool_choice"))).await?;
+    check_compiles(
+        e,
+        asked.or_else(|| forced.clone().map(|g| (g, "tool_choice"))),
+    )
+    .await?;
     let messages = openai::to_messages(&req.messages)?;
     let tok = Arc::clone(e.tokenizer());
     let add_generation_prompt = req.add_generation_prompt;
