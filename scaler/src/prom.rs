@@ -166,6 +166,9 @@ impl PromSource {
                 "max({}{{phase=\"first_token\",{sel}}})",
                 names::STARTUP_PHASE
             ),
+            any_of(names::PROMPT_TOKENS, |n| {
+                format!("sum(rate({n}{{{sel}}}[{r}s]))")
+            }),
         ]
     }
 
@@ -203,6 +206,7 @@ impl PromSource {
             prompt_rate: n(5),
             prompt_rate_peak: n(6),
             peak_span_s: self.peak_range_s() as f64,
+            prompt_rate_recent: n(11),
             generation_rate: n(7),
             prefix_hit_rate: if queries > 0.0 {
                 (n(9) / queries).clamp(0.0, 1.0)

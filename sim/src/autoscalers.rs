@@ -151,7 +151,14 @@ impl Autoscaler for Preheat {
             mean_seq_tokens: v.mean_seq_tokens,
             unix_time: Some(self.start_unix + v.t),
         };
-        self.policy.decide(v.t, &obs).desired
+        let d = self.policy.decide(v.t, &obs);
+        tracing::trace!(
+            t = v.t,
+            reason = d.reason,
+            desired = d.desired,
+            "preheat decision"
+        );
+        d.desired
     }
 }
 

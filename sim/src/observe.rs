@@ -94,6 +94,7 @@ impl Sim<'_> {
             prompt_rate: self.window_rate(oldest, |c| c.prompt_tokens),
             prompt_rate_peak: self.peak_prompt_rate(),
             peak_span_s: self.cfg.interval_s.max(1.0),
+            prompt_rate_recent: self.recent_prompt_rate(),
             prefix_hit_rate: if queries > 0.0 {
                 (self.now.prefix_hits - oldest.prefix_hits) / queries
             } else {
@@ -144,6 +145,18 @@ impl Sim<'_> {
             held,
             mean_seq_tokens: (running > 0.0).then(|| kv / running),
         }
+    }
+
+    /// Prompt-token rate over the last scrape interval (`interval_s`).
+    fn recent_prompt_rate(&self) -> f64 {
+        let step = self.cfg.interval_s.max(1.0);
+        self.history
+            .iter()
+            .rev()
+            .find(|c| self.t - c.t >= step - 1e-9)
+            .map_or(0.0, |c| {
+                (self.now.prompt_tokens - c.prompt_tokens) / (self.t - c.t)
+            })
     }
 
     /// Highest prompt-token rate between the scaler's scrapes (every `interval_s`)

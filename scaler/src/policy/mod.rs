@@ -2,11 +2,14 @@
 //! profile. Pure and clocked by the caller, so the KEDA scaler, local mode and the
 //! simulator run exactly the same code.
 //!
-//! - **Prefill**: prompt tokens/s expected one start-up time ahead (Holt forecast; the
-//!   lead is the measured start time of a replica), minus prefix-cache hits, plus the
-//!   queued backlog drained within half the TTFT SLO, over one replica's prefill rate at
-//!   a utilisation that leaves the SLO room for queueing; raised when observed TTFT
-//!   exceeds the SLO.
+//! - **Prefill**: the larger of two sizes, then a backlog's share. *Hindsight*: the
+//!   fewest fixed replicas that would have served the last `burst_memory_s` of uncached
+//!   prompt arrivals within the TTFT SLO ([`hindsight`]; bursts that come faster than a
+//!   replica starts are met only by replicas kept for them). *Forecast*: prompt tokens/s
+//!   expected one start-up ahead (Holt; the lead is the measured start time of a
+//!   replica) at a planning utilisation. A queued backlog adds replicas only for what
+//!   the pool's spare capacity cannot clear before they would serve. Raised when
+//!   observed TTFT exceeds the SLO while a queue persists.
 //! - **Decode**: concurrent sequences and KV tokens expected ahead, over one replica's
 //!   batch size at the ITL SLO and its KV capacity; raised when observed ITL exceeds
 //!   the SLO or KV pressure is high.
@@ -21,6 +24,7 @@
 
 pub mod cron;
 pub mod forecast;
+pub mod hindsight;
 
 use std::collections::VecDeque;
 
@@ -28,6 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use self::cron::Cron;
 use self::forecast::Holt;
+use self::hindsight::{ArrivalHistory, ServiceModel};
 use crate::profile::Profile;
 use crate::signals::PoolSignals;
 
@@ -107,6 +112,19 @@ pub struct ScheduledFloor {
     pub min_replicas: u32,
 }
 
+/// Share of the recent window's prompt tokens the hindsight size must serve in time.
+const HINDSIGHT_TARGET: f64 = 0.995;
+/// Utilisation the forecast load is planned at once the window knows the load.
+const FORECAST_UTIL: f64 = 0.85;
+/// Share of a replica's profiled prefill rate the hindsight replay counts on. The
+/// replay pools every replica's capacity into one fluid queue and spreads a scrape
+/// interval's arrivals evenly; real prompts are served whole by one replica each, land
+/// where the KV-aware router sends them and arrive in clumps. Set where the shipped
+/// policy holds 99% on the steady shared trace and the 30x day (`simulate`; 0.85 gave
+/// 98.8% and 97.4%): BENCHMARKS.md, issue #15.
+const HINDSIGHT_UTIL: f64 = 0.65;
+/// Seconds of arrivals the hindsight size needs before it is trusted.
+const HINDSIGHT_MIN_S: f64 = 60.0;
 /// Longest floor: the policy scans its minutes each tick.
 const MAX_FLOOR_S: f64 = 7.0 * 86_400.0;
 /// What a floor's replicas need beyond their own start-up before they serve: a scaler
@@ -259,8 +277,14 @@ pub struct PreheatPolicy {
     recent: VecDeque<(f64, u32)>,
     idle_since: Option<f64>,
     last_scale_down: f64,
-    /// (time, replicas the short-term peak needed) over the burst memory.
-    bursts: VecDeque<(f64, f64)>,
+    /// Prefill: uncached prompt tokens per scrape interval over the burst memory.
+    arrivals: ArrivalHistory,
+    /// When the last arrivals were recorded.
+    arrivals_t: Option<f64>,
+    /// The last scale-down step's target, answered until the pool gets there or the
+    /// load needs more: HPA reads the answer on its own sync period, and a step said for
+    /// one tick is missed by every sync that falls between.
+    step_target: Option<u32>,
     /// When this policy first decided: it removes nothing before it has watched the
     /// load for a stabilisation window (a restarted scaler knows no history).
     first_seen: Option<f64>,
@@ -295,7 +319,9 @@ impl PreheatPolicy {
             recent: VecDeque::new(),
             idle_since: None,
             last_scale_down: f64::NEG_INFINITY,
-            bursts: VecDeque::new(),
+            arrivals: ArrivalHistory::default(),
+            arrivals_t: None,
+            step_target: None,
             first_seen: None,
             last_load: None,
             schedule,
@@ -364,30 +390,41 @@ impl PreheatPolicy {
                     s.waiting * len
                 };
                 let backlog = queued + o.held_requests * len;
-                // Replicas started now help only after a start-up: the backlog is
-                // drained over that lead plus half the SLO, by old and new together.
-                let drain = backlog / (0.5 * slo + lead);
-                let mut n = (ahead + drain) / (per_replica * util);
-                // Bursts shorter than a start-up cannot be met by replicas started when
-                // they come: keep enough to drain the recent short-term peak (a rate
-                // held over one scrape interval) within the SLO.
-                let peak = s.prompt_rate_peak * uncached;
-                if peak > 0.0 && s.peak_span_s > 0.0 {
-                    let span = s.peak_span_s;
-                    let burst = (peak * span / (span + slo) + drain) / per_replica;
-                    n = n.max(burst);
-                    self.bursts.push_back((t, burst));
+                // What the recent past needed: the fewest fixed replicas that would have
+                // served the last `burst_memory_s` of arrivals within the SLO. Bursts
+                // recur, and one that comes faster than a replica starts can only be met
+                // by replicas already up: the window keeps what a burst needed for as
+                // long as it remembers the burst.
+                let span = if s.peak_span_s > 0.0 {
+                    s.peak_span_s
+                } else {
+                    f64::INFINITY
+                };
+                let dt = self.arrivals_t.map_or(span, |p| (t - p).min(span));
+                if dt.is_finite() && dt > 0.0 {
+                    let tokens = s.prompt_rate_recent * uncached * dt;
+                    self.arrivals.push(t, dt, tokens, self.cfg.burst_memory_s);
+                    self.arrivals_t = Some(t);
                 }
-                // ...and keep that capacity for a while: bursts recur, and one that comes
-                // faster than a replica starts can only be met by replicas already up.
-                while self
-                    .bursts
-                    .front()
-                    .is_some_and(|b| b.0 < t - self.cfg.burst_memory_s)
-                {
-                    self.bursts.pop_front();
-                }
-                n = n.max(self.bursts.iter().map(|b| b.1).fold(0.0, f64::max));
+                let model = ServiceModel {
+                    rate_per_replica: per_replica * HINDSIGHT_UTIL,
+                    max_wait_s: (slo - service).max(0.1 * slo),
+                    target: HINDSIGHT_TARGET,
+                };
+                let past = f64::from(self.arrivals.fewest_replicas(&model, self.cfg.max_replicas));
+                // ...or, where the forecast expects more one lead ahead, that: at the
+                // planning utilisation once the window knows the load, at the SLO's
+                // queueing cap before.
+                let known = self.arrivals.covered_s() >= HINDSIGHT_MIN_S;
+                let fore_util = if known { FORECAST_UTIL } else { util };
+                let size = past.max(ahead / (per_replica * fore_util));
+                // A backlog the pool's spare capacity clears before new replicas would
+                // serve needs none: a short start-up must not turn every passing queue
+                // into replicas held for a stabilisation window. Only what is left
+                // then is theirs, drained within half the SLO of their start.
+                let spare = (s.endpoints_ok as f64 * per_replica - rate).max(0.0);
+                let left = (backlog - spare * (lead + 0.5 * slo)).max(0.0);
+                let mut n = size + left / (per_replica * (0.5 * slo + lead));
                 // Observed latency corrects the model while a real queue persists: a factor
                 // on the modelled need, not on current replicas, so replicas still
                 // starting do not compound it; an emptied queue means it is history.
@@ -407,6 +444,8 @@ impl PreheatPolicy {
                 tracing::trace!(
                     t,
                     rate,
+                    recent = s.prompt_rate_recent,
+                    past,
                     ahead,
                     backlog,
                     len,
@@ -522,6 +561,7 @@ impl PreheatPolicy {
             };
         }
         if desired >= o.current {
+            self.step_target = None;
             let reason = if desired > o.current && by_schedule {
                 "scheduled floor"
             } else if desired > o.current {
@@ -562,10 +602,21 @@ impl PreheatPolicy {
         // Zero is reached only through the idle grace above.
         let floor = window_max.max(desired).max(1);
         let watched = t - self.first_seen.unwrap_or(t);
+        if floor >= o.current {
+            self.step_target = None;
+        }
         if floor >= o.current
             || watched < self.cfg.scale_down_stabilization_s
             || t - self.last_scale_down < self.cfg.scale_down_stabilization_s / 4.0
         {
+            // Between steps, the step taken stands until the pool is there.
+            if let Some(step) = self.step_target.filter(|s| *s < o.current) {
+                return Decision {
+                    desired: step.max(floor).max(min),
+                    active: true,
+                    reason: "scale down",
+                };
+            }
             return Decision {
                 desired: o.current,
                 active: true,
@@ -574,7 +625,11 @@ impl PreheatPolicy {
         }
         let step = ((o.current as f64 * self.cfg.scale_down_step).ceil() as u32).max(1);
         self.last_scale_down = t;
-        let target = floor.max(o.current.saturating_sub(step)).max(min);
+        let mut target = floor.max(o.current.saturating_sub(step)).max(min);
+        if let Some(prev) = self.step_target {
+            target = target.min(prev.max(floor).max(min));
+        }
+        self.step_target = Some(target);
         Decision {
             desired: target,
             active: true,

@@ -29,6 +29,9 @@ pub struct PoolSignals {
     pub prompt_rate_peak: f64,
     /// Seconds between the scrapes that peak was measured over.
     pub peak_span_s: f64,
+    /// Prompt-token rate between the last two scrapes (over `peak_span_s`): the
+    /// policy keeps these as its record of recent arrivals.
+    pub prompt_rate_recent: f64,
     pub generation_rate: f64,
     /// Fraction of prompt tokens served from the prefix cache over the window.
     pub prefix_hit_rate: f64,
@@ -108,6 +111,7 @@ impl PoolWindows {
             s.prompt_rate += w.rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.prompt_rate_peak += w.peak_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.peak_span_s = s.peak_span_s.max(w.mean_spacing().unwrap_or(0.0));
+            s.prompt_rate_recent += w.last_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.generation_rate += w.rate(|r| r.generation_tokens).unwrap_or(0.0);
             queries += w.rate(|r| r.prefix_queries).unwrap_or(0.0);
             hits += w.rate(|r| r.prefix_hits).unwrap_or(0.0);

@@ -77,6 +77,15 @@ impl Window {
         peak
     }
 
+    /// Per-second increase of a counter between the last two readings.
+    pub fn last_rate(&self, f: impl Fn(&Reading) -> Option<f64>) -> Option<f64> {
+        let n = self.points.len();
+        let ((t0, r0), (t1, r1)) = (self.points.get(n.checked_sub(2)?)?, self.points.back()?);
+        let (v0, v1) = (f(r0)?, f(r1)?);
+        let inc = if v1 >= v0 { v1 - v0 } else { v1 };
+        (t1 > t0).then(|| inc / (t1 - t0))
+    }
+
     /// Bucket deltas of a histogram over the window (reset-aware like [`Window::rate`]).
     pub fn delta_buckets(&self, f: impl Fn(&Reading) -> Option<&Buckets>) -> Option<Buckets> {
         let mut acc: Option<Buckets> = None;
@@ -142,9 +151,11 @@ mod tests {
         w.push(0.0, r(100.0, &[0.0, 0.0]));
         w.push(10.0, r(300.0, &[4.0, 5.0]));
         assert_eq!(w.rate(|r| r.prompt_tokens), Some(20.0));
+        assert_eq!(w.last_rate(|r| r.prompt_tokens), Some(20.0));
         // The engine restarted: counter back to 50.
         w.push(20.0, r(50.0, &[1.0, 1.0]));
         assert_eq!(w.rate(|r| r.prompt_tokens), Some(250.0 / 20.0));
+        assert_eq!(w.last_rate(|r| r.prompt_tokens), Some(5.0));
         let d = w.delta_buckets(|r| r.ttft.as_ref()).unwrap();
         assert_eq!(d, vec![(0.5, 5.0), (f64::INFINITY, 6.0)]);
     }

@@ -36,6 +36,9 @@ async fn query(
         Some("3")
     } else if q.starts_with("sum(vllm:num_requests_waiting") {
         Some("12")
+    } else if q.starts_with("sum(rate(vllm:prompt_tokens_total") && q.contains("[6s]") {
+        // The latest rate, over the peak's range (tick 5 s + scrape 1 s).
+        Some("7000")
     } else if q.starts_with("sum(rate(vllm:prompt_tokens_total") {
         Some("5000")
     } else if q.starts_with("max_over_time(sum(rate(vllm:prompt_tokens_total") {
@@ -73,7 +76,7 @@ async fn fake() -> (String, Seen) {
 #[tokio::test]
 async fn answers_become_pool_signals() {
     let (url, seen) = fake().await;
-    let p = PromSource::new(reqwest::Client::new(), &url, 60.0, 5.0);
+    let p = PromSource::new(reqwest::Client::new(), &url, 60.0, 5.0).with_scrape_interval(1.0);
     let (s, pods, startup) = p
         .pool_signals(r#"namespace="llm",pool="prefill""#, Duration::from_secs(2))
         .await
@@ -83,6 +86,7 @@ async fn answers_become_pool_signals() {
     assert_eq!(s.waiting, 12.0);
     assert_eq!(s.prompt_rate, 5000.0);
     assert_eq!(s.prompt_rate_peak, 9000.0);
+    assert_eq!(s.prompt_rate_recent, 7000.0);
     assert_eq!(s.prefix_hit_rate, 0.25);
     assert_eq!(s.ttft_p90, Some(0.8));
     assert_eq!(s.kv_usage, 0.0, "NaN reads as absent");

@@ -147,6 +147,7 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
         "{signals:?}"
     );
     assert_eq!(signals.peak_span_s, 4.0);
+    assert!(near(signals.prompt_rate_recent, 30_000.0), "{signals:?}");
     assert!((signals.prefix_hit_rate - 0.25).abs() < 0.05, "{signals:?}");
     for q in [signals.ttft_p50, signals.ttft_p90] {
         let q = q.unwrap();
