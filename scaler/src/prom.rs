@@ -166,8 +166,10 @@ impl PromSource {
                 "max({}{{phase=\"first_token\",{sel}}})",
                 names::STARTUP_PHASE
             ),
+            // The last two samples' rate, not the range's mean (the range is often the
+            // whole window: four scrapes of 15 s).
             any_of(names::PROMPT_TOKENS, |n| {
-                format!("sum(rate({n}{{{sel}}}[{r}s]))")
+                format!("sum(irate({n}{{{sel}}}[{r}s]))")
             }),
         ]
     }

@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 
-/// Prompt tokens (uncached) that arrived per scrape interval, over a trailing window.
+/// Prompt tokens (uncached) that arrived per policy tick, over a trailing window.
 #[derive(Clone, Debug, Default)]
 pub struct ArrivalHistory {
     /// (end time, seconds covered, tokens), oldest first.

@@ -84,8 +84,10 @@ pub struct PoolPolicy {
     /// Seconds with nothing running, queued or held before the pool goes to zero
     /// (only when `min_replicas` is 0).
     pub idle_grace_s: f64,
-    /// Seconds the capacity a short burst needed is kept (prefill): bursts recur, and
-    /// one shorter than a start-up can only be met by replicas already running.
+    /// Seconds of prompt arrivals the prefill pool is sized in hindsight over (the
+    /// fewest fixed replicas that would have served them): bursts recur, and one
+    /// shorter than a start-up can only be met by replicas already running. 0 keeps
+    /// only the latest interval.
     pub burst_memory_s: f64,
     /// Start-up lead time used for the forecast when no start has been measured.
     pub default_lead_s: f64,
@@ -121,15 +123,18 @@ const FORECAST_UTIL: f64 = 0.85;
 /// interval's arrivals evenly; real prompts are served whole by one replica each, land
 /// where the KV-aware router sends them and arrive in clumps. Set where the shipped
 /// policy holds 99% on the steady shared trace and the 30x day (`simulate`; 0.85 gave
-/// 98.8% and 97.4%): BENCHMARKS.md, issue #15.
+/// 98.8% and 97.4%): BENCHMARKS.md, issue #15. The simulator counts prompt tokens as
+/// they arrive; engines count them as they are prefilled, so a burst that queues
+/// reaches the scaler flattened to the pool's rate (its queue is counted as backlog),
+/// and one wait limit (the mean prompt's) is applied to every prompt in the window.
 const HINDSIGHT_UTIL: f64 = 0.65;
 /// Seconds of arrivals the hindsight size needs before it is trusted.
 const HINDSIGHT_MIN_S: f64 = 60.0;
 /// Longest floor: the policy scans its minutes each tick.
 const MAX_FLOOR_S: f64 = 7.0 * 86_400.0;
-/// What a floor's replicas need beyond their own start-up before they serve: a scaler
-/// tick, HPA's 15 s sync and its scale-up pacing, pod scheduling.
-const FLOOR_ACTUATION_S: f64 = 30.0;
+/// What new replicas need beyond their own start-up before they serve: a scaler tick,
+/// HPA's 15 s sync and its scale-up pacing, pod scheduling.
+const ACTUATION_S: f64 = 30.0;
 /// Longest lead a floor is raised ahead by (a bogus start-up reading must not keep
 /// it up for ever).
 const MAX_FLOOR_LEAD_S: f64 = 3600.0;
@@ -277,14 +282,15 @@ pub struct PreheatPolicy {
     recent: VecDeque<(f64, u32)>,
     idle_since: Option<f64>,
     last_scale_down: f64,
-    /// Prefill: uncached prompt tokens per scrape interval over the burst memory.
+    /// Prefill: uncached prompt tokens per policy tick over the burst memory.
     arrivals: ArrivalHistory,
     /// When the last arrivals were recorded.
     arrivals_t: Option<f64>,
-    /// The last scale-down step's target, answered until the pool gets there or the
-    /// load needs more: HPA reads the answer on its own sync period, and a step said for
-    /// one tick is missed by every sync that falls between.
-    step_target: Option<u32>,
+    /// The last scale-down step's target and the replicas it stepped from, answered
+    /// until the pool gets there or the load needs more: HPA reads the answer on its own
+    /// sync period, and a step said for one tick is missed by every sync that falls
+    /// between. A pool raised above where it stepped from (a floor, a person) drops it.
+    step_target: Option<(u32, u32)>,
     /// When this policy first decided: it removes nothing before it has watched the
     /// load for a stabilisation window (a restarted scaler knows no history).
     first_seen: Option<f64>,
@@ -395,13 +401,11 @@ impl PreheatPolicy {
                 // recur, and one that comes faster than a replica starts can only be met
                 // by replicas already up: the window keeps what a burst needed for as
                 // long as it remembers the burst.
-                let span = if s.peak_span_s > 0.0 {
-                    s.peak_span_s
-                } else {
-                    f64::INFINITY
-                };
+                // Each tick records what arrived since the last one, at most one span of
+                // the source's latest rate (a source with under two readings has none).
+                let span = s.peak_span_s;
                 let dt = self.arrivals_t.map_or(span, |p| (t - p).min(span));
-                if dt.is_finite() && dt > 0.0 {
+                if span > 0.0 && dt.is_finite() && dt > 0.0 {
                     let tokens = s.prompt_rate_recent * uncached * dt;
                     self.arrivals.push(t, dt, tokens, self.cfg.burst_memory_s);
                     self.arrivals_t = Some(t);
@@ -415,16 +419,21 @@ impl PreheatPolicy {
                 // ...or, where the forecast expects more one lead ahead, that: at the
                 // planning utilisation once the window knows the load, at the SLO's
                 // queueing cap before.
-                let known = self.arrivals.covered_s() >= HINDSIGHT_MIN_S;
+                let known =
+                    self.arrivals.covered_s() >= HINDSIGHT_MIN_S.min(self.cfg.burst_memory_s);
                 let fore_util = if known { FORECAST_UTIL } else { util };
                 let size = past.max(ahead / (per_replica * fore_util));
                 // A backlog the pool's spare capacity clears before new replicas would
                 // serve needs none: a short start-up must not turn every passing queue
                 // into replicas held for a stabilisation window. Only what is left
                 // then is theirs, drained within half the SLO of their start.
-                let spare = (s.endpoints_ok as f64 * per_replica - rate).max(0.0);
-                let left = (backlog - spare * (lead + 0.5 * slo)).max(0.0);
-                let mut n = size + left / (per_replica * (0.5 * slo + lead));
+                // Spare at the planning utilisation, against the most load seen or expected.
+                let load = rate.max(s.prompt_rate_recent * uncached).max(ahead);
+                let spare = (s.endpoints_ok as f64 * per_replica * FORECAST_UTIL - load).max(0.0);
+                // New replicas serve after their start-up and the actuation before it.
+                let serve_in = lead + ACTUATION_S;
+                let left = (backlog - spare * (serve_in + 0.5 * slo)).max(0.0);
+                let mut n = size + left / (per_replica * (0.5 * slo + serve_in));
                 // Observed latency corrects the model while a real queue persists: a factor
                 // on the modelled need, not on current replicas, so replicas still
                 // starting do not compound it; an emptied queue means it is history.
@@ -500,7 +509,7 @@ impl PreheatPolicy {
         if let Some(s) = o.measured_startup_s.filter(|s| s.is_finite()) {
             self.longest_startup_s = self.longest_startup_s.max(s);
         }
-        let lead = (self.longest_startup_s.max(self.cfg.default_lead_s) + FLOOR_ACTUATION_S)
+        let lead = (self.longest_startup_s.max(self.cfg.default_lead_s) + ACTUATION_S)
             .min(MAX_FLOOR_LEAD_S);
         let scheduled = o
             .unix_time
@@ -602,7 +611,7 @@ impl PreheatPolicy {
         // Zero is reached only through the idle grace above.
         let floor = window_max.max(desired).max(1);
         let watched = t - self.first_seen.unwrap_or(t);
-        if floor >= o.current {
+        if floor >= o.current || self.step_target.is_some_and(|s| o.current > s.1) {
             self.step_target = None;
         }
         if floor >= o.current
@@ -610,7 +619,7 @@ impl PreheatPolicy {
             || t - self.last_scale_down < self.cfg.scale_down_stabilization_s / 4.0
         {
             // Between steps, the step taken stands until the pool is there.
-            if let Some(step) = self.step_target.filter(|s| *s < o.current) {
+            if let Some((step, _)) = self.step_target.filter(|s| s.0 < o.current) {
                 return Decision {
                     desired: step.max(floor).max(min),
                     active: true,
@@ -626,10 +635,10 @@ impl PreheatPolicy {
         let step = ((o.current as f64 * self.cfg.scale_down_step).ceil() as u32).max(1);
         self.last_scale_down = t;
         let mut target = floor.max(o.current.saturating_sub(step)).max(min);
-        if let Some(prev) = self.step_target {
+        if let Some((prev, _)) = self.step_target {
             target = target.min(prev.max(floor).max(min));
         }
-        self.step_target = Some(target);
+        self.step_target = Some((target, o.current));
         Decision {
             desired: target,
             active: true,

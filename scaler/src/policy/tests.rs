@@ -32,9 +32,11 @@ fn prefill_sizes_from_prompt_rate_and_backlog() {
         (0.0, 0.0, 0..=0),
         (10_000.0, 0.0, 1..=1),
         (100_000.0, 0.0, 7..=9),
-        // A pool at zero: the backlog is drained by new replicas within half the SLO
-        // of their 2 s start-up: 10k / (16k × 0.85) + 200k / 3 s / 16k ≈ 4.9.
-        (10_000.0, 200_000.0, 5..=5),
+        // A pool at zero: new replicas serve after their 2 s start-up and 30 s of
+        // actuation, and drain the backlog within half the SLO more:
+        // 10k / (16k × 0.85) + 200k / 33 s / 16k ≈ 1.1.
+        (10_000.0, 200_000.0, 2..=2),
+        (10_000.0, 2_000_000.0, 5..=5),
     ];
     for (rate, queued, want) in cases {
         let mut p = policy(Pool::Prefill);
@@ -53,8 +55,8 @@ fn prefill_sizes_from_prompt_rate_and_backlog() {
 
 #[test]
 fn regression_a_short_start_up_turned_a_passing_queue_into_replicas() {
-    // Four replicas serve 10k tokens/s with 54k/s to spare; a queue of 150k tokens is
-    // gone within 3 s. With 1 s start-ups the old rule drained it over 2 s with new
+    // Four replicas serve 10k tokens/s with 44k/s to spare at 85%; a queue of 150k
+    // tokens is gone within 4 s. With 1 s start-ups the old rule drained it over 2 s with new
     // replicas ((10k + 75k) / 13.6k: seven) and held them for a stabilisation window.
     for lead in [1.0, 2.0, 5.0, 20.0] {
         let mut p = policy(Pool::Prefill);
@@ -66,16 +68,17 @@ fn regression_a_short_start_up_turned_a_passing_queue_into_replicas() {
         let d = p.decide(0.0, &o);
         assert_eq!(d.desired, 4, "lead {lead}: {d:?}");
     }
-    // A queue the spare capacity cannot clear before new replicas serve still gets them.
+    // A queue the spare capacity cannot clear before new replicas serve (1 s start-up
+    // plus 30 s of actuation) still gets them: spare 4 × 16k × 0.85 − 10k = 44.4k/s,
+    // (6M − 44.4k × 32 s) / (16k × 32 s) ≈ 8.9, plus the load's 0.7.
     let mut p = policy(Pool::Prefill);
     let mut o = obs(4, |s| {
         s.prompt_rate = 10_000.0;
-        s.queued_prompt_tokens = 600_000.0;
+        s.queued_prompt_tokens = 6_000_000.0;
     });
     o.measured_startup_s = Some(1.0);
     let d = p.decide(0.0, &o);
-    // (600k − 54k × 2 s) / (16k × 2 s) ≈ 15.4, plus the load's 0.7.
-    assert_eq!(d.desired, 17, "{d:?}");
+    assert_eq!(d.desired, 10, "{d:?}");
 }
 
 #[test]
@@ -140,6 +143,31 @@ fn regression_a_scale_down_step_lasted_one_tick_and_hpa_missed_it() {
         p.decide(t, &obs(19, light)).desired >= 19,
         "the window holds the heavy tick"
     );
+}
+
+#[test]
+fn a_scale_down_step_is_dropped_when_the_pool_is_raised_above_where_it_stepped_from() {
+    let mut p = policy(Pool::Prefill);
+    let light = |s: &mut PoolSignals| {
+        s.prompt_rate = 10_000.0;
+        s.prompt_rate_recent = 10_000.0;
+        s.peak_span_s = 5.0;
+    };
+    let mut t = 0.0;
+    while t < 60.0 {
+        p.decide(t, &obs(20, light));
+        t += 5.0;
+    }
+    let step = p.decide(t, &obs(20, light));
+    assert_eq!((step.reason, step.desired), ("scale down", 15), "{step:?}");
+    // Someone (a floor that came and went while the pool was blind, a person) set 30:
+    // the old step is not answered, nor does the next step fall below 30 − 25%.
+    t += 5.0;
+    let d = p.decide(t, &obs(30, light));
+    assert_eq!(d.desired, 30, "{d:?}");
+    t += 15.0;
+    let d = p.decide(t, &obs(30, light));
+    assert_eq!((d.reason, d.desired), ("scale down", 22), "{d:?}");
 }
 
 #[test]

@@ -29,8 +29,9 @@ pub struct PoolSignals {
     pub prompt_rate_peak: f64,
     /// Seconds between the scrapes that peak was measured over.
     pub peak_span_s: f64,
-    /// Prompt-token rate between the last two scrapes (over `peak_span_s`): the
-    /// policy keeps these as its record of recent arrivals.
+    /// Prompt-token rate between the last two readings (scrape source: the last two
+    /// scrapes; Prometheus: `irate` over the peak's range): the policy keeps these as
+    /// its record of recent arrivals.
     pub prompt_rate_recent: f64,
     pub generation_rate: f64,
     /// Fraction of prompt tokens served from the prefix cache over the window.

@@ -36,8 +36,8 @@ async fn query(
         Some("3")
     } else if q.starts_with("sum(vllm:num_requests_waiting") {
         Some("12")
-    } else if q.starts_with("sum(rate(vllm:prompt_tokens_total") && q.contains("[6s]") {
-        // The latest rate, over the peak's range (tick 5 s + scrape 1 s).
+    } else if q.starts_with("sum(irate(vllm:prompt_tokens_total") {
+        // The last two samples' rate, within the peak's range (tick 5 s + scrape 1 s).
         Some("7000")
     } else if q.starts_with("sum(rate(vllm:prompt_tokens_total") {
         Some("5000")
