@@ -46,6 +46,9 @@ struct PoolLoop {
     surplus_since: Option<Instant>,
     /// Path of a replica's (and a standby's) metrics.
     metrics_path: String,
+    /// Whether the policy's hindsight window was read back from Prometheus (or there
+    /// was nothing to read it from): once, at the first tick that sees the pool.
+    seeded: bool,
 }
 
 struct ModelLoop {
@@ -174,6 +177,7 @@ impl Controller {
                         failures: FailureLog::default(),
                         surplus_since: None,
                         metrics_path: p.metrics_path.clone(),
+                        seeded: false,
                     })
                     .collect(),
                 gateway_pods: match (&m.gateway_selector, &self.kube) {
@@ -386,6 +390,33 @@ impl Tick<'_> {
         (ok, failed.into_iter().map(|f| f.url).collect())
     }
 
+    /// A restarted scaler reads the arrivals its prefill policy sizes from back from
+    /// Prometheus, so it does not spend a window relearning a load it had seen.
+    async fn seed_from_prometheus(&self, model: &str, p: &mut PoolLoop, t: f64, hit_rate: f64) {
+        p.seeded = true;
+        let (Source::Prometheus(sel), Some(prom), Pool::Prefill) = (&p.source, self.prom, p.pool)
+        else {
+            return;
+        };
+        let span = p.policy.cfg.burst_memory_s;
+        match prom.recent_prompt_rates(sel, span, self.timeout).await {
+            Ok(points) => {
+                let taken = p
+                    .policy
+                    .seed_arrivals(t, prom.step_s(), &points, 1.0 - hit_rate);
+                tracing::info!(
+                    model,
+                    pool = p.pool.as_str(),
+                    points = taken,
+                    "hindsight window read back from Prometheus"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(model, pool = p.pool.as_str(), error = %e, "reading the hindsight window back from Prometheus: sizing from what is seen from now on");
+            }
+        }
+    }
+
     async fn decide_model(&self, m: &mut ModelLoop, t: f64) {
         let filter = m.cfg.metrics_model_name.as_deref();
         let mut gateways = m.cfg.gateway.clone();
@@ -449,6 +480,10 @@ impl Tick<'_> {
                 signals.is_blind(),
             );
             let slo = SloView::of(&signals, p.policy.cfg.slo_ttft_s, p.policy.cfg.slo_itl_s);
+            if !p.seeded && !blind {
+                self.seed_from_prometheus(&m.cfg.name, p, t, signals.prefix_hit_rate)
+                    .await;
+            }
             let obs = Observation {
                 current,
                 held_requests: held,

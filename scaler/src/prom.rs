@@ -46,6 +46,30 @@ struct Sample {
     value: (f64, String),
 }
 
+#[derive(Deserialize)]
+struct RangeResponse {
+    status: String,
+    #[serde(default)]
+    data: Option<RangeData>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RangeData {
+    #[serde(rename = "resultType")]
+    result_type: String,
+    result: Vec<Series>,
+}
+
+#[derive(Deserialize)]
+struct Series {
+    values: Vec<(f64, String)>,
+}
+
+/// Most points a range query may return (Prometheus' own limit is 11,000).
+const MAX_RANGE_POINTS: f64 = 2_000.0;
+
 /// `sum(a{sel}) or sum(b{sel}) …` with `f` wrapping each name.
 fn any_of(list: &[&str], f: impl Fn(&str) -> String) -> String {
     list.iter().map(|n| f(n)).collect::<Vec<_>>().join(" or ")
@@ -70,6 +94,13 @@ impl PromSource {
     pub fn with_scrape_interval(mut self, scrape_s: f64) -> Self {
         self.scrape_s = scrape_s.round().max(1.0) as u64;
         self
+    }
+
+    /// Seconds between the points [`PromSource::recent_prompt_rates`] returns (the
+    /// scaler's tick).
+    #[must_use]
+    pub fn step_s(&self) -> f64 {
+        self.interval_s.max(1) as f64
     }
 
     /// The range short-term peak rates are taken over: Grafana's `$__rate_interval`,
@@ -143,6 +174,70 @@ impl PromSource {
         Ok(data.result)
     }
 
+    /// The pool's latest prompt-token rate (as `pool_signals` reads it) at each scaler
+    /// tick over the last `span_s` seconds, oldest first, as (seconds before the
+    /// newest point, tokens/s): the arrivals a restarted scaler had already seen.
+    pub async fn recent_prompt_rates(
+        &self,
+        sel: &str,
+        span_s: f64,
+        timeout: Duration,
+    ) -> Result<Vec<(f64, f64)>> {
+        let r = self.peak_range_s();
+        let q = any_of(names::PROMPT_TOKENS, |n| {
+            format!("sum(irate({n}{{{sel}}}[{r}s]))")
+        });
+        let err = |e: String| ScalerError::Prometheus(format!("{q}: {e}"));
+        let step = self.step_s();
+        let span = span_s.clamp(0.0, step * MAX_RANGE_POINTS);
+        let end = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_err(|e| err(e.to_string()))?
+            .as_secs_f64()
+            .floor();
+        let resp = self
+            .client
+            .get(format!("{}/api/v1/query_range", self.base))
+            .query(&[
+                ("query", q.clone()),
+                ("start", format!("{}", end - span)),
+                ("end", format!("{end}")),
+                ("step", format!("{step}")),
+            ])
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let status = resp.status();
+        let bytes = read_limited(resp, MAX_BODY_BYTES).await.map_err(err)?;
+        let body: RangeResponse = serde_json::from_slice(&bytes)
+            .map_err(|e| err(format!("HTTP {status}: not a Prometheus response ({e})")))?;
+        if body.status != "success" {
+            return Err(err(body.error.unwrap_or(body.status)));
+        }
+        let data = body.data.ok_or_else(|| err("no data".into()))?;
+        if data.result_type != "matrix" {
+            return Err(err(format!("expected a matrix, got {}", data.result_type)));
+        }
+        // One series per name that answered (`a or b`): summed per timestamp.
+        let mut at: std::collections::BTreeMap<i64, f64> = std::collections::BTreeMap::new();
+        for series in &data.result {
+            for (ts, v) in &series.values {
+                let Some(v) = v.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0) else {
+                    continue;
+                };
+                if ts.is_finite() && *ts >= end - span - step && *ts <= end + step {
+                    *at.entry((ts * 1000.0).round() as i64).or_default() += v;
+                }
+            }
+        }
+        let newest = at.keys().next_back().copied().unwrap_or(0);
+        Ok(at
+            .into_iter()
+            .map(|(ms, v)| ((newest - ms) as f64 / 1000.0, v))
+            .collect())
+    }
+
     /// The queries for one pool, in the order [`PromSource::pool_signals`] reads them.
     #[must_use]
     pub fn queries(&self, sel: &str) -> Vec<String> {
@@ -209,6 +304,8 @@ impl PromSource {
             prompt_rate_peak: n(6),
             peak_span_s: self.peak_range_s() as f64,
             prompt_rate_recent: n(11),
+            // irate: the last two samples, a scrape apart.
+            recent_span_s: self.scrape_s as f64,
             generation_rate: n(7),
             prefix_hit_rate: if queries > 0.0 {
                 (n(9) / queries).clamp(0.0, 1.0)

@@ -95,6 +95,7 @@ impl Sim<'_> {
             prompt_rate_peak: self.peak_prompt_rate(),
             peak_span_s: self.cfg.interval_s.max(1.0),
             prompt_rate_recent: self.recent_prompt_rate(),
+            recent_span_s: self.cfg.interval_s.max(1.0),
             prefix_hit_rate: if queries > 0.0 {
                 (self.now.prefix_hits - oldest.prefix_hits) / queries
             } else {

@@ -128,6 +128,8 @@ const FORECAST_UTIL: f64 = 0.85;
 /// reaches the scaler flattened to the pool's rate (its queue is counted as backlog),
 /// and one wait limit (the mean prompt's) is applied to every prompt in the window.
 const HINDSIGHT_UTIL: f64 = 0.65;
+/// Longest gap between ticks one rate reading is taken to cover.
+const MAX_ARRIVAL_GAP_S: f64 = 60.0;
 /// Seconds of arrivals the hindsight size needs before it is trusted.
 const HINDSIGHT_MIN_S: f64 = 60.0;
 /// Longest floor: the policy scans its minutes each tick.
@@ -354,6 +356,50 @@ impl PreheatPolicy {
         floor
     }
 
+    /// Fills an empty hindsight window with arrivals seen before this policy started
+    /// (a restarted scaler reads them back from Prometheus): `points` are (seconds
+    /// before `t`, prompt tokens/s), each the rate over the `step_s` before it, of
+    /// which `uncached` is not served from prefix caches. Returns the points taken;
+    /// none once the window holds arrivals of its own.
+    pub fn seed_arrivals(
+        &mut self,
+        t: f64,
+        step_s: f64,
+        points: &[(f64, f64)],
+        uncached: f64,
+    ) -> usize {
+        if self.pool != Pool::Prefill
+            || self.arrivals.covered_s() > 0.0
+            || !(step_s.is_finite() && step_s > 0.0)
+        {
+            return 0;
+        }
+        let uncached = if uncached.is_finite() {
+            uncached.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        let mut taken = 0;
+        for &(age, rate) in points {
+            let usable =
+                (0.0..=self.cfg.burst_memory_s).contains(&age) && rate.is_finite() && rate >= 0.0;
+            if !usable {
+                continue;
+            }
+            self.arrivals.push(
+                t - age,
+                step_s,
+                rate * uncached * step_s,
+                self.cfg.burst_memory_s,
+            );
+            taken += 1;
+        }
+        if taken > 0 {
+            self.arrivals_t = Some(t);
+        }
+        taken
+    }
+
     /// The load the last decision sized for; `None` before one, and while blind.
     #[must_use]
     pub fn last_load(&self) -> Option<LoadView> {
@@ -401,10 +447,13 @@ impl PreheatPolicy {
                 // recur, and one that comes faster than a replica starts can only be met
                 // by replicas already up: the window keeps what a burst needed for as
                 // long as it remembers the burst.
-                // Each tick records what arrived since the last one, at most one span of
-                // the source's latest rate (a source with under two readings has none).
-                let span = s.peak_span_s;
-                let dt = self.arrivals_t.map_or(span, |p| (t - p).min(span));
+                // Each tick records what arrived since the last one at the source's latest
+                // rate (the first, one span of it; a source with under two readings has
+                // none); a gap of skipped ticks counts for at most a minute.
+                let span = s.recent_span_s;
+                let dt = self
+                    .arrivals_t
+                    .map_or(span, |p| (t - p).min(span.max(MAX_ARRIVAL_GAP_S)));
                 if span > 0.0 && dt.is_finite() && dt > 0.0 {
                     let tokens = s.prompt_rate_recent * uncached * dt;
                     self.arrivals.push(t, dt, tokens, self.cfg.burst_memory_s);
@@ -426,14 +475,14 @@ impl PreheatPolicy {
                 // A backlog the pool's spare capacity clears before new replicas would
                 // serve needs none: a short start-up must not turn every passing queue
                 // into replicas held for a stabilisation window. Only what is left
-                // then is theirs, drained within half the SLO of their start.
+                // then is theirs, drained over their start-up and half the SLO.
                 // Spare at the planning utilisation, against the most load seen or expected.
                 let load = rate.max(s.prompt_rate_recent * uncached).max(ahead);
                 let spare = (s.endpoints_ok as f64 * per_replica * FORECAST_UTIL - load).max(0.0);
                 // New replicas serve after their start-up and the actuation before it.
                 let serve_in = lead + ACTUATION_S;
                 let left = (backlog - spare * (serve_in + 0.5 * slo)).max(0.0);
-                let mut n = size + left / (per_replica * (0.5 * slo + serve_in));
+                let mut n = size + left / (per_replica * (0.5 * slo + lead));
                 // Observed latency corrects the model while a real queue persists: a factor
                 // on the modelled need, not on current replicas, so replicas still
                 // starting do not compound it; an emptied queue means it is history.

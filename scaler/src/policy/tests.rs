@@ -32,11 +32,9 @@ fn prefill_sizes_from_prompt_rate_and_backlog() {
         (0.0, 0.0, 0..=0),
         (10_000.0, 0.0, 1..=1),
         (100_000.0, 0.0, 7..=9),
-        // A pool at zero: new replicas serve after their 2 s start-up and 30 s of
-        // actuation, and drain the backlog within half the SLO more:
-        // 10k / (16k × 0.85) + 200k / 33 s / 16k ≈ 1.1.
-        (10_000.0, 200_000.0, 2..=2),
-        (10_000.0, 2_000_000.0, 5..=5),
+        // A pool at zero: new replicas drain the backlog over their 2 s start-up and
+        // half the SLO: 10k / (16k × 0.85) + 200k / 3 s / 16k ≈ 4.9.
+        (10_000.0, 200_000.0, 5..=5),
     ];
     for (rate, queued, want) in cases {
         let mut p = policy(Pool::Prefill);
@@ -69,16 +67,17 @@ fn regression_a_short_start_up_turned_a_passing_queue_into_replicas() {
         assert_eq!(d.desired, 4, "lead {lead}: {d:?}");
     }
     // A queue the spare capacity cannot clear before new replicas serve (1 s start-up
-    // plus 30 s of actuation) still gets them: spare 4 × 16k × 0.85 − 10k = 44.4k/s,
-    // (6M − 44.4k × 32 s) / (16k × 32 s) ≈ 8.9, plus the load's 0.7.
+    // plus 30 s of actuation, then half the SLO) still gets them, draining the rest
+    // over their start-up and half the SLO: spare 4 × 16k × 0.85 − 10k = 44.4k/s,
+    // (2M − 44.4k × 32 s) / (16k × 2 s) ≈ 18.1, plus the load's 0.7.
     let mut p = policy(Pool::Prefill);
     let mut o = obs(4, |s| {
         s.prompt_rate = 10_000.0;
-        s.queued_prompt_tokens = 6_000_000.0;
+        s.queued_prompt_tokens = 2_000_000.0;
     });
     o.measured_startup_s = Some(1.0);
     let d = p.decide(0.0, &o);
-    assert_eq!(d.desired, 10, "{d:?}");
+    assert_eq!(d.desired, 19, "{d:?}");
 }
 
 #[test]
@@ -96,6 +95,7 @@ fn a_steady_window_is_sized_by_hindsight_at_its_planning_rate() {
             s.prompt_rate = 100_000.0;
             s.prompt_rate_recent = 100_000.0;
             s.peak_span_s = 1.0;
+            s.recent_span_s = 1.0;
         });
         o.mean_prompt_len = Some(2048.0);
         let d = p.decide(f64::from(t), &o);
@@ -108,6 +108,51 @@ fn a_steady_window_is_sized_by_hindsight_at_its_planning_rate() {
 }
 
 #[test]
+fn a_restarted_policy_seeded_with_its_window_sizes_from_it_at_once() {
+    // Ten minutes of 100k tokens/s of 2k-token prompts, read back at a restart: the
+    // first decision is the window's hindsight size (at 65% of the profile: 10), not a
+    // cold start's forecast at the queueing cap (8).
+    let per = Profile::default().prefill_rate(2048.0);
+    let steady = |s: &mut PoolSignals| {
+        s.prompt_rate = 100_000.0;
+        s.prompt_rate_recent = 100_000.0;
+        s.peak_span_s = 5.0;
+        s.recent_span_s = 5.0;
+    };
+    let points: Vec<(f64, f64)> = (0..120)
+        .rev()
+        .map(|i| (f64::from(i) * 5.0, 100_000.0))
+        .collect();
+    let mut p = policy(Pool::Prefill);
+    assert_eq!(p.seed_arrivals(1000.0, 5.0, &points, 1.0), 120);
+    let d = p.decide(1000.0, &obs(8, steady));
+    assert_eq!(
+        f64::from(d.desired),
+        (100_000.0 / (per * 0.65)).ceil(),
+        "{d:?}"
+    );
+    let mut cold = policy(Pool::Prefill);
+    assert_eq!(cold.decide(1000.0, &obs(8, steady)).desired, 8);
+    // Once the window has arrivals of its own, or for decode, seeding takes nothing.
+    assert_eq!(p.seed_arrivals(1005.0, 5.0, &points, 1.0), 0);
+    assert_eq!(
+        policy(Pool::Decode).seed_arrivals(0.0, 5.0, &points, 1.0),
+        0
+    );
+    // Points older than the window, or not numbers, are dropped.
+    let mut q = policy(Pool::Prefill);
+    assert_eq!(
+        q.seed_arrivals(
+            0.0,
+            5.0,
+            &[(601.0, 1.0), (f64::NAN, 1.0), (5.0, f64::NAN), (0.0, 1.0)],
+            1.0
+        ),
+        1
+    );
+}
+
+#[test]
 fn regression_a_scale_down_step_lasted_one_tick_and_hpa_missed_it() {
     // HPA reads the answer every 15 s; the policy ticks every 5 s and steps down every
     // stabilisation / 4. A step answered for one tick and then "current" again was seen
@@ -117,6 +162,7 @@ fn regression_a_scale_down_step_lasted_one_tick_and_hpa_missed_it() {
         s.prompt_rate = 10_000.0;
         s.prompt_rate_recent = 10_000.0;
         s.peak_span_s = 5.0;
+        s.recent_span_s = 5.0;
     };
     let mut t = 0.0;
     while t < 60.0 {
@@ -152,6 +198,7 @@ fn a_scale_down_step_is_dropped_when_the_pool_is_raised_above_where_it_stepped_f
         s.prompt_rate = 10_000.0;
         s.prompt_rate_recent = 10_000.0;
         s.peak_span_s = 5.0;
+        s.recent_span_s = 5.0;
     };
     let mut t = 0.0;
     while t < 60.0 {
@@ -253,11 +300,13 @@ fn a_burst_keeps_its_capacity_for_the_burst_memory() {
         s.prompt_rate_peak = 100_000.0;
         s.prompt_rate_recent = 100_000.0;
         s.peak_span_s = 5.0;
+        s.recent_span_s = 5.0;
     };
     let quiet = |s: &mut PoolSignals| {
         s.prompt_rate = 1_000.0;
         s.prompt_rate_recent = 1_000.0;
         s.peak_span_s = 1.0;
+        s.recent_span_s = 1.0;
     };
     let held = p.decide(0.0, &obs(1, burst)).desired;
     assert!(held >= 4, "{held}");

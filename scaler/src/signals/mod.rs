@@ -33,6 +33,8 @@ pub struct PoolSignals {
     /// scrapes; Prometheus: `irate` over the peak's range): the policy keeps these as
     /// its record of recent arrivals.
     pub prompt_rate_recent: f64,
+    /// Seconds `prompt_rate_recent` was measured over (a scrape interval).
+    pub recent_span_s: f64,
     pub generation_rate: f64,
     /// Fraction of prompt tokens served from the prefix cache over the window.
     pub prefix_hit_rate: f64,
@@ -113,6 +115,7 @@ impl PoolWindows {
             s.prompt_rate_peak += w.peak_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.peak_span_s = s.peak_span_s.max(w.mean_spacing().unwrap_or(0.0));
             s.prompt_rate_recent += w.last_rate(|r| r.prompt_tokens).unwrap_or(0.0);
+            s.recent_span_s = s.recent_span_s.max(w.mean_spacing().unwrap_or(0.0));
             s.generation_rate += w.rate(|r| r.generation_tokens).unwrap_or(0.0);
             queries += w.rate(|r| r.prefix_queries).unwrap_or(0.0);
             hits += w.rate(|r| r.prefix_hits).unwrap_or(0.0);

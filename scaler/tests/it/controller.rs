@@ -191,3 +191,118 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         .unwrap()
         .unwrap();
 }
+
+/// A Prometheus server that has seen one prefill replica take 100k prompt tokens/s
+/// for a long time, with one burst (`range`: whether range queries return that history).
+async fn fake_prometheus(range: bool) -> String {
+    use axum::extract::Query;
+    use serde_json::json;
+    use std::collections::BTreeMap;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let app = Router::new()
+        .route(
+            "/api/v1/query",
+            get(|Query(q): Query<BTreeMap<String, String>>| async move {
+                let q = &q["query"];
+                let v = if q.starts_with("count(") {
+                    Some("1")
+                } else if q.contains("prompt_tokens_total") {
+                    // The window's rate, its peak and the latest: all the same.
+                    Some("100000")
+                } else {
+                    None
+                };
+                let result = match v {
+                    Some(v) => json!([{"metric": {}, "value": [1.7e9, v]}]),
+                    None => json!([]),
+                };
+                axum::Json(json!({"status": "success",
+                    "data": {"resultType": "vector", "result": result}}))
+            }),
+        )
+        .route(
+            "/api/v1/query_range",
+            get(
+                move |Query(q): Query<BTreeMap<String, String>>| async move {
+                    let (start, end): (f64, f64) =
+                        (q["start"].parse().unwrap(), q["end"].parse().unwrap());
+                    let step: f64 = q["step"].parse().unwrap();
+                    // Five minutes ago, one tick of a burst at 400k tokens/s.
+                    let mut values = Vec::new();
+                    let mut t = start;
+                    while range && t <= end {
+                        let burst = (end - t - 300.0).abs() < step / 2.0;
+                        values.push(json!([t, if burst { "400000" } else { "100000" }]));
+                        t += step;
+                    }
+                    axum::Json(json!({"status": "success", "data": {"resultType": "matrix",
+                    "result": [{"metric": {}, "values": values}]}}))
+                },
+            ),
+        );
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+/// The prefill pool's first decision from a scaler reading `prometheus`.
+async fn first_prefill_decision(prometheus: &str) -> i64 {
+    let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
+    let sets = vec![
+        format!("grpc_listen=127.0.0.1:{gport}"),
+        format!("http_listen=127.0.0.1:{hport}"),
+        "interval_s=5".into(),
+        format!("prometheus_url={prometheus}"),
+        "models=[{name: llama, prefill: {prometheus_selector: 'pool=\"prefill\"'}, decode: {prometheus_selector: 'pool=\"decode\"'}}]".into(),
+    ];
+    let cfg = Config::load(None, &sets).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(preheat_scaler::server::run(
+        cfg,
+        Profile::default(),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let mut client = loop {
+        if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{gport}")).await {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let d = loop {
+        match client
+            .get_metrics(GetMetricsRequest {
+                scaled_object_ref: Some(sref("prefill")),
+                metric_name: String::new(),
+            })
+            .await
+        {
+            Ok(r) => break r.into_inner().metric_values[0].metric_value,
+            Err(s) if s.code() == tonic::Code::Unavailable => {}
+            Err(s) => panic!("{s}"),
+        }
+        assert!(Instant::now() < deadline, "no decision");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = stop_tx.send(());
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_scaler_reads_its_hindsight_window_back_from_prometheus() {
+    // 100k tokens/s of 2k-token prompts on replicas of 16k tokens/s, and five minutes
+    // ago a 5 s burst of 2M tokens. Read back, the window holds the burst, and the pool
+    // is sized at once to have drained it within the SLO (about 27 replicas). Without
+    // the history the first tick knows one scrape interval of steady load (about 9).
+    let seeded = first_prefill_decision(&fake_prometheus(true).await).await;
+    assert!(seeded >= 20, "the burst in the read-back window: {seeded}");
+    let fresh = first_prefill_decision(&fake_prometheus(false).await).await;
+    assert!((7..=10).contains(&fresh), "no history: {fresh}");
+}

@@ -62,12 +62,29 @@ async fn query(
     axum::Json(vector(answer))
 }
 
+/// Two engines' names answering at once (`a or b`), one stale point outside the range
+/// and one that is not a number.
+async fn query_range(Query(q): Query<BTreeMap<String, String>>) -> axum::Json<Value> {
+    let end: f64 = q["end"].parse().unwrap();
+    let step: f64 = q["step"].parse().unwrap();
+    assert!(q["query"].starts_with("sum(irate(vllm:prompt_tokens_total"));
+    assert_eq!(end - q["start"].parse::<f64>().unwrap(), 20.0);
+    let at = |back: f64, v: &str| json!([end - back * step, v]);
+    axum::Json(
+        json!({"status": "success", "data": {"resultType": "matrix", "result": [
+            {"metric": {}, "values": [at(100.0, "1"), at(2.0, "1000"), at(1.0, "2000"), at(0.0, "NaN")]},
+            {"metric": {}, "values": [at(1.0, "500"), at(0.0, "3000")]},
+        ]}}),
+    )
+}
+
 async fn fake() -> (String, Seen) {
     let seen = Seen::default();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let app = Router::new()
         .route("/api/v1/query", get(query))
+        .route("/api/v1/query_range", get(query_range))
         .with_state(seen.clone());
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
     (format!("http://{addr}/"), seen)
@@ -87,6 +104,10 @@ async fn answers_become_pool_signals() {
     assert_eq!(s.prompt_rate, 5000.0);
     assert_eq!(s.prompt_rate_peak, 9000.0);
     assert_eq!(s.prompt_rate_recent, 7000.0);
+    assert_eq!(
+        s.recent_span_s, 1.0,
+        "irate: the last two samples, a scrape apart"
+    );
     assert_eq!(s.prefix_hit_rate, 0.25);
     assert_eq!(s.ttft_p90, Some(0.8));
     assert_eq!(s.kv_usage, 0.0, "NaN reads as absent");
@@ -104,6 +125,17 @@ async fn answers_become_pool_signals() {
             && q.contains(" or sum(sglang:num_queue_reqs"))
     );
     assert!(seen.iter().any(|q| q.contains("[60s]")));
+}
+
+#[tokio::test]
+async fn recent_rates_come_back_per_tick_summed_over_names() {
+    let (url, _) = fake().await;
+    let p = PromSource::new(reqwest::Client::new(), &url, 60.0, 5.0);
+    let points = p
+        .recent_prompt_rates(r#"pool="prefill""#, 20.0, Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(points, vec![(10.0, 1000.0), (5.0, 2500.0), (0.0, 3000.0)]);
 }
 
 #[tokio::test]

@@ -159,4 +159,15 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     let ttft = signals.ttft_hist.as_deref().expect("TTFT buckets");
     assert_eq!(fraction_within(ttft, 0.25), Some(1.0), "{ttft:?}");
     assert_eq!(fraction_within(ttft, 0.1), Some(0.0), "{ttft:?}");
+    // A restarted scaler reads its hindsight window back: the latest rate at each tick
+    // (2 s) of the last 10 s, newest last, each near what the ticker writes.
+    let points = source
+        .recent_prompt_rates(sel, 10.0, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!((4..=7).contains(&points.len()), "{points:?}");
+    assert_eq!(points.last().map(|p| p.0), Some(0.0), "{points:?}");
+    assert!(points.windows(2).all(|w| w[0].0 > w[1].0), "{points:?}");
+    let mean = points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
+    assert!(near(mean, 30_000.0), "{points:?}");
 }
