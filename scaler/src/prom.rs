@@ -23,20 +23,21 @@ pub struct PromSource {
     scrape_s: u64,
 }
 
+/// An API answer: `T` is a vector's sample or a matrix's series.
 #[derive(Deserialize)]
-struct Response {
+struct Response<T> {
     status: String,
-    #[serde(default)]
-    data: Option<Data>,
+    #[serde(default = "Option::default")]
+    data: Option<Data<T>>,
     #[serde(default)]
     error: Option<String>,
 }
 
 #[derive(Deserialize)]
-struct Data {
+struct Data<T> {
     #[serde(rename = "resultType")]
     result_type: String,
-    result: Vec<Sample>,
+    result: Vec<T>,
 }
 
 #[derive(Deserialize)]
@@ -44,22 +45,6 @@ struct Sample {
     #[serde(default)]
     metric: std::collections::HashMap<String, String>,
     value: (f64, String),
-}
-
-#[derive(Deserialize)]
-struct RangeResponse {
-    status: String,
-    #[serde(default)]
-    data: Option<RangeData>,
-    #[serde(default)]
-    error: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct RangeData {
-    #[serde(rename = "resultType")]
-    result_type: String,
-    result: Vec<Series>,
 }
 
 #[derive(Deserialize)]
@@ -151,25 +136,39 @@ impl PromSource {
     }
 
     async fn vector(&self, q: &str, timeout: Duration) -> Result<Vec<Sample>> {
+        self.api("query", q, &[], "vector", timeout).await
+    }
+
+    /// One API call for `q` (with `extra` parameters), its body read within the limit
+    /// and its result checked to be of `kind`.
+    async fn api<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        q: &str,
+        extra: &[(&str, String)],
+        kind: &str,
+        timeout: Duration,
+    ) -> Result<Vec<T>> {
         let err = |e: String| ScalerError::Prometheus(format!("{q}: {e}"));
         let resp = self
             .client
-            .get(format!("{}/api/v1/query", self.base))
+            .get(format!("{}/api/v1/{path}", self.base))
             .query(&[("query", q)])
+            .query(extra)
             .timeout(timeout)
             .send()
             .await
             .map_err(|e| err(e.to_string()))?;
         let status = resp.status();
         let bytes = read_limited(resp, MAX_BODY_BYTES).await.map_err(err)?;
-        let body: Response = serde_json::from_slice(&bytes)
+        let body: Response<T> = serde_json::from_slice(&bytes)
             .map_err(|e| err(format!("HTTP {status}: not a Prometheus response ({e})")))?;
         if body.status != "success" {
             return Err(err(body.error.unwrap_or(body.status)));
         }
         let data = body.data.ok_or_else(|| err("no data".into()))?;
-        if data.result_type != "vector" {
-            return Err(err(format!("expected a vector, got {}", data.result_type)));
+        if data.result_type != kind {
+            return Err(err(format!("expected a {kind}, got {}", data.result_type)));
         }
         Ok(data.result)
     }
@@ -195,33 +194,22 @@ impl PromSource {
             .map_err(|e| err(e.to_string()))?
             .as_secs_f64()
             .floor();
-        let resp = self
-            .client
-            .get(format!("{}/api/v1/query_range", self.base))
-            .query(&[
-                ("query", q.clone()),
-                ("start", format!("{}", end - span)),
-                ("end", format!("{end}")),
-                ("step", format!("{step}")),
-            ])
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| err(e.to_string()))?;
-        let status = resp.status();
-        let bytes = read_limited(resp, MAX_BODY_BYTES).await.map_err(err)?;
-        let body: RangeResponse = serde_json::from_slice(&bytes)
-            .map_err(|e| err(format!("HTTP {status}: not a Prometheus response ({e})")))?;
-        if body.status != "success" {
-            return Err(err(body.error.unwrap_or(body.status)));
-        }
-        let data = body.data.ok_or_else(|| err("no data".into()))?;
-        if data.result_type != "matrix" {
-            return Err(err(format!("expected a matrix, got {}", data.result_type)));
-        }
+        let result: Vec<Series> = self
+            .api(
+                "query_range",
+                &q,
+                &[
+                    ("start", format!("{}", end - span)),
+                    ("end", format!("{end}")),
+                    ("step", format!("{step}")),
+                ],
+                "matrix",
+                timeout,
+            )
+            .await?;
         // One series per name that answered (`a or b`): summed per timestamp.
         let mut at: std::collections::BTreeMap<i64, f64> = std::collections::BTreeMap::new();
-        for series in &data.result {
+        for series in &result {
             for (ts, v) in &series.values {
                 let Some(v) = v.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0) else {
                     continue;
