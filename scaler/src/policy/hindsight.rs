@@ -15,7 +15,12 @@ use std::collections::VecDeque;
 pub struct ArrivalHistory {
     /// (end time, seconds covered, tokens), oldest first.
     buckets: VecDeque<(f64, f64, f64)>,
+    /// When arrivals were last recorded (the next reading covers the time since).
+    last_t: Option<f64>,
 }
+
+/// Longest gap between readings one rate is taken to cover.
+const MAX_GAP_S: f64 = 60.0;
 
 /// How a candidate size is judged.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +35,42 @@ pub struct ServiceModel {
 }
 
 impl ArrivalHistory {
+    /// Records a reading at `t`: `rate` tokens/s, the source's latest rate over `span`
+    /// seconds, taken to hold since the last reading (the first: one span of it; a gap
+    /// of skipped readings counts for at most a minute). A source with under two
+    /// readings has no span and records nothing.
+    pub fn record(&mut self, t: f64, rate: f64, span: f64, window: f64) {
+        let dt = self
+            .last_t
+            .map_or(span, |p| (t - p).min(span.max(MAX_GAP_S)));
+        if span > 0.0 && dt.is_finite() && dt > 0.0 {
+            self.push(t, dt, rate * dt, window);
+            self.last_t = Some(t);
+        }
+    }
+
+    /// Fills an empty window with readings taken before `t`: (seconds before `t`,
+    /// tokens/s over the `step` before), oldest first; those outside the window or not
+    /// numbers are dropped. Returns how many were taken; none once the window holds
+    /// arrivals of its own.
+    pub fn seed(&mut self, t: f64, step: f64, points: &[(f64, f64)], window: f64) -> usize {
+        if self.covered_s() > 0.0 || !(step.is_finite() && step > 0.0) {
+            return 0;
+        }
+        let mut taken = 0;
+        for &(age, rate) in points {
+            let usable = (0.0..=window).contains(&age) && rate.is_finite() && rate >= 0.0;
+            if usable {
+                self.push(t - age, step, rate * step, window);
+                taken += 1;
+            }
+        }
+        if taken > 0 {
+            self.last_t = Some(t);
+        }
+        taken
+    }
+
     /// Records `tokens` that arrived over the `dt` seconds ending at `t`, and forgets
     /// what ended more than `span` seconds ago.
     pub fn push(&mut self, t: f64, dt: f64, tokens: f64, span: f64) {

@@ -128,8 +128,6 @@ const FORECAST_UTIL: f64 = 0.85;
 /// reaches the scaler flattened to the pool's rate (its queue is counted as backlog),
 /// and one wait limit (the mean prompt's) is applied to every prompt in the window.
 const HINDSIGHT_UTIL: f64 = 0.65;
-/// Longest gap between ticks one rate reading is taken to cover.
-const MAX_ARRIVAL_GAP_S: f64 = 60.0;
 /// Seconds of arrivals the hindsight size needs before it is trusted.
 const HINDSIGHT_MIN_S: f64 = 60.0;
 /// Longest floor: the policy scans its minutes each tick.
@@ -286,8 +284,6 @@ pub struct PreheatPolicy {
     last_scale_down: f64,
     /// Prefill: uncached prompt tokens per policy tick over the burst memory.
     arrivals: ArrivalHistory,
-    /// When the last arrivals were recorded.
-    arrivals_t: Option<f64>,
     /// The last scale-down step's target and the replicas it stepped from, answered
     /// until the pool gets there or the load needs more: HPA reads the answer on its own
     /// sync period, and a step said for one tick is missed by every sync that falls
@@ -328,7 +324,6 @@ impl PreheatPolicy {
             idle_since: None,
             last_scale_down: f64::NEG_INFINITY,
             arrivals: ArrivalHistory::default(),
-            arrivals_t: None,
             step_target: None,
             first_seen: None,
             last_load: None,
@@ -368,10 +363,7 @@ impl PreheatPolicy {
         points: &[(f64, f64)],
         uncached: f64,
     ) -> usize {
-        if self.pool != Pool::Prefill
-            || self.arrivals.covered_s() > 0.0
-            || !(step_s.is_finite() && step_s > 0.0)
-        {
+        if self.pool != Pool::Prefill {
             return 0;
         }
         let uncached = if uncached.is_finite() {
@@ -379,25 +371,9 @@ impl PreheatPolicy {
         } else {
             1.0
         };
-        let mut taken = 0;
-        for &(age, rate) in points {
-            let usable =
-                (0.0..=self.cfg.burst_memory_s).contains(&age) && rate.is_finite() && rate >= 0.0;
-            if !usable {
-                continue;
-            }
-            self.arrivals.push(
-                t - age,
-                step_s,
-                rate * uncached * step_s,
-                self.cfg.burst_memory_s,
-            );
-            taken += 1;
-        }
-        if taken > 0 {
-            self.arrivals_t = Some(t);
-        }
-        taken
+        let points: Vec<(f64, f64)> = points.iter().map(|&(age, r)| (age, r * uncached)).collect();
+        self.arrivals
+            .seed(t, step_s, &points, self.cfg.burst_memory_s)
     }
 
     /// The load the last decision sized for; `None` before one, and while blind.
@@ -447,18 +423,12 @@ impl PreheatPolicy {
                 // recur, and one that comes faster than a replica starts can only be met
                 // by replicas already up: the window keeps what a burst needed for as
                 // long as it remembers the burst.
-                // Each tick records what arrived since the last one at the source's latest
-                // rate (the first, one span of it; a source with under two readings has
-                // none); a gap of skipped ticks counts for at most a minute.
-                let span = s.recent_span_s;
-                let dt = self
-                    .arrivals_t
-                    .map_or(span, |p| (t - p).min(span.max(MAX_ARRIVAL_GAP_S)));
-                if span > 0.0 && dt.is_finite() && dt > 0.0 {
-                    let tokens = s.prompt_rate_recent * uncached * dt;
-                    self.arrivals.push(t, dt, tokens, self.cfg.burst_memory_s);
-                    self.arrivals_t = Some(t);
-                }
+                self.arrivals.record(
+                    t,
+                    s.prompt_rate_recent * uncached,
+                    s.recent_span_s,
+                    self.cfg.burst_memory_s,
+                );
                 let model = ServiceModel {
                     rate_per_replica: per_replica * HINDSIGHT_UTIL,
                     max_wait_s: (slo - service).max(0.1 * slo),

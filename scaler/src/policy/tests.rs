@@ -152,24 +152,33 @@ fn a_restarted_policy_seeded_with_its_window_sizes_from_it_at_once() {
     );
 }
 
-#[test]
-fn regression_a_scale_down_step_lasted_one_tick_and_hpa_missed_it() {
-    // HPA reads the answer every 15 s; the policy ticks every 5 s and steps down every
-    // stabilisation / 4. A step answered for one tick and then "current" again was seen
-    // by one sync in three: a pool of 40 on a load for 16 never shrank.
+/// A light load on 20 prefill replicas every 5 s until the policy takes its first
+/// scale-down step: the policy, the step's time and the step.
+fn stepped_down_from_20() -> (PreheatPolicy, f64, Decision) {
     let mut p = policy(Pool::Prefill);
-    let light = |s: &mut PoolSignals| {
-        s.prompt_rate = 10_000.0;
-        s.prompt_rate_recent = 10_000.0;
-        s.peak_span_s = 5.0;
-        s.recent_span_s = 5.0;
-    };
     let mut t = 0.0;
     while t < 60.0 {
         p.decide(t, &obs(20, light));
         t += 5.0;
     }
     let step = p.decide(t, &obs(20, light));
+    (p, t, step)
+}
+
+/// 10k prompt tokens/s, read every 5 s.
+fn light(s: &mut PoolSignals) {
+    s.prompt_rate = 10_000.0;
+    s.prompt_rate_recent = 10_000.0;
+    s.peak_span_s = 5.0;
+    s.recent_span_s = 5.0;
+}
+
+#[test]
+fn regression_a_scale_down_step_lasted_one_tick_and_hpa_missed_it() {
+    // HPA reads the answer every 15 s; the policy ticks every 5 s and steps down every
+    // stabilisation / 4. A step answered for one tick and then "current" again was seen
+    // by one sync in three: a pool of 40 on a load for 16 never shrank.
+    let (mut p, mut t, step) = stepped_down_from_20();
     assert_eq!(step.reason, "scale down", "{step:?}");
     assert!(step.desired < 20, "{step:?}");
     // Until the next step (stabilisation / 4 = 15 s here), every answer keeps it: HPA
@@ -193,19 +202,7 @@ fn regression_a_scale_down_step_lasted_one_tick_and_hpa_missed_it() {
 
 #[test]
 fn a_scale_down_step_is_dropped_when_the_pool_is_raised_above_where_it_stepped_from() {
-    let mut p = policy(Pool::Prefill);
-    let light = |s: &mut PoolSignals| {
-        s.prompt_rate = 10_000.0;
-        s.prompt_rate_recent = 10_000.0;
-        s.peak_span_s = 5.0;
-        s.recent_span_s = 5.0;
-    };
-    let mut t = 0.0;
-    while t < 60.0 {
-        p.decide(t, &obs(20, light));
-        t += 5.0;
-    }
-    let step = p.decide(t, &obs(20, light));
+    let (mut p, mut t, step) = stepped_down_from_20();
     assert_eq!((step.reason, step.desired), ("scale down", 15), "{step:?}");
     // Someone (a floor that came and went while the pool was blind, a person) set 30:
     // the old step is not answered, nor does the next step fall below 30 − 25%.

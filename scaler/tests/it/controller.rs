@@ -39,6 +39,22 @@ fn engine_text(running: u32) -> String {
     )
 }
 
+/// The pool's desired replicas as KEDA reads them (`GetMetrics`); -1 before the
+/// scaler's first decision (it says Unavailable then).
+async fn desired(c: &mut ExternalScalerClient<tonic::transport::Channel>, pool: &str) -> i64 {
+    match c
+        .get_metrics(GetMetricsRequest {
+            scaled_object_ref: Some(sref(pool)),
+            metric_name: String::new(),
+        })
+        .await
+    {
+        Ok(r) => r.into_inner().metric_values[0].metric_value,
+        Err(s) if s.code() == tonic::Code::Unavailable => -1,
+        Err(s) => panic!("{s}"),
+    }
+}
+
 fn sref(pool: &str) -> ScaledObjectRef {
     ScaledObjectRef {
         name: format!("llama-{pool}"),
@@ -84,23 +100,6 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
             break c;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let desired = |c: &mut ExternalScalerClient<tonic::transport::Channel>, pool: &'static str| {
-        let mut c = c.clone();
-        async move {
-            match c
-                .get_metrics(GetMetricsRequest {
-                    scaled_object_ref: Some(sref(pool)),
-                    metric_name: String::new(),
-                })
-                .await
-            {
-                Ok(r) => r.into_inner().metric_values[0].metric_value,
-                // Before its first tick the scaler has no decision and says so.
-                Err(s) if s.code() == tonic::Code::Unavailable => -1,
-                Err(s) => panic!("{s}"),
-            }
-        }
     };
     // 1200 running sequences, ~230 per replica at a 45 ms ITL budget → about 6.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -272,16 +271,9 @@ async fn first_prefill_decision(prometheus: &str) -> i64 {
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     let d = loop {
-        match client
-            .get_metrics(GetMetricsRequest {
-                scaled_object_ref: Some(sref("prefill")),
-                metric_name: String::new(),
-            })
-            .await
-        {
-            Ok(r) => break r.into_inner().metric_values[0].metric_value,
-            Err(s) if s.code() == tonic::Code::Unavailable => {}
-            Err(s) => panic!("{s}"),
+        let d = desired(&mut client, "prefill").await;
+        if d >= 0 {
+            break d;
         }
         assert!(Instant::now() < deadline, "no decision");
         tokio::time::sleep(Duration::from_millis(50)).await;
