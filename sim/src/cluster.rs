@@ -403,9 +403,13 @@ impl DecodeReplica {
             return;
         };
         let itl = profile.itl(self.seqs.len() as f64);
-        // Float slack: a completion due at exactly `t` must count as reached.
-        let steps = (((t - self.clock) / itl) + 1e-9).floor().max(0.0);
-        let k = (steps as u64).min(min);
+        // The completion `next_event` reports is reached at that very time, computed
+        // the same way: dividing back rounds below it once the clock is large.
+        let k = if t >= self.clock + min as f64 * itl {
+            min
+        } else {
+            ((((t - self.clock) / itl) + 1e-9).floor().max(0.0) as u64).min(min)
+        };
         if k == 0 {
             return;
         }
@@ -476,5 +480,38 @@ mod tests {
         r.advance(1.0, &p, &mut done);
         assert_eq!(done.len(), 2);
         assert!((done[1].1 - (10.0 * itl2 + 10.0 * p.itl(1.0))).abs() < 1e-9);
+    }
+
+    #[test]
+    fn regression_decode_stalled_when_its_next_completion_was_a_day_and_more_away() {
+        // Past a day and a half of simulated time, `(due - clock) / itl` rounds below
+        // the steps that `next_event` promised: `advance` at that event took no step,
+        // the event stayed due, and the replay spun for ever (a 40-hour trace never
+        // finished). Every event a replica reports must be one `advance` reaches.
+        let p = Profile::default();
+        for i in 0..2_000u32 {
+            let start = 100_000.0 + f64::from(i) * 37.123_456_789;
+            let mut r = DecodeReplica::new(start);
+            for (req, remaining) in [(0, 1 + i % 97), (1, 3 + i % 389)] {
+                r.admit(
+                    start,
+                    Seq {
+                        req,
+                        remaining,
+                        kv_tokens: 10.0,
+                    },
+                );
+            }
+            let mut done = Vec::new();
+            while !r.is_empty() {
+                let at = r.next_event(start, &p);
+                let before = done.len();
+                r.advance(at, &p, &mut done);
+                assert!(
+                    done.len() > before,
+                    "clock {start}: no completion at its own event {at}"
+                );
+            }
+        }
     }
 }
