@@ -60,6 +60,16 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
             "{}",
             scaler.display()
         );
+        // So is the season: the chart's period and bucket are the policy's defaults.
+        let shipped = preheat_scaler::policy::PoolPolicy::default();
+        for p in [&m.prefill.policy, &m.decode.policy] {
+            assert_eq!(
+                (p.season_period_s, p.season_bucket_s),
+                (shipped.season_period_s, shipped.season_bucket_s),
+                "{}",
+                scaler.display()
+            );
+        }
         // A scheduled floor in the values reaches the scaler's policy as written.
         if variant
             .file_name()

@@ -390,29 +390,55 @@ impl Tick<'_> {
         (ok, failed.into_iter().map(|f| f.url).collect())
     }
 
-    /// A restarted scaler reads the arrivals its prefill policy sizes from back from
-    /// Prometheus, so it does not spend a window relearning a load it had seen.
+    /// A restarted scaler reads what its policy learns from back from Prometheus, so
+    /// it does not spend a window relearning a load it had seen: the prefill pool's
+    /// hindsight window, and each pool's season (the load by time of day).
     async fn seed_from_prometheus(&self, model: &str, p: &mut PoolLoop, t: f64, hit_rate: f64) {
         p.seeded = true;
-        let (Source::Prometheus(sel), Some(prom), Pool::Prefill) = (&p.source, self.prom, p.pool)
-        else {
+        let (Source::Prometheus(sel), Some(prom)) = (&p.source, self.prom) else {
             return;
         };
-        let span = p.policy.cfg.burst_memory_s;
-        match prom.recent_prompt_rates(sel, span, self.timeout).await {
+        let pool = p.pool.as_str();
+        if p.pool == Pool::Prefill {
+            let span = p.policy.cfg.burst_memory_s;
+            match prom.recent_prompt_rates(sel, span, self.timeout).await {
+                Ok(points) => {
+                    let taken = p
+                        .policy
+                        .seed_arrivals(t, prom.step_s(), &points, 1.0 - hit_rate);
+                    tracing::info!(
+                        model,
+                        pool,
+                        points = taken,
+                        "hindsight window read back from Prometheus"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(model, pool, error = %e, "reading the hindsight window back from Prometheus: sizing from what is seen from now on");
+                }
+            }
+        }
+        let Some((bucket, period)) = p.policy.season_buckets() else {
+            return;
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        match prom
+            .seasonal_rates(sel, p.pool, period, bucket, self.timeout)
+            .await
+        {
             Ok(points) => {
-                let taken = p
-                    .policy
-                    .seed_arrivals(t, prom.step_s(), &points, 1.0 - hit_rate);
+                let taken = p.policy.seed_season(now, &points, 1.0 - hit_rate);
                 tracing::info!(
                     model,
-                    pool = p.pool.as_str(),
-                    points = taken,
-                    "hindsight window read back from Prometheus"
+                    pool,
+                    buckets = taken,
+                    "season read back from Prometheus"
                 );
             }
             Err(e) => {
-                tracing::warn!(model, pool = p.pool.as_str(), error = %e, "reading the hindsight window back from Prometheus: sizing from what is seen from now on");
+                tracing::warn!(model, pool, error = %e, "reading the season back from Prometheus: learning it from now on");
             }
         }
     }

@@ -186,18 +186,58 @@ impl PromSource {
         let q = any_of(names::PROMPT_TOKENS, |n| {
             format!("sum(irate({n}{{{sel}}}[{r}s]))")
         });
-        let err = |e: String| ScalerError::Prometheus(format!("{q}: {e}"));
         let step = self.step_s();
         let span = span_s.clamp(0.0, step * MAX_RANGE_POINTS);
-        let end = std::time::SystemTime::now()
+        let at = self.range_sum(&q, span, step, timeout).await?;
+        let newest = at.last().map_or(0.0, |p| p.0);
+        Ok(at.into_iter().map(|(t, v)| (newest - t, v)).collect())
+    }
+
+    /// The pool's mean load per `bucket_s` over the last `period_s`, as (Unix time,
+    /// rate over the bucket before it), oldest first: prompt tokens/s for prefill,
+    /// generated tokens/s for decode. What a restarted scaler's season is seeded with.
+    pub async fn seasonal_rates(
+        &self,
+        sel: &str,
+        pool: crate::policy::Pool,
+        period_s: f64,
+        bucket_s: f64,
+        timeout: Duration,
+    ) -> Result<Vec<(f64, f64)>> {
+        let list = match pool {
+            crate::policy::Pool::Prefill => names::PROMPT_TOKENS,
+            crate::policy::Pool::Decode => names::GENERATION_TOKENS,
+        };
+        let b = bucket_s.round().max(1.0);
+        let q = any_of(list, |n| format!("sum(rate({n}{{{sel}}}[{b}s]))"));
+        let span = period_s.clamp(0.0, b * MAX_RANGE_POINTS);
+        self.range_sum(&q, span, b, timeout).await
+    }
+
+    /// A range query of `q` over the `span_s` before the last `step_s` mark, its series summed
+    /// per timestamp (one per name that answered `a or b`), as (Unix time, value),
+    /// oldest first; values that are not non-negative numbers and timestamps outside
+    /// the range are dropped.
+    async fn range_sum(
+        &self,
+        q: &str,
+        span_s: f64,
+        step_s: f64,
+        timeout: Duration,
+    ) -> Result<Vec<(f64, f64)>> {
+        let err = |e: String| ScalerError::Prometheus(format!("{q}: {e}"));
+        let (span, step) = (span_s, step_s.max(1.0));
+        // On the step's grid: each point then covers one whole step of the wall clock
+        // (a season's bucket exactly), never a part of the one still running.
+        let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_err(|e| err(e.to_string()))?
-            .as_secs_f64()
-            .floor();
+            .as_secs_f64();
+        let end = (now / step).floor() * step;
         let result: Vec<Series> = self
             .api(
                 "query_range",
-                &q,
+                q,
                 &[
                     ("start", format!("{}", end - span)),
                     ("end", format!("{end}")),
@@ -207,7 +247,6 @@ impl PromSource {
                 timeout,
             )
             .await?;
-        // One series per name that answered (`a or b`): summed per timestamp.
         let mut at: std::collections::BTreeMap<i64, f64> = std::collections::BTreeMap::new();
         for series in &result {
             for (ts, v) in &series.values {
@@ -219,10 +258,9 @@ impl PromSource {
                 }
             }
         }
-        let newest = at.keys().next_back().copied().unwrap_or(0);
         Ok(at
             .into_iter()
-            .map(|(ms, v)| ((newest - ms) as f64 / 1000.0, v))
+            .map(|(ms, v)| (ms as f64 / 1000.0, v))
             .collect())
     }
 

@@ -18,9 +18,14 @@ pub struct DayShape {
     pub peak_rps: f64,
     /// Peak rate over trough rate (≥ 1).
     pub swing: f64,
-    /// Hour of the day the peak falls on (the trough is twelve hours away).
+    /// Hour of the day the peak falls on (the trough is twelve hours away); a
+    /// cosine day only.
     pub peak_hour: f64,
     pub seed: u64,
+    /// Office hours instead of a cosine: (opening hour, closing hour, seconds the rate
+    /// takes to climb from trough to peak at opening, and back at closing). The
+    /// recurring ramp a forecast of the rate alone meets late.
+    pub office: Option<(f64, f64, f64)>,
 }
 
 impl Default for DayShape {
@@ -31,6 +36,7 @@ impl Default for DayShape {
             swing: 30.0,
             peak_hour: 14.0,
             seed: 1,
+            office: None,
         }
     }
 }
@@ -58,14 +64,32 @@ impl DayShape {
         if !(self.peak_hour.is_finite() && (0.0..24.0).contains(&self.peak_hour)) {
             e.push(format!("peak hour {}: in [0, 24)", self.peak_hour));
         }
+        if let Some((open, close, ramp)) = self.office {
+            let hours_ok = open.is_finite() && close.is_finite() && 0.0 <= open && open < close;
+            if !(hours_ok && close <= 24.0) {
+                e.push(format!(
+                    "office hours {open}-{close}: 0 <= open < close <= 24"
+                ));
+            } else if !(ramp.is_finite() && ramp > 0.0 && ramp <= (close - open) * 1800.0) {
+                e.push(format!(
+                    "office ramp {ramp} s: above 0 and at most half the office hours"
+                ));
+            }
+        }
         e
     }
 
     /// Arrival rate (requests/s) `t` seconds into the trace, which starts at midnight:
-    /// a raised cosine between trough and peak over 24 hours.
+    /// a raised cosine between trough and peak over 24 hours, or office hours.
     #[must_use]
     pub fn rate(&self, t: f64) -> f64 {
         let trough = self.peak_rps / self.swing;
+        if let Some((open, close, ramp)) = self.office {
+            let tod = t.rem_euclid(86_400.0);
+            let up = ((tod - open * 3600.0) / ramp).clamp(0.0, 1.0);
+            let down = ((close * 3600.0 - tod) / ramp).clamp(0.0, 1.0);
+            return trough + (self.peak_rps - trough) * up.min(down);
+        }
         let hour = t / 3600.0;
         let phase = 2.0 * PI * (hour - self.peak_hour) / 24.0;
         trough + (self.peak_rps - trough) * (1.0 + phase.cos()) / 2.0
@@ -183,6 +207,24 @@ mod tests {
     }
 
     #[test]
+    fn office_hours_climb_at_opening_and_fall_at_closing_every_day() {
+        let shape = DayShape {
+            peak_rps: 30.0,
+            swing: 30.0,
+            office: Some((8.0, 18.0, 120.0)),
+            ..DayShape::default()
+        };
+        let at = |d: f64, h: f64, m: f64| shape.rate(d * 86_400.0 + h * 3600.0 + m * 60.0);
+        for d in [0.0, 1.0, 6.0] {
+            assert_eq!(at(d, 7.0, 59.0), 1.0, "night");
+            assert!((at(d, 8.0, 1.0) - 15.5).abs() < 1e-9, "half way up");
+            assert_eq!(at(d, 12.0, 0.0), 30.0, "day");
+            assert!((at(d, 17.0, 59.0) - 15.5).abs() < 1e-9, "half way down");
+            assert_eq!(at(d, 18.0, 0.0), 1.0);
+        }
+    }
+
+    #[test]
     fn a_written_day_reads_back() {
         let d = day(
             &sizes(),
@@ -214,8 +256,14 @@ mod tests {
             swing: 0.5,
             peak_hour: 24.0,
             seed: 0,
+            office: Some((9.0, 8.0, 60.0)),
         };
-        assert_eq!(bad.problems().len(), 4, "{:?}", bad.problems());
+        assert_eq!(bad.problems().len(), 5, "{:?}", bad.problems());
+        let steep = DayShape {
+            office: Some((8.0, 9.0, 1801.0)),
+            ..DayShape::default()
+        };
+        assert_eq!(steep.problems().len(), 1, "{:?}", steep.problems());
         assert!(DayShape::default().problems().is_empty());
     }
 }

@@ -297,10 +297,30 @@ pub struct TraceDayArgs {
     #[arg(long, default_value_t = 24.0)]
     pub hours: f64,
     /// Hour of the peak; the trough is twelve hours away.
-    #[arg(long, default_value_t = 14.0)]
+    #[arg(long, default_value_t = 14.0, conflicts_with = "office")]
     pub peak_hour: f64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Office hours (`8-18`, UTC) instead of a cosine: the peak rate while open, the
+    /// trough otherwise, climbing and falling over `--ramp-s`.
+    #[arg(long, value_name = "OPEN-CLOSE", value_parser = office_hours)]
+    pub office: Option<(f64, f64)>,
+    /// With --office: seconds from trough to peak at opening (and back at closing).
+    #[arg(long, default_value_t = 120.0, requires = "office")]
+    pub ramp_s: f64,
+}
+
+/// `8-18` or `8.5-17`: opening and closing hours.
+fn office_hours(s: &str) -> Result<(f64, f64), String> {
+    let (a, b) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s:?}: expected OPEN-CLOSE hours, e.g. 8-18"))?;
+    let hour = |v: &str| {
+        v.trim()
+            .parse::<f64>()
+            .map_err(|e| format!("{s:?}: {v:?} is not an hour ({e})"))
+    };
+    Ok((hour(a)?, hour(b)?))
 }
 
 #[derive(Debug, Subcommand)]

@@ -23,6 +23,7 @@ fn run_day(a: &TraceDayArgs) -> anyhow::Result<ExitCode> {
         swing: a.swing,
         peak_hour: a.peak_hour,
         seed: a.seed,
+        office: a.office.map(|(open, close)| (open, close, a.ramp_s)),
     };
     let problems = shape.problems();
     if !problems.is_empty() {
@@ -36,13 +37,16 @@ fn run_day(a: &TraceDayArgs) -> anyhow::Result<ExitCode> {
     write_jsonl(&d, &mut w)
         .and_then(|()| w.flush())
         .with_context(|| format!("writing {}", a.out.display()))?;
+    let peak = match a.office {
+        Some((open, close)) => format!("{open}:00-{close}:00, ramps of {} s", a.ramp_s),
+        None => format!("at {}:00", a.peak_hour),
+    };
     outln!(
-        "{}: {} requests over {} h (peak {} req/s at {}:00, trough {:.2} req/s), sizes from {} ({} requests)",
+        "{}: {} requests over {} h (peak {} req/s {peak}, trough {:.2} req/s), sizes from {} ({} requests)",
         a.out.display(),
         d.len(),
         a.hours,
         a.peak_rps,
-        a.peak_hour,
         a.peak_rps / a.swing,
         a.from.display(),
         sizes.len()

@@ -13,6 +13,11 @@
 //! - **Decode**: concurrent sequences and KV tokens expected ahead, over one replica's
 //!   batch size at the ITL SLO and its KV capacity; raised when observed ITL exceeds
 //!   the SLO or KV pressure is high.
+//! - **Season** (`season_period_s`, daily by default): each pool's load by time of
+//!   day (or week), learnt per bucket over earlier periods ([`season`]); the most it
+//!   expects up to when new replicas would serve, scaled by today's level against the
+//!   season's now, sizes the pool like a forecast, so a ramp that recurs is met one
+//!   lead before it shows. A restarted scaler reads it back from Prometheus.
 //! - **Scheduled floors** (`schedule`): an operator's known peaks, as cron starts with a
 //!   duration; each floor holds from one lead before its start (the longest start-up
 //!   measured, at least the default, plus actuation), so the replicas are serving when
@@ -25,6 +30,7 @@
 pub mod cron;
 pub mod forecast;
 pub mod hindsight;
+pub mod season;
 
 use std::collections::VecDeque;
 
@@ -33,6 +39,7 @@ use serde::{Deserialize, Serialize};
 use self::cron::Cron;
 use self::forecast::Holt;
 use self::hindsight::{ArrivalHistory, ServiceModel};
+use self::season::Season;
 use crate::profile::Profile;
 use crate::signals::PoolSignals;
 
@@ -100,6 +107,12 @@ pub struct PoolPolicy {
     /// Floors for peaks the operator knows (`[{cron: "0 8 * * 1-5", duration_s:
     /// 36000, min_replicas: 4}]`).
     pub schedule: Vec<ScheduledFloor>,
+    /// The period the load repeats over, seconds (86400: daily; 604800: weekly; 0:
+    /// off). The pool is sized ahead, by one lead, for the load seen at that time of
+    /// the period before (blended over periods, scaled by today's level).
+    pub season_period_s: f64,
+    /// The period's buckets, seconds: the load is learnt as a mean per bucket.
+    pub season_bucket_s: f64,
 }
 
 /// At least `min_replicas` from each time `cron` fires (UTC) for `duration_s`; ready
@@ -155,6 +168,8 @@ impl Default for PoolPolicy {
             default_prompt_len: 2048.0,
             headroom: 1.0,
             schedule: Vec::new(),
+            season_period_s: 86_400.0,
+            season_bucket_s: 300.0,
         }
     }
 }
@@ -205,6 +220,11 @@ impl PoolPolicy {
         if !(self.scale_down_step > 0.0 && self.scale_down_step <= 1.0) {
             e.push(format!("{what}: scale_down_step must be in (0, 1]"));
         }
+        e.extend(
+            season::problems(self.season_period_s, self.season_bucket_s)
+                .into_iter()
+                .map(|p| format!("{what}: {p}")),
+        );
         for (i, f) in self.schedule.iter().enumerate() {
             let at = format!("{what}: schedule[{i}]");
             if let Err(err) = Cron::parse(&f.cron) {
@@ -299,7 +319,13 @@ pub struct PreheatPolicy {
     /// start-up is measured, and its lead must not shrink when replicas come up (the
     /// window would close before its start and reopen at zero).
     longest_startup_s: f64,
+    /// The load by time of day (or week) learnt over earlier periods; `None`: off.
+    season: Option<Season>,
 }
+
+/// Most today's load may stand above the season's before the season's outlook is
+/// scaled by it: a spike must not multiply a whole ramp.
+const MAX_SEASON_LEVEL: f64 = 1.5;
 
 impl PreheatPolicy {
     #[must_use]
@@ -315,6 +341,7 @@ impl PreheatPolicy {
                 ))
             })
             .collect();
+        let season = Season::new(cfg.season_period_s, cfg.season_bucket_s);
         PreheatPolicy {
             pool,
             cfg,
@@ -329,7 +356,59 @@ impl PreheatPolicy {
             last_load: None,
             schedule,
             longest_startup_s: 0.0,
+            season,
         }
+    }
+
+    /// Fills the season's unlearnt buckets with rates read before this policy started
+    /// (a restarted scaler reads them back from Prometheus): (Unix time, mean rate over
+    /// the bucket before it), in the pool's unit before prefix caching (`uncached` of
+    /// prompt tokens are not served from caches). Returns the points taken.
+    pub fn seed_season(&mut self, now_unix: f64, points: &[(f64, f64)], uncached: f64) -> usize {
+        let Some(season) = &mut self.season else {
+            return 0;
+        };
+        let share = match self.pool {
+            Pool::Prefill if uncached.is_finite() => uncached.clamp(0.0, 1.0),
+            Pool::Prefill | Pool::Decode => 1.0,
+        };
+        let points: Vec<(f64, f64)> = points.iter().map(|&(t, r)| (t, r * share)).collect();
+        season.seed(now_unix, &points)
+    }
+
+    /// The season's bucket and period, for reading it back; `None`: off.
+    #[must_use]
+    pub fn season_buckets(&self) -> Option<(f64, f64)> {
+        self.season.as_ref().map(|s| (s.bucket_s(), s.period_s()))
+    }
+
+    /// Records the pool's load (`rate` over the source's latest `span`) into the
+    /// season and returns the most it expects within `horizon_s`, scaled by how
+    /// today's load (`now_rate`) compares with the season's at this time; 0 while it
+    /// knows nothing.
+    fn seasonal(
+        &mut self,
+        unix: Option<f64>,
+        rate: f64,
+        span: f64,
+        now_rate: f64,
+        horizon_s: f64,
+    ) -> f64 {
+        let (Some(season), Some(unix)) = (&mut self.season, unix.filter(|u| u.is_finite())) else {
+            return 0.0;
+        };
+        season.record(unix, rate, span);
+        let Some(o) = season.outlook(unix, horizon_s) else {
+            return 0.0;
+        };
+        // Today's level against the season's: a quieter day (a holiday) pre-warms less,
+        // and none once its ramp should have shown and has not.
+        let level = if o.now > 0.0 {
+            (now_rate / o.now).min(MAX_SEASON_LEVEL)
+        } else {
+            1.0
+        };
+        o.ahead * level
     }
 
     /// The scheduled floor at Unix time `now` for replicas that take `lead` seconds
@@ -441,7 +520,18 @@ impl PreheatPolicy {
                 let known =
                     self.arrivals.covered_s() >= HINDSIGHT_MIN_S.min(self.cfg.burst_memory_s);
                 let fore_util = if known { FORECAST_UTIL } else { util };
-                let size = past.max(ahead / (per_replica * fore_util));
+                // ...or what the same time of earlier periods saw up to the time new
+                // replicas would serve: a recurring ramp is met before it shows.
+                let seasonal = self.seasonal(
+                    o.unix_time,
+                    s.prompt_rate_recent * uncached,
+                    s.recent_span_s,
+                    rate,
+                    lead + ACTUATION_S,
+                );
+                let size = past
+                    .max(ahead / (per_replica * fore_util))
+                    .max(seasonal / (per_replica * FORECAST_UTIL));
                 // A backlog the pool's spare capacity clears before new replicas would
                 // serve needs none: a short start-up must not turn every passing queue
                 // into replicas held for a stabilisation window. Only what is left
@@ -465,7 +555,7 @@ impl PreheatPolicy {
                 }
                 self.last_load = Some(LoadView {
                     observed: rate,
-                    forecast: self.demand.forecast(lead),
+                    forecast: self.demand.forecast(lead).max(seasonal),
                     lead_s: lead,
                     needed: n,
                 });
@@ -475,6 +565,7 @@ impl PreheatPolicy {
                     recent = s.prompt_rate_recent,
                     past,
                     ahead,
+                    seasonal,
                     backlog,
                     len,
                     per_replica,
@@ -489,13 +580,24 @@ impl PreheatPolicy {
                 // Sequence growth tracks the generation rate forecast.
                 self.demand.observe(t, s.generation_rate);
                 let now_rate = s.generation_rate.max(1e-9);
+                // The season's generation rate up to when new replicas would serve.
+                let seasonal = self.seasonal(
+                    o.unix_time,
+                    s.generation_rate,
+                    s.recent_span_s,
+                    s.generation_rate,
+                    lead + ACTUATION_S,
+                );
                 let growth = if s.generation_rate > 0.0 {
-                    (self.demand.forecast(lead) / now_rate).clamp(1.0, 4.0)
+                    (self.demand.forecast(lead).max(seasonal) / now_rate).clamp(1.0, 4.0)
                 } else {
                     1.0
                 };
-                let batch = self.profile.max_batch_at(self.cfg.slo_itl_s * 0.9);
-                let by_batch = seqs * growth / batch;
+                let itl = self.cfg.slo_itl_s * 0.9;
+                let batch = self.profile.max_batch_at(itl);
+                // Sequences each generating at most one token per ITL: a replica serves
+                // `batch / itl` tokens/s, which also sizes a pool the season wakes at zero.
+                let by_batch = (seqs * growth).max(seasonal * itl) / batch;
                 let seq_tokens = o.mean_seq_tokens.unwrap_or(self.cfg.default_prompt_len);
                 // The usage is a mean over the endpoints that answered, which include
                 // promoted standbys beside the pool's own replicas.
@@ -512,7 +614,7 @@ impl PreheatPolicy {
                 }
                 self.last_load = Some(LoadView {
                     observed: s.generation_rate,
-                    forecast: self.demand.forecast(lead),
+                    forecast: self.demand.forecast(lead).max(seasonal),
                     lead_s: lead,
                     needed: n,
                 });

@@ -588,3 +588,131 @@ fn regression_a_floor_raised_from_zero_flapped_when_replicas_reported_a_short_st
         assert_eq!((d.desired, d.active), (4, true), "at {at}: {d:?}");
     }
 }
+
+const DAY: f64 = 86_400.0;
+
+/// A policy whose season learnt yesterday's morning (tokens/s per five-minute
+/// bucket): nothing until 08:00, `at_8` from 08:00, `at_810` from 08:10.
+fn after_a_morning(pool: Pool, at_8: f64, at_810: f64) -> PreheatPolicy {
+    let mut p = policy(pool);
+    let hm = |h: f64, m: f64| h * 3600.0 + m * 60.0;
+    // Each reading is the mean over the bucket before it.
+    let points = [
+        (hm(8.0, 0.0), 0.0),
+        (hm(8.0, 5.0), at_8),
+        (hm(8.0, 10.0), at_8),
+        (hm(8.0, 15.0), at_810),
+    ];
+    assert_eq!(p.seed_season(DAY + hm(7.0, 50.0), &points, 1.0), 4);
+    p
+}
+
+#[test]
+fn a_recurring_ramp_is_met_one_lead_before_it_shows() {
+    // Yesterday: idle until 08:00, then 100k tokens/s, 500k from 08:10. The default
+    // lead is 60 s and actuation 30 s: the season looks 90 s ahead, scaled by today's
+    // level against yesterday's at this time (at most 1.5x).
+    // Table: (time of day, today's tokens/s, the forecast sized for).
+    let cases = [
+        (7.0 * 3600.0 + 57.0 * 60.0, 0.0, 0.0), // the ramp is beyond the lead
+        (7.0 * 3600.0 + 58.0 * 60.0 + 40.0, 0.0, 100_000.0), // one lead before it
+        (8.0 * 3600.0 + 6.0 * 60.0, 0.0, 0.0),  // a holiday: no ramp, none
+        (8.0 * 3600.0 + 8.0 * 60.0 + 40.0, 50_000.0, 250_000.0), // half of yesterday's
+        (8.0 * 3600.0 + 8.0 * 60.0 + 40.0, 400_000.0, 750_000.0), // a spike: at most 1.5x
+    ];
+    for (clock, rate, want) in cases {
+        let (rate, want): (f64, f64) = (rate, want);
+        let mut p = after_a_morning(Pool::Prefill, 100_000.0, 500_000.0);
+        let mut o = obs(0, |s| {
+            s.prompt_rate = rate;
+            s.prompt_rate_recent = rate;
+            s.recent_span_s = 5.0;
+        });
+        o.unix_time = Some(DAY + clock);
+        let d = p.decide(DAY + clock, &o);
+        let load = p.last_load().expect("sized");
+        assert!(
+            (load.forecast - want.max(rate)).abs() < 1.0,
+            "{clock}: {load:?}"
+        );
+        if rate == 0.0 {
+            // An idle pool at zero is woken only for the ramp, at its planning rate.
+            let per = Profile::default().prefill_rate(2048.0);
+            let need = (want / (per * 0.85)).ceil() as u32;
+            assert_eq!((d.desired, d.active), (need, need > 0), "{clock}: {d:?}");
+        }
+    }
+    // With the season off the same morning wakes nothing.
+    let mut off = PreheatPolicy::new(
+        Pool::Prefill,
+        PoolPolicy {
+            season_period_s: 0.0,
+            ..PoolPolicy::default()
+        },
+        Profile::default(),
+    );
+    assert_eq!(off.seed_season(DAY, &[(100.0, 1.0)], 1.0), 0);
+    let mut o = obs(0, |_| {});
+    o.unix_time = Some(DAY + 7.0 * 3600.0 + 58.0 * 60.0 + 40.0);
+    assert_eq!(off.decide(0.0, &o).desired, 0);
+}
+
+#[test]
+fn a_season_is_learnt_from_what_the_pool_sees() {
+    // One morning lived tick by tick (07:50-08:10), then the next day at 07:58:40.
+    let mut p = policy(Pool::Prefill);
+    let mut t = 7.0 * 3600.0 + 50.0 * 60.0;
+    while t <= 8.0 * 3600.0 + 10.0 * 60.0 {
+        let rate = if t >= 8.0 * 3600.0 { 100_000.0 } else { 0.0 };
+        let mut o = obs(4, |s| {
+            s.prompt_rate = rate;
+            s.prompt_rate_recent = rate;
+            s.recent_span_s = 5.0;
+        });
+        o.unix_time = Some(t);
+        p.decide(t, &o);
+        t += 5.0;
+    }
+    let mut o = obs(0, |_| {});
+    let morning = DAY + 7.0 * 3600.0 + 58.0 * 60.0 + 40.0;
+    o.unix_time = Some(morning);
+    let d = p.decide(morning, &o);
+    assert!(d.desired >= 7 && d.active, "{d:?}");
+}
+
+#[test]
+fn a_season_wakes_the_decode_pool_before_its_ramp() {
+    // Yesterday generated 20k tokens/s from 08:00: at 50 ms ITL (45 ms planned) that is
+    // 900 sequences, over one replica's batch at that ITL.
+    let mut p = after_a_morning(Pool::Decode, 20_000.0, 20_000.0);
+    let mut o = obs(0, |s| s.recent_span_s = 5.0);
+    let morning = DAY + 7.0 * 3600.0 + 58.0 * 60.0 + 40.0;
+    o.unix_time = Some(morning);
+    let d = p.decide(morning, &o);
+    let batch = Profile::default().max_batch_at(0.045);
+    let need = (20_000.0 * 0.045 / batch).ceil() as u32;
+    assert!(need >= 1);
+    assert_eq!((d.desired, d.active), (need, true), "{d:?}");
+}
+
+#[test]
+fn season_settings_are_checked_with_the_rest() {
+    let cfg = PoolPolicy {
+        season_period_s: 7.0 * DAY,
+        season_bucket_s: 300.0,
+        max_replicas: 0,
+        ..PoolPolicy::default()
+    };
+    let e = cfg.validate("prefill").join("\n");
+    assert!(e.contains("max_replicas must be > 0"), "{e}");
+    assert!(
+        e.contains("prefill: season_period_s / season_bucket_s must be at most 2000"),
+        "{e}"
+    );
+    let weekly = PoolPolicy {
+        season_period_s: 7.0 * DAY,
+        season_bucket_s: 600.0,
+        ..PoolPolicy::default()
+    };
+    assert!(weekly.validate("decode").is_empty());
+}

@@ -191,9 +191,20 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         .unwrap();
 }
 
+/// What a fake Prometheus has seen beyond the steady 100k prompt tokens/s.
+#[derive(Clone, Copy, PartialEq)]
+enum History {
+    /// Range queries return nothing (a fresh Prometheus).
+    None,
+    /// Five minutes ago, one tick of a burst at 400k tokens/s.
+    Burst,
+    /// Yesterday, 1M tokens/s from the season's next bucket on (five-minute buckets).
+    Ramp,
+}
+
 /// A Prometheus server that has seen one prefill replica take 100k prompt tokens/s
-/// for a long time, with one burst (`range`: whether range queries return that history).
-async fn fake_prometheus(range: bool) -> String {
+/// for a long time, and `history`.
+async fn fake_prometheus(history: History) -> String {
     use axum::extract::Query;
     use serde_json::json;
     use std::collections::BTreeMap;
@@ -227,12 +238,18 @@ async fn fake_prometheus(range: bool) -> String {
                     let (start, end): (f64, f64) =
                         (q["start"].parse().unwrap(), q["end"].parse().unwrap());
                     let step: f64 = q["step"].parse().unwrap();
-                    // Five minutes ago, one tick of a burst at 400k tokens/s.
+                    let prompts = q["query"].contains("prompt_tokens_total");
                     let mut values = Vec::new();
                     let mut t = start;
-                    while range && t <= end {
-                        let burst = (end - t - 300.0).abs() < step / 2.0;
-                        values.push(json!([t, if burst { "400000" } else { "100000" }]));
+                    while history != History::None && prompts && t <= end {
+                        let v = match history {
+                            History::Burst if (end - t - 300.0).abs() < step / 2.0 => "400000",
+                            // Each point is the bucket before it: the one holding this
+                            // time of day yesterday ends at start + 300.
+                            History::Ramp if step == 300.0 && t > start + 300.0 => "1000000",
+                            _ => "100000",
+                        };
+                        values.push(json!([t, v]));
                         t += step;
                     }
                     axum::Json(json!({"status": "success", "data": {"resultType": "matrix",
@@ -245,14 +262,16 @@ async fn fake_prometheus(range: bool) -> String {
 }
 
 /// The prefill pool's first decision from a scaler reading `prometheus`.
-async fn first_prefill_decision(prometheus: &str) -> i64 {
+async fn first_prefill_decision(prometheus: &str, prefill: &str) -> i64 {
     let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
     let sets = vec![
         format!("grpc_listen=127.0.0.1:{gport}"),
         format!("http_listen=127.0.0.1:{hport}"),
         "interval_s=5".into(),
         format!("prometheus_url={prometheus}"),
-        "models=[{name: llama, prefill: {prometheus_selector: 'pool=\"prefill\"'}, decode: {prometheus_selector: 'pool=\"decode\"'}}]".into(),
+        format!(
+            "models=[{{name: llama, prefill: {{prometheus_selector: 'pool=\"prefill\"'{prefill}}}, decode: {{prometheus_selector: 'pool=\"decode\"'}}}}]"
+        ),
     ];
     let cfg = Config::load(None, &sets).unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -293,8 +312,22 @@ async fn a_restarted_scaler_reads_its_hindsight_window_back_from_prometheus() {
     // ago a 5 s burst of 2M tokens. Read back, the window holds the burst, and the pool
     // is sized at once to have drained it within the SLO (about 27 replicas). Without
     // the history the first tick knows one scrape interval of steady load (about 9).
-    let seeded = first_prefill_decision(&fake_prometheus(true).await).await;
+    let seeded = first_prefill_decision(&fake_prometheus(History::Burst).await, "").await;
     assert!(seeded >= 20, "the burst in the read-back window: {seeded}");
-    let fresh = first_prefill_decision(&fake_prometheus(false).await).await;
+    let fresh = first_prefill_decision(&fake_prometheus(History::None).await, "").await;
     assert!((7..=10).contains(&fresh), "no history: {fresh}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_scaler_reads_its_season_back_from_prometheus() {
+    // Yesterday at this time the pool took 100k tokens/s as now, and 1M from the next
+    // five-minute bucket on. Read back, the season sizes the pool for the ramp one
+    // lead ahead (a 5-minute lead reaches the next bucket whatever the clock):
+    // 1M / (16k x 0.85) is past the 64-replica limit. Without it, 7-10 as above.
+    let lead = ", default_lead_s: 300";
+    let seasoned = first_prefill_decision(&fake_prometheus(History::Ramp).await, lead).await;
+    assert_eq!(seasoned, 64, "the ramp yesterday");
+    let off = ", default_lead_s: 300, season_period_s: 0";
+    let fresh = first_prefill_decision(&fake_prometheus(History::Ramp).await, off).await;
+    assert!(fresh < 20, "no season: {fresh}");
 }

@@ -170,4 +170,17 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     assert!(points.windows(2).all(|w| w[0].0 > w[1].0), "{points:?}");
     let mean = points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
     assert!(near(mean, 30_000.0), "{points:?}");
+    // ...and its season: each pool's mean rate per bucket (4 s here), on the bucket
+    // grid, prompt tokens for prefill and generated tokens for decode.
+    use preheat_scaler::policy::Pool;
+    for (pool, want) in [(Pool::Prefill, 30_000.0), (Pool::Decode, 7_500.0)] {
+        let season = source
+            .seasonal_rates(sel, pool, 12.0, 4.0, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!((2..=4).contains(&season.len()), "{season:?}");
+        assert!(season.iter().all(|p| p.0 % 4.0 == 0.0), "{season:?}");
+        let (_, last) = season.last().copied().unwrap();
+        assert!(near(last, want), "{pool:?}: {season:?}");
+    }
 }

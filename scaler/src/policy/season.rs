@@ -1,0 +1,315 @@
+//! Load by time of day (or of week): what the pool saw at this time in earlier
+//! periods, so a ramp that recurs is met by replicas started one lead before it
+//! rather than after it shows in the rate. Holt's trend only extrapolates a ramp
+//! already under way; the morning's first rise, and every step a day repeats, are
+//! known only from the days before.
+//!
+//! The period is cut into buckets on the wall clock (UTC), so a restarted scaler's
+//! buckets line up with what it read back. Each bucket keeps the mean rate it saw,
+//! blended over periods so a changed day takes over within a few periods.
+
+/// How many buckets a period may hold: a restart reads them back in one Prometheus
+/// range query, which is capped at 2,000 points.
+pub const MAX_BUCKETS: f64 = 2000.0;
+
+/// Weight of the newest period's mean in a bucket's learnt rate.
+const BLEND: f64 = 0.5;
+
+/// A bucket filled for less than this share of its length says too little (the
+/// scaler started or was blind part-way through it).
+const MIN_FILL: f64 = 0.5;
+
+/// Longest gap between readings one rate is taken to cover.
+const MAX_GAP_S: f64 = 60.0;
+
+/// The learnt rate now and the most expected before the horizon.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Outlook {
+    /// The learnt mean of the bucket `now` falls in.
+    pub now: f64,
+    /// The highest learnt mean from `now`'s bucket to the horizon's.
+    pub ahead: f64,
+}
+
+/// A rate learnt per bucket of a repeating period.
+#[derive(Clone, Debug)]
+pub struct Season {
+    period_s: f64,
+    bucket_s: f64,
+    /// Learnt mean rate per bucket; `None` until a bucket has been seen.
+    learnt: Vec<Option<f64>>,
+    /// The bucket being filled: (bucket number since the epoch, rate × seconds, seconds).
+    filling: Option<(i64, f64, f64)>,
+    /// Unix time of the last reading.
+    last_unix: Option<f64>,
+}
+
+impl Season {
+    /// A season of `period_s` cut into `bucket_s` buckets; `None` when the period is
+    /// 0 (seasonality off) or the pair is not usable (validation reports why).
+    #[must_use]
+    pub fn new(period_s: f64, bucket_s: f64) -> Option<Self> {
+        if !valid(period_s, bucket_s) || period_s == 0.0 {
+            return None;
+        }
+        let n = (period_s / bucket_s).round().max(1.0) as usize;
+        Some(Season {
+            period_s,
+            bucket_s: period_s / n as f64,
+            learnt: vec![None; n],
+            filling: None,
+            last_unix: None,
+        })
+    }
+
+    /// Seconds per bucket (the period split evenly).
+    #[must_use]
+    pub fn bucket_s(&self) -> f64 {
+        self.bucket_s
+    }
+
+    /// The period's length, seconds.
+    #[must_use]
+    pub fn period_s(&self) -> f64 {
+        self.period_s
+    }
+
+    fn slot(&self, abs: i64) -> usize {
+        abs.rem_euclid(self.learnt.len() as i64) as usize
+    }
+
+    fn abs_bucket(&self, unix: f64) -> i64 {
+        (unix / self.bucket_s).floor() as i64
+    }
+
+    /// Records a reading at Unix time `unix`: `rate`, the source's latest over `span`
+    /// seconds, taken to hold since the last reading (the first: one span; a gap
+    /// counts for at most a minute). A bucket is learnt when the clock leaves it.
+    pub fn record(&mut self, unix: f64, rate: f64, span: f64) {
+        if !(unix.is_finite() && rate.is_finite() && rate >= 0.0 && span > 0.0) {
+            return;
+        }
+        let dt = self
+            .last_unix
+            .map_or(span, |p| (unix - p).min(span.max(MAX_GAP_S)));
+        if !(dt.is_finite() && dt > 0.0) {
+            return;
+        }
+        self.last_unix = Some(unix);
+        let abs = self.abs_bucket(unix);
+        match &mut self.filling {
+            Some((b, sum, secs)) if *b == abs => {
+                *sum += rate * dt;
+                *secs += dt;
+            }
+            prev => {
+                if let Some((b, sum, secs)) = prev.take() {
+                    self.fold(b, sum, secs);
+                }
+                self.filling = Some((abs, rate * dt, dt));
+            }
+        }
+    }
+
+    fn fold(&mut self, abs: i64, sum: f64, secs: f64) {
+        if secs < MIN_FILL * self.bucket_s {
+            return;
+        }
+        let slot = self.slot(abs);
+        let mean = sum / secs;
+        self.learnt[slot] = Some(match self.learnt[slot] {
+            Some(old) => BLEND * mean + (1.0 - BLEND) * old,
+            None => mean,
+        });
+    }
+
+    /// Fills buckets not yet learnt from readings taken earlier (a restarted scaler
+    /// reads them back from Prometheus): (Unix time, mean rate over the bucket before
+    /// it). Readings older than a period, in the future or not numbers are dropped.
+    /// Returns how many were taken.
+    pub fn seed(&mut self, now_unix: f64, points: &[(f64, f64)]) -> usize {
+        let mut taken = 0;
+        for &(at, rate) in points {
+            let age = now_unix - at;
+            let usable = at.is_finite()
+                && rate.is_finite()
+                && rate >= 0.0
+                && (0.0..=self.period_s).contains(&age);
+            if !usable {
+                continue;
+            }
+            // The bucket that ends at `at` (a reading covers the bucket before it).
+            let slot = self.slot(self.abs_bucket(at - 0.5 * self.bucket_s));
+            if self.learnt[slot].is_none() {
+                self.learnt[slot] = Some(rate);
+                taken += 1;
+            }
+        }
+        taken
+    }
+
+    /// What the season expects from Unix time `unix` to `horizon_s` later; `None`
+    /// while `now`'s bucket has not been learnt (nothing to compare today with).
+    #[must_use]
+    pub fn outlook(&self, unix: f64, horizon_s: f64) -> Option<Outlook> {
+        if !unix.is_finite() {
+            return None;
+        }
+        let first = self.abs_bucket(unix);
+        let now = self.learnt[self.slot(first)]?;
+        let last = self.abs_bucket(unix + horizon_s.clamp(0.0, self.period_s));
+        let ahead = (first..=last)
+            .filter_map(|b| self.learnt[self.slot(b)])
+            .fold(now, f64::max);
+        Some(Outlook { now, ahead })
+    }
+}
+
+/// Whether `period_s` / `bucket_s` make a season (0 period: none, which is valid).
+fn valid(period_s: f64, bucket_s: f64) -> bool {
+    problems(period_s, bucket_s).is_empty()
+}
+
+/// Every problem with a season's period and bucket.
+#[must_use]
+pub fn problems(period_s: f64, bucket_s: f64) -> Vec<String> {
+    let mut e = Vec::new();
+    if !(period_s.is_finite() && (0.0..=28.0 * 86_400.0).contains(&period_s)) {
+        e.push(format!(
+            "season_period_s must be in [0, 28 days] (0: off), got {period_s}"
+        ));
+        return e;
+    }
+    if period_s == 0.0 {
+        return e;
+    }
+    if !(bucket_s.is_finite() && bucket_s >= 60.0 && bucket_s <= period_s / 2.0) {
+        e.push(format!(
+            "season_bucket_s must be in [60, season_period_s / 2], got {bucket_s}"
+        ));
+    } else if period_s / bucket_s > MAX_BUCKETS {
+        e.push(format!(
+            "season_period_s / season_bucket_s must be at most {MAX_BUCKETS} (one \
+             Prometheus range query reads a period back), got {}",
+            (period_s / bucket_s).round()
+        ));
+    }
+    e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: f64 = 86_400.0;
+
+    /// A day at `rate(t)` read every 5 s.
+    fn live(s: &mut Season, from: f64, to: f64, rate: impl Fn(f64) -> f64) {
+        let mut t = from;
+        while t <= to {
+            s.record(t, rate(t), 5.0);
+            t += 5.0;
+        }
+    }
+
+    fn morning(t: f64) -> f64 {
+        // Idle at night, 1,000 tokens/s from 08:00.
+        if (t % DAY) >= 8.0 * 3600.0 {
+            1000.0
+        } else {
+            0.0
+        }
+    }
+
+    #[test]
+    fn yesterdays_ramp_is_expected_one_horizon_ahead() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        live(&mut s, 0.0, DAY, morning);
+        // 07:58 on day two: the 08:00 ramp is within a 5-minute horizon, not within 1 s.
+        let at = DAY + 8.0 * 3600.0 - 120.0;
+        let o = s.outlook(at, 300.0).expect("learnt");
+        assert_eq!(o.now, 0.0);
+        assert!((o.ahead - 1000.0).abs() < 1e-6, "{o:?}");
+        let o = s.outlook(at, 1.0).expect("learnt");
+        assert_eq!(o.ahead, 0.0, "{o:?}");
+    }
+
+    #[test]
+    fn nothing_is_expected_before_a_bucket_is_learnt() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        assert_eq!(s.outlook(1000.0, 600.0), None);
+        // A bucket is learnt when the clock leaves it, and only when mostly seen.
+        live(&mut s, 200.0, 290.0, |_| 10.0);
+        live(&mut s, 300.0, 305.0, |_| 10.0);
+        assert_eq!(s.outlook(DAY + 100.0, 600.0), None, "a third of a bucket");
+        live(&mut s, 310.0, 600.0, |_| 10.0);
+        assert!(s.outlook(DAY + 400.0, 0.0).is_some());
+    }
+
+    #[test]
+    fn a_changed_day_takes_over_within_a_few_periods() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        live(&mut s, 0.0, DAY, |_| 100.0);
+        for d in 1..=4 {
+            let d = f64::from(d);
+            live(&mut s, d * DAY, (d + 1.0) * DAY, |_| 1000.0);
+        }
+        let o = s.outlook(5.0 * DAY + 3600.0, 0.0).expect("learnt");
+        // 100 → 1000 blended by halves over four days: 943.75.
+        assert!((o.now - 943.75).abs() < 1.0, "{o:?}");
+    }
+
+    #[test]
+    fn a_week_is_told_apart_by_day() {
+        let week = 7.0 * DAY;
+        let mut s = Season::new(week, 600.0).expect("season");
+        // Busy on weekdays (days 0-4), idle on the weekend.
+        live(
+            &mut s,
+            0.0,
+            week,
+            |t| if t < 5.0 * DAY { 500.0 } else { 0.0 },
+        );
+        let monday_noon = week + 0.5 * DAY;
+        let sunday_noon = week + 6.5 * DAY;
+        assert_eq!(s.outlook(monday_noon, 0.0).map(|o| o.now), Some(500.0));
+        assert_eq!(s.outlook(sunday_noon, 0.0).map(|o| o.now), Some(0.0));
+    }
+
+    #[test]
+    fn seeded_buckets_come_from_the_bucket_before_each_reading_and_are_bounded() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        let now = 10.0 * DAY;
+        let points = [
+            // The bucket 09:00-09:05 of yesterday, read at 09:05.
+            (now - DAY + 9.0 * 3600.0 + 300.0, 700.0),
+            (now - 2.0 * DAY, 9.0),  // older than a period
+            (now + 60.0, 9.0),       // in the future
+            (now - 600.0, f64::NAN), // not a number
+            (now - 900.0, -1.0),     // negative
+        ];
+        assert_eq!(s.seed(now, &points), 1);
+        let o = s.outlook(now + 9.0 * 3600.0 + 10.0, 0.0).expect("seeded");
+        assert_eq!(o.now, 700.0);
+        // Seeds never overwrite what was learnt.
+        assert_eq!(s.seed(now, &points[..1]), 0);
+    }
+
+    #[test]
+    fn bad_periods_are_refused_by_name() {
+        assert!(problems(0.0, 0.0).is_empty(), "off");
+        assert!(problems(DAY, 300.0).is_empty());
+        assert!(Season::new(0.0, 300.0).is_none());
+        for (p, b, want) in [
+            (-1.0, 300.0, "season_period_s"),
+            (f64::NAN, 300.0, "season_period_s"),
+            (DAY, 10.0, "season_bucket_s"),
+            (DAY, DAY, "season_bucket_s"),
+            (28.0 * DAY, 600.0, "at most 2000"),
+        ] {
+            let e = problems(p, b).join("; ");
+            assert!(e.contains(want), "{p}/{b}: {e}");
+            assert!(Season::new(p, b).is_none());
+        }
+    }
+}
