@@ -60,12 +60,22 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
             "{}",
             scaler.display()
         );
-        // So is the season: the chart's period and bucket are the policy's defaults.
+        // So is the season: the chart's period and bucket are the policy's defaults,
+        // and values that set them reach both pools.
+        let always_on = variant
+            .file_name()
+            .to_string_lossy()
+            .starts_with("always-on");
         let shipped = preheat_scaler::policy::PoolPolicy::default();
+        let season = if always_on {
+            (604_800.0, 600.0)
+        } else {
+            (shipped.season_period_s, shipped.season_bucket_s)
+        };
         for p in [&m.prefill.policy, &m.decode.policy] {
             assert_eq!(
                 (p.season_period_s, p.season_bucket_s),
-                (shipped.season_period_s, shipped.season_bucket_s),
+                season,
                 "{}",
                 scaler.display()
             );

@@ -410,7 +410,8 @@ impl DecodeReplica {
         } else {
             ((((t - self.clock) / itl) + 1e-9).floor().max(0.0) as u64).min(min)
         };
-        if k == 0 {
+        // A sequence admitted with nothing to generate (min 0) finishes without a step.
+        if k == 0 && min > 0 {
             return;
         }
         self.clock += k as f64 * itl;
@@ -513,5 +514,16 @@ mod tests {
                 );
             }
         }
+        // Nothing to generate: done at once, not a step that never comes.
+        let mut r = DecodeReplica::new(5.0);
+        let seq = Seq {
+            req: 7,
+            remaining: 0,
+            kv_tokens: 1.0,
+        };
+        r.admit(5.0, seq);
+        let mut done = Vec::new();
+        r.advance(r.next_event(5.0, &p), &p, &mut done);
+        assert_eq!(done, vec![(7, 5.0)]);
     }
 }

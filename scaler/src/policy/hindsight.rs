@@ -22,6 +22,24 @@ pub struct ArrivalHistory {
 /// Longest gap between readings one rate is taken to cover.
 const MAX_GAP_S: f64 = 60.0;
 
+/// Seconds a reading at `t` (a source's latest rate over `span` seconds) stands for:
+/// the time since the `last` reading, at most a minute or the span beyond it; the
+/// first reading, one span. `None` for a reading not after the last one or not at a
+/// number, which is skipped; otherwise `last` moves to `t`.
+pub(crate) fn covered_since(last: &mut Option<f64>, t: f64, span: f64) -> Option<f64> {
+    let span = if span.is_finite() { span.max(0.0) } else { 0.0 };
+    if !t.is_finite() {
+        return None;
+    }
+    let dt = match *last {
+        Some(p) if t <= p => return None,
+        Some(p) => (t - p).min(span.max(MAX_GAP_S)),
+        None => span,
+    };
+    *last = Some(t);
+    Some(dt)
+}
+
 /// How a candidate size is judged.
 #[derive(Clone, Copy, Debug)]
 pub struct ServiceModel {
@@ -37,15 +55,15 @@ pub struct ServiceModel {
 impl ArrivalHistory {
     /// Records a reading at `t`: `rate` tokens/s, the source's latest rate over `span`
     /// seconds, taken to hold since the last reading (the first: one span of it; a gap
-    /// of skipped readings counts for at most a minute). A source with under two
-    /// readings has no span and records nothing.
+    /// of skipped readings counts for at most a minute). A reading with no span (a
+    /// pool at zero, or a source's first scrape) counts from the last reading on, so
+    /// the window moves on while the pool is at zero instead of keeping its last busy
+    /// minutes for the morning.
     pub fn record(&mut self, t: f64, rate: f64, span: f64, window: f64) {
-        let dt = self
-            .last_t
-            .map_or(span, |p| (t - p).min(span.max(MAX_GAP_S)));
-        if span > 0.0 && dt.is_finite() && dt > 0.0 {
+        if let Some(dt) = covered_since(&mut self.last_t, t, span)
+            && dt > 0.0
+        {
             self.push(t, dt, rate * dt, window);
-            self.last_t = Some(t);
         }
     }
 

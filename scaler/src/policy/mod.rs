@@ -321,6 +321,9 @@ pub struct PreheatPolicy {
     longest_startup_s: f64,
     /// The load by time of day (or week) learnt over earlier periods; `None`: off.
     season: Option<Season>,
+    /// The last decision's season expected at least a replica's load before new
+    /// replicas would serve: the pool is not idle (a pool at zero is woken for it).
+    season_expects: bool,
 }
 
 /// Most today's load may stand above the season's before the season's outlook is
@@ -357,6 +360,7 @@ impl PreheatPolicy {
             schedule,
             longest_startup_s: 0.0,
             season,
+            season_expects: false,
         }
     }
 
@@ -385,30 +389,45 @@ impl PreheatPolicy {
     /// Records the pool's load (`rate` over the source's latest `span`) into the
     /// season and returns the most it expects within `horizon_s`, scaled by how
     /// today's load (`now_rate`) compares with the season's at this time; 0 while it
-    /// knows nothing.
+    /// knows nothing. `unit` is the load one replica carries at the planning rate:
+    /// the season expects work (and keeps a pool at zero awake) from one unit on.
     fn seasonal(
         &mut self,
         unix: Option<f64>,
-        rate: f64,
-        span: f64,
+        reading: (f64, f64),
         now_rate: f64,
         horizon_s: f64,
+        unit: f64,
     ) -> f64 {
+        self.season_expects = false;
         let (Some(season), Some(unix)) = (&mut self.season, unix.filter(|u| u.is_finite())) else {
             return 0.0;
         };
-        season.record(unix, rate, span);
-        let Some(o) = season.outlook(unix, horizon_s) else {
+        season.record(unix, reading.0, reading.1);
+        let horizon = if horizon_s.is_finite() {
+            horizon_s
+        } else {
+            0.0
+        };
+        let Some(o) = season.outlook(unix, horizon) else {
             return 0.0;
         };
         // Today's level against the season's: a quieter day (a holiday) pre-warms less,
-        // and none once its ramp should have shown and has not.
-        let level = if o.now > 0.0 {
-            (now_rate / o.now).min(MAX_SEASON_LEVEL)
-        } else {
-            1.0
+        // and hardly any once its ramp should have shown and has not. Both sides carry
+        // half a replica's load, so the noise of a trickle (a night's one request, or
+        // none) does not scale a whole ramp by 0 or by the cap.
+        let eps = 0.5 * unit.max(0.0);
+        let level = match o.now {
+            Some(then) if now_rate.is_finite() && then + eps > 0.0 => {
+                ((now_rate.max(0.0) + eps) / (then + eps)).min(MAX_SEASON_LEVEL)
+            }
+            _ => 1.0,
         };
-        o.ahead * level
+        let expected = o.ahead * level;
+        // Less than a replica's load is left to the other rules: it would wake a pool
+        // at zero for a trickle, or on a holiday for what today's level leaves over.
+        self.season_expects = unit > 0.0 && expected >= unit;
+        if self.season_expects { expected } else { 0.0 }
     }
 
     /// The scheduled floor at Unix time `now` for replicas that take `lead` seconds
@@ -475,7 +494,10 @@ impl PreheatPolicy {
     /// Replicas the load model says are needed.
     fn needed(&mut self, t: f64, o: &Observation) -> f64 {
         let s = &o.signals;
-        let lead = o.measured_startup_s.unwrap_or(self.cfg.default_lead_s);
+        let lead = o
+            .measured_startup_s
+            .filter(|l| l.is_finite() && *l >= 0.0)
+            .unwrap_or(self.cfg.default_lead_s);
         match self.pool {
             Pool::Prefill => {
                 let uncached = 1.0 - s.prefix_hit_rate;
@@ -524,10 +546,10 @@ impl PreheatPolicy {
                 // replicas would serve: a recurring ramp is met before it shows.
                 let seasonal = self.seasonal(
                     o.unix_time,
-                    s.prompt_rate_recent * uncached,
-                    s.recent_span_s,
+                    (s.prompt_rate_recent * uncached, s.recent_span_s),
                     rate,
                     lead + ACTUATION_S,
+                    per_replica * FORECAST_UTIL,
                 );
                 let size = past
                     .max(ahead / (per_replica * fore_util))
@@ -580,21 +602,21 @@ impl PreheatPolicy {
                 // Sequence growth tracks the generation rate forecast.
                 self.demand.observe(t, s.generation_rate);
                 let now_rate = s.generation_rate.max(1e-9);
+                let itl = self.cfg.slo_itl_s * 0.9;
+                let batch = self.profile.max_batch_at(itl);
                 // The season's generation rate up to when new replicas would serve.
                 let seasonal = self.seasonal(
                     o.unix_time,
-                    s.generation_rate,
-                    s.recent_span_s,
+                    (s.generation_rate, s.recent_span_s),
                     s.generation_rate,
                     lead + ACTUATION_S,
+                    batch / itl,
                 );
                 let growth = if s.generation_rate > 0.0 {
                     (self.demand.forecast(lead).max(seasonal) / now_rate).clamp(1.0, 4.0)
                 } else {
                     1.0
                 };
-                let itl = self.cfg.slo_itl_s * 0.9;
-                let batch = self.profile.max_batch_at(itl);
                 // Sequences each generating at most one token per ITL: a replica serves
                 // `batch / itl` tokens/s, which also sizes a pool the season wakes at zero.
                 let by_batch = (seqs * growth).max(seasonal * itl) / batch;
@@ -641,7 +663,7 @@ impl PreheatPolicy {
         let min = self.cfg.min_replicas.max(scheduled);
         // Work in flight or queued: never zero. Traffic of any kind: not idle.
         let work = s.running + s.waiting + s.queued_prompt_tokens + o.held_requests > 0.0;
-        let busy = work || s.prompt_rate > 0.0 || s.generation_rate > 0.0;
+        let traffic = work || s.prompt_rate > 0.0 || s.generation_rate > 0.0;
         self.last_load = None;
         if s.is_blind() {
             // Nothing known: hold (a dead endpoint is not an idle one), but answer
@@ -660,6 +682,9 @@ impl PreheatPolicy {
             };
         }
         let raw = self.raw_desired(t, o);
+        // Traffic, or the season expecting a replica's load before new ones would serve
+        // (a recurring ramp wakes a pool at zero one lead ahead of it).
+        let busy = traffic || self.season_expects;
         let mut desired = raw.ceil().clamp(0.0, self.cfg.max_replicas as f64) as u32;
         if work {
             desired = desired.max(1);

@@ -4,12 +4,16 @@
 //! already under way; the morning's first rise, and every step a day repeats, are
 //! known only from the days before.
 //!
-//! The period is cut into buckets on the wall clock (UTC), so a restarted scaler's
-//! buckets line up with what it read back. Each bucket keeps the mean rate it saw,
-//! blended over periods so a changed day takes over within a few periods.
+//! The period is cut into buckets on the wall clock (UTC, counted from the Unix epoch:
+//! a weekly period starts on Thursday 00:00 UTC), so a restarted scaler's buckets line
+//! up with what it read back. Each bucket keeps the mean rate it saw, blended over
+//! periods so a changed day takes over within a few periods (a daylight-saving shift
+//! of local office hours, too).
+
+use super::hindsight::covered_since;
 
 /// How many buckets a period may hold: a restart reads them back in one Prometheus
-/// range query, which is capped at 2,000 points.
+/// range query, and the scaler reads at most 2,000 points from one.
 pub const MAX_BUCKETS: f64 = 2000.0;
 
 /// Weight of the newest period's mean in a bucket's learnt rate.
@@ -19,14 +23,11 @@ const BLEND: f64 = 0.5;
 /// scaler started or was blind part-way through it).
 const MIN_FILL: f64 = 0.5;
 
-/// Longest gap between readings one rate is taken to cover.
-const MAX_GAP_S: f64 = 60.0;
-
 /// The learnt rate now and the most expected before the horizon.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Outlook {
-    /// The learnt mean of the bucket `now` falls in.
-    pub now: f64,
+    /// The learnt mean of the bucket `now` falls in (`None`: not seen yet).
+    pub now: Option<f64>,
     /// The highest learnt mean from `now`'s bucket to the horizon's.
     pub ahead: f64,
 }
@@ -52,17 +53,18 @@ impl Season {
         if !valid(period_s, bucket_s) || period_s == 0.0 {
             return None;
         }
+        // Validated: whole seconds, the bucket divides the period, at most 2,000 of them.
         let n = (period_s / bucket_s).round().max(1.0) as usize;
         Some(Season {
             period_s,
-            bucket_s: period_s / n as f64,
+            bucket_s,
             learnt: vec![None; n],
             filling: None,
             last_unix: None,
         })
     }
 
-    /// Seconds per bucket (the period split evenly).
+    /// Seconds per bucket.
     #[must_use]
     pub fn bucket_s(&self) -> f64 {
         self.bucket_s
@@ -84,18 +86,16 @@ impl Season {
 
     /// Records a reading at Unix time `unix`: `rate`, the source's latest over `span`
     /// seconds, taken to hold since the last reading (the first: one span; a gap
-    /// counts for at most a minute). A bucket is learnt when the clock leaves it.
+    /// counts for at most a minute). A pool at zero reads 0 with no span: that counts
+    /// from the last reading on, so the quiet hours before a ramp are learnt too. A
+    /// bucket is learnt when the clock leaves it.
     pub fn record(&mut self, unix: f64, rate: f64, span: f64) {
-        if !(unix.is_finite() && rate.is_finite() && rate >= 0.0 && span > 0.0) {
+        if !(rate.is_finite() && rate >= 0.0) {
             return;
         }
-        let dt = self
-            .last_unix
-            .map_or(span, |p| (unix - p).min(span.max(MAX_GAP_S)));
-        if !(dt.is_finite() && dt > 0.0) {
+        let Some(dt) = covered_since(&mut self.last_unix, unix, span).filter(|dt| *dt > 0.0) else {
             return;
-        }
-        self.last_unix = Some(unix);
+        };
         let abs = self.abs_bucket(unix);
         match &mut self.filling {
             Some((b, sum, secs)) if *b == abs => {
@@ -149,19 +149,26 @@ impl Season {
     }
 
     /// What the season expects from Unix time `unix` to `horizon_s` later; `None`
-    /// while `now`'s bucket has not been learnt (nothing to compare today with).
+    /// while none of those buckets has been learnt.
     #[must_use]
     pub fn outlook(&self, unix: f64, horizon_s: f64) -> Option<Outlook> {
         if !unix.is_finite() {
             return None;
         }
+        let horizon = if horizon_s.is_finite() {
+            horizon_s.clamp(0.0, self.period_s)
+        } else {
+            0.0
+        };
         let first = self.abs_bucket(unix);
-        let now = self.learnt[self.slot(first)]?;
-        let last = self.abs_bucket(unix + horizon_s.clamp(0.0, self.period_s));
+        let last = self.abs_bucket(unix + horizon);
         let ahead = (first..=last)
             .filter_map(|b| self.learnt[self.slot(b)])
-            .fold(now, f64::max);
-        Some(Outlook { now, ahead })
+            .reduce(f64::max)?;
+        Some(Outlook {
+            now: self.learnt[self.slot(first)],
+            ahead,
+        })
     }
 }
 
@@ -186,6 +193,12 @@ pub fn problems(period_s: f64, bucket_s: f64) -> Vec<String> {
     if !(bucket_s.is_finite() && bucket_s >= 60.0 && bucket_s <= period_s / 2.0) {
         e.push(format!(
             "season_bucket_s must be in [60, season_period_s / 2], got {bucket_s}"
+        ));
+    } else if period_s.fract() != 0.0 || bucket_s.fract() != 0.0 || period_s % bucket_s != 0.0 {
+        // Prometheus reads back one point per whole-second step, on the bucket grid.
+        e.push(format!(
+            "season_bucket_s must be whole seconds dividing season_period_s ({period_s}), \
+             got {bucket_s}"
         ));
     } else if period_s / bucket_s > MAX_BUCKETS {
         e.push(format!(
@@ -228,7 +241,7 @@ mod tests {
         // 07:58 on day two: the 08:00 ramp is within a 5-minute horizon, not within 1 s.
         let at = DAY + 8.0 * 3600.0 - 120.0;
         let o = s.outlook(at, 300.0).expect("learnt");
-        assert_eq!(o.now, 0.0);
+        assert_eq!(o.now, Some(0.0));
         assert!((o.ahead - 1000.0).abs() < 1e-6, "{o:?}");
         let o = s.outlook(at, 1.0).expect("learnt");
         assert_eq!(o.ahead, 0.0, "{o:?}");
@@ -256,24 +269,58 @@ mod tests {
         }
         let o = s.outlook(5.0 * DAY + 3600.0, 0.0).expect("learnt");
         // 100 → 1000 blended by halves over four days: 943.75.
-        assert!((o.now - 943.75).abs() < 1.0, "{o:?}");
+        assert!((o.ahead - 943.75).abs() < 1.0, "{o:?}");
+    }
+
+    #[test]
+    fn a_pool_at_zero_learns_its_quiet_hours_and_a_ramp_with_no_bucket_before_it_counts() {
+        // At zero the source has no span: the readings still count from the last one.
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        let mut t = 7.0 * 3600.0;
+        while t <= 8.0 * 3600.0 + 600.0 {
+            let (rate, span) = if t >= 8.0 * 3600.0 {
+                (900.0, 5.0)
+            } else {
+                (0.0, 0.0)
+            };
+            s.record(t, rate, span);
+            t += 5.0;
+        }
+        let o = s
+            .outlook(DAY + 7.0 * 3600.0 + 58.0 * 60.0, 300.0)
+            .expect("learnt");
+        assert_eq!((o.now, o.ahead), (Some(0.0), 900.0));
+        // Seeded without the quiet bucket (Prometheus has no points for no pods): the
+        // ramp ahead still counts, with nothing to compare now with.
+        let mut seeded = Season::new(DAY, 300.0).expect("season");
+        seeded.seed(DAY, &[(8.0 * 3600.0 + 300.0, 900.0)]);
+        let o = seeded
+            .outlook(DAY + 7.0 * 3600.0 + 58.0 * 60.0, 300.0)
+            .expect("ahead");
+        assert_eq!((o.now, o.ahead), (None, 900.0));
+        // Readings out of order or not numbers are skipped, not counted backwards.
+        let before = s.clone();
+        s.record(10.0, 5.0, 5.0);
+        s.record(f64::NAN, 5.0, 5.0);
+        assert_eq!(format!("{before:?}"), format!("{s:?}"));
     }
 
     #[test]
     fn a_week_is_told_apart_by_day() {
         let week = 7.0 * DAY;
         let mut s = Season::new(week, 600.0).expect("season");
-        // Busy on weekdays (days 0-4), idle on the weekend.
+        // The Unix epoch was a Thursday: busy for five days from Thursday 00:00 UTC,
+        // idle on the two after (a weekend, shifted to the epoch's week).
         live(
             &mut s,
             0.0,
             week,
             |t| if t < 5.0 * DAY { 500.0 } else { 0.0 },
         );
-        let monday_noon = week + 0.5 * DAY;
-        let sunday_noon = week + 6.5 * DAY;
-        assert_eq!(s.outlook(monday_noon, 0.0).map(|o| o.now), Some(500.0));
-        assert_eq!(s.outlook(sunday_noon, 0.0).map(|o| o.now), Some(0.0));
+        let busy_noon = week + 0.5 * DAY;
+        let idle_noon = week + 6.5 * DAY;
+        assert_eq!(s.outlook(busy_noon, 0.0).map(|o| o.ahead), Some(500.0));
+        assert_eq!(s.outlook(idle_noon, 0.0).map(|o| o.ahead), Some(0.0));
     }
 
     #[test]
@@ -290,7 +337,7 @@ mod tests {
         ];
         assert_eq!(s.seed(now, &points), 1);
         let o = s.outlook(now + 9.0 * 3600.0 + 10.0, 0.0).expect("seeded");
-        assert_eq!(o.now, 700.0);
+        assert_eq!(o.now, Some(700.0));
         // Seeds never overwrite what was learnt.
         assert_eq!(s.seed(now, &points[..1]), 0);
     }
@@ -306,6 +353,8 @@ mod tests {
             (DAY, 10.0, "season_bucket_s"),
             (DAY, DAY, "season_bucket_s"),
             (28.0 * DAY, 600.0, "at most 2000"),
+            (7.0 * DAY, 303.0, "dividing"),
+            (DAY, 300.5, "whole seconds"),
         ] {
             let e = problems(p, b).join("; ");
             assert!(e.contains(want), "{p}/{b}: {e}");

@@ -611,14 +611,22 @@ fn after_a_morning(pool: Pool, at_8: f64, at_810: f64) -> PreheatPolicy {
 fn a_recurring_ramp_is_met_one_lead_before_it_shows() {
     // Yesterday: idle until 08:00, then 100k tokens/s, 500k from 08:10. The default
     // lead is 60 s and actuation 30 s: the season looks 90 s ahead, scaled by today's
-    // level against yesterday's at this time (at most 1.5x).
+    // level against yesterday's at this time (each side with half a replica's load
+    // added, at most 1.5x). Less than one replica's load is left to the other rules.
+    let unit = Profile::default().prefill_rate(2048.0) * 0.85;
+    let level = |today: f64, then: f64| (today + unit / 2.0) / (then + unit / 2.0);
+    let hm = |h: f64, m: f64| h * 3600.0 + m * 60.0;
     // Table: (time of day, today's tokens/s, the forecast sized for).
     let cases = [
-        (7.0 * 3600.0 + 57.0 * 60.0, 0.0, 0.0), // the ramp is beyond the lead
-        (7.0 * 3600.0 + 58.0 * 60.0 + 40.0, 0.0, 100_000.0), // one lead before it
-        (8.0 * 3600.0 + 6.0 * 60.0, 0.0, 0.0),  // a holiday: no ramp, none
-        (8.0 * 3600.0 + 8.0 * 60.0 + 40.0, 50_000.0, 250_000.0), // half of yesterday's
-        (8.0 * 3600.0 + 8.0 * 60.0 + 40.0, 400_000.0, 750_000.0), // a spike: at most 1.5x
+        (hm(7.0, 57.0), 0.0, 0.0),              // the ramp is beyond the lead
+        (hm(7.0, 58.0) + 40.0, 0.0, 100_000.0), // one lead before it
+        (hm(8.0, 6.0), 0.0, 0.0),               // a holiday: no ramp, none
+        (
+            hm(8.0, 8.0) + 40.0,
+            50_000.0,
+            500_000.0 * level(50_000.0, 100_000.0),
+        ),
+        (hm(8.0, 8.0) + 40.0, 400_000.0, 750_000.0), // a spike: at most 1.5x
     ];
     for (clock, rate, want) in cases {
         let (rate, want): (f64, f64) = (rate, want);
@@ -637,47 +645,69 @@ fn a_recurring_ramp_is_met_one_lead_before_it_shows() {
         );
         if rate == 0.0 {
             // An idle pool at zero is woken only for the ramp, at its planning rate.
-            let per = Profile::default().prefill_rate(2048.0);
-            let need = (want / (per * 0.85)).ceil() as u32;
+            let need = (want / unit).ceil() as u32;
             assert_eq!((d.desired, d.active), (need, need > 0), "{clock}: {d:?}");
         }
     }
-    // With the season off the same morning wakes nothing.
-    let mut off = PreheatPolicy::new(
-        Pool::Prefill,
-        PoolPolicy {
-            season_period_s: 0.0,
-            ..PoolPolicy::default()
-        },
-        Profile::default(),
-    );
-    assert_eq!(off.seed_season(DAY, &[(100.0, 1.0)], 1.0), 0);
-    let mut o = obs(0, |_| {});
-    o.unix_time = Some(DAY + 7.0 * 3600.0 + 58.0 * 60.0 + 40.0);
-    assert_eq!(off.decide(0.0, &o).desired, 0);
+}
+
+#[test]
+fn regression_a_pool_idle_all_night_was_not_woken_for_its_morning() {
+    // Idle past its grace since 07:00 (the whole night, as far as the policy knows),
+    // at zero, where the source has no span: the season wakes it once the 08:00 ramp
+    // is within a lead and actuation (07:58:30), and not before.
+    let mut p = after_a_morning(Pool::Prefill, 100_000.0, 100_000.0);
+    let mut woke = None;
+    let mut t = DAY + 7.0 * 3600.0;
+    while t < DAY + 8.0 * 3600.0 {
+        let mut o = obs(0, |_| {});
+        o.unix_time = Some(t);
+        let d = p.decide(t, &o);
+        if d.active && woke.is_none() {
+            woke = Some((t - DAY, d));
+        }
+        t += 5.0;
+    }
+    let (at, d) = woke.expect("woken before 08:00");
+    assert_eq!(at, 7.0 * 3600.0 + 58.0 * 60.0 + 30.0, "{d:?}");
+    assert!(d.desired >= 7, "{d:?}");
 }
 
 #[test]
 fn a_season_is_learnt_from_what_the_pool_sees() {
-    // One morning lived tick by tick (07:50-08:10), then the next day at 07:58:40.
-    let mut p = policy(Pool::Prefill);
-    let mut t = 7.0 * 3600.0 + 50.0 * 60.0;
-    while t <= 8.0 * 3600.0 + 10.0 * 60.0 {
-        let rate = if t >= 8.0 * 3600.0 { 100_000.0 } else { 0.0 };
-        let mut o = obs(4, |s| {
-            s.prompt_rate = rate;
-            s.prompt_rate_recent = rate;
-            s.recent_span_s = 5.0;
-        });
-        o.unix_time = Some(t);
-        p.decide(t, &o);
-        t += 5.0;
+    // One morning lived tick by tick (07:50-08:10), then the next day at 07:58:40; with
+    // the season off, the same morning leaves the pool at zero.
+    for (period, woken) in [(86_400.0, true), (0.0, false)] {
+        let mut p = PreheatPolicy::new(
+            Pool::Prefill,
+            PoolPolicy {
+                season_period_s: period,
+                ..PoolPolicy::default()
+            },
+            Profile::default(),
+        );
+        let mut t = 7.0 * 3600.0 + 50.0 * 60.0;
+        while t <= 8.0 * 3600.0 + 10.0 * 60.0 {
+            let rate = if t >= 8.0 * 3600.0 { 100_000.0 } else { 0.0 };
+            let mut o = obs(4, |s| {
+                s.prompt_rate = rate;
+                s.prompt_rate_recent = rate;
+                s.recent_span_s = 5.0;
+            });
+            o.unix_time = Some(t);
+            p.decide(t, &o);
+            t += 5.0;
+        }
+        let mut o = obs(0, |_| {});
+        let morning = DAY + 7.0 * 3600.0 + 58.0 * 60.0 + 40.0;
+        o.unix_time = Some(morning);
+        let d = p.decide(morning, &o);
+        if woken {
+            assert!(d.desired >= 7 && d.active, "{d:?}");
+        } else {
+            assert_eq!((d.desired, d.active), (0, false), "{d:?}");
+        }
     }
-    let mut o = obs(0, |_| {});
-    let morning = DAY + 7.0 * 3600.0 + 58.0 * 60.0 + 40.0;
-    o.unix_time = Some(morning);
-    let d = p.decide(morning, &o);
-    assert!(d.desired >= 7 && d.active, "{d:?}");
 }
 
 #[test]
@@ -715,4 +745,29 @@ fn season_settings_are_checked_with_the_rest() {
         ..PoolPolicy::default()
     };
     assert!(weekly.validate("decode").is_empty());
+}
+
+#[test]
+fn regression_a_pool_at_zero_woke_at_the_size_of_its_last_busy_window() {
+    // Ten minutes of 100k tokens/s on eight replicas, then a night at zero, where the
+    // source has no span: the hindsight window recorded nothing there and kept the
+    // evening, so the morning's first held request woke ten replicas, not one.
+    let mut p = policy(Pool::Prefill);
+    for i in 0..120 {
+        let o = obs(8, |s| {
+            s.prompt_rate = 100_000.0;
+            s.prompt_rate_recent = 100_000.0;
+            s.recent_span_s = 5.0;
+        });
+        p.decide(f64::from(i) * 5.0, &o);
+    }
+    let mut t = 600.0;
+    while t < 36_000.0 {
+        p.decide(t, &obs(0, |_| {}));
+        t += 5.0;
+    }
+    let mut o = obs(0, |_| {});
+    o.held_requests = 1.0;
+    let d = p.decide(36_000.0, &o);
+    assert_eq!((d.desired, d.active), (1, true), "{d:?}");
 }
