@@ -329,6 +329,8 @@ pub struct PreheatPolicy {
 /// Most today's load may stand above the season's before the season's outlook is
 /// scaled by it: a spike must not multiply a whole ramp.
 const MAX_SEASON_LEVEL: f64 = 1.5;
+/// Share of one replica's load the season must expect before it wakes a pool at zero.
+const WAKE_SHARE: f64 = 0.25;
 
 impl PreheatPolicy {
     #[must_use]
@@ -389,8 +391,9 @@ impl PreheatPolicy {
     /// Records the pool's load (`rate` over the source's latest `span`) into the
     /// season and returns the most it expects within `horizon_s`, scaled by how
     /// today's load (`now_rate`) compares with the season's at this time; 0 while it
-    /// knows nothing. `unit` is the load one replica carries at the planning rate:
-    /// the season expects work (and keeps a pool at zero awake) from one unit on.
+    /// knows nothing. `unit` is the load one replica carries at the planning rate.
+    /// A pool at zero (`at_zero`) is woken only for a rise out of a quiet time (the
+    /// season below one unit now) to at least a quarter of one.
     fn seasonal(
         &mut self,
         unix: Option<f64>,
@@ -398,6 +401,7 @@ impl PreheatPolicy {
         now_rate: f64,
         horizon_s: f64,
         unit: f64,
+        at_zero: bool,
     ) -> f64 {
         self.season_expects = false;
         let (Some(season), Some(unix)) = (&mut self.season, unix.filter(|u| u.is_finite())) else {
@@ -424,10 +428,15 @@ impl PreheatPolicy {
             _ => 1.0,
         };
         let expected = o.ahead * level;
-        // Less than a replica's load is left to the other rules: it would wake a pool
-        // at zero for a trickle, or on a holiday for what today's level leaves over.
-        self.season_expects = unit > 0.0 && expected >= unit;
-        if self.season_expects { expected } else { 0.0 }
+        // A pool at zero wakes ahead of a ramp out of a quiet time. When the season says
+        // the load should be here already and none is (a holiday, a job that stopped),
+        // what today's level leaves over must not wake it, nor a trickle.
+        let quiet_now = o.now.is_none_or(|then| then < unit);
+        self.season_expects = unit > 0.0 && quiet_now && expected >= WAKE_SHARE * unit;
+        if at_zero && !self.season_expects {
+            return 0.0;
+        }
+        expected
     }
 
     /// The scheduled floor at Unix time `now` for replicas that take `lead` seconds
@@ -494,10 +503,13 @@ impl PreheatPolicy {
     /// Replicas the load model says are needed.
     fn needed(&mut self, t: f64, o: &Observation) -> f64 {
         let s = &o.signals;
+        // A pool at zero has nothing to measure: its next start takes as long as the
+        // longest seen (at least the default), as for scheduled floors.
         let lead = o
             .measured_startup_s
             .filter(|l| l.is_finite() && *l >= 0.0)
-            .unwrap_or(self.cfg.default_lead_s);
+            .unwrap_or(self.longest_startup_s.max(self.cfg.default_lead_s))
+            .min(MAX_FLOOR_LEAD_S);
         match self.pool {
             Pool::Prefill => {
                 let uncached = 1.0 - s.prefix_hit_rate;
@@ -550,6 +562,7 @@ impl PreheatPolicy {
                     rate,
                     lead + ACTUATION_S,
                     per_replica * FORECAST_UTIL,
+                    o.current == 0,
                 );
                 let size = past
                     .max(ahead / (per_replica * fore_util))
@@ -611,6 +624,7 @@ impl PreheatPolicy {
                     s.generation_rate,
                     lead + ACTUATION_S,
                     batch / itl,
+                    o.current == 0,
                 );
                 let growth = if s.generation_rate > 0.0 {
                     (self.demand.forecast(lead).max(seasonal) / now_rate).clamp(1.0, 4.0)

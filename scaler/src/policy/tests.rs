@@ -612,26 +612,34 @@ fn a_recurring_ramp_is_met_one_lead_before_it_shows() {
     // Yesterday: idle until 08:00, then 100k tokens/s, 500k from 08:10. The default
     // lead is 60 s and actuation 30 s: the season looks 90 s ahead, scaled by today's
     // level against yesterday's at this time (each side with half a replica's load
-    // added, at most 1.5x). Less than one replica's load is left to the other rules.
+    // added, at most 1.5x). A pool at zero is woken only for a rise out of a quiet time.
     let unit = Profile::default().prefill_rate(2048.0) * 0.85;
     let level = |today: f64, then: f64| (today + unit / 2.0) / (then + unit / 2.0);
     let hm = |h: f64, m: f64| h * 3600.0 + m * 60.0;
-    // Table: (time of day, today's tokens/s, the forecast sized for).
+    // Table: (time of day, replicas, today's tokens/s, the forecast sized for).
     let cases = [
-        (hm(7.0, 57.0), 0.0, 0.0),              // the ramp is beyond the lead
-        (hm(7.0, 58.0) + 40.0, 0.0, 100_000.0), // one lead before it
-        (hm(8.0, 6.0), 0.0, 0.0),               // a holiday: no ramp, none
+        (hm(7.0, 57.0), 0, 0.0, 0.0),              // the ramp is beyond the lead
+        (hm(7.0, 58.0) + 40.0, 0, 0.0, 100_000.0), // one lead before it: woken
+        (hm(8.0, 6.0), 0, 0.0, 0.0),               // a holiday at zero: not woken,
+        (hm(8.0, 8.0) + 40.0, 0, 0.0, 0.0),        // not even for the next rise
         (
             hm(8.0, 8.0) + 40.0,
+            4,
+            0.0,
+            500_000.0 * level(0.0, 100_000.0),
+        ), // serving
+        (
+            hm(8.0, 8.0) + 40.0,
+            4,
             50_000.0,
             500_000.0 * level(50_000.0, 100_000.0),
         ),
-        (hm(8.0, 8.0) + 40.0, 400_000.0, 750_000.0), // a spike: at most 1.5x
+        (hm(8.0, 8.0) + 40.0, 4, 400_000.0, 750_000.0), // a spike: at most 1.5x
     ];
-    for (clock, rate, want) in cases {
+    for (clock, current, rate, want) in cases {
         let (rate, want): (f64, f64) = (rate, want);
         let mut p = after_a_morning(Pool::Prefill, 100_000.0, 500_000.0);
-        let mut o = obs(0, |s| {
+        let mut o = obs(current, |s| {
             s.prompt_rate = rate;
             s.prompt_rate_recent = rate;
             s.recent_span_s = 5.0;
@@ -641,9 +649,9 @@ fn a_recurring_ramp_is_met_one_lead_before_it_shows() {
         let load = p.last_load().expect("sized");
         assert!(
             (load.forecast - want.max(rate)).abs() < 1.0,
-            "{clock}: {load:?}"
+            "{clock} {current}: {load:?}"
         );
-        if rate == 0.0 {
+        if current == 0 {
             // An idle pool at zero is woken only for the ramp, at its planning rate.
             let need = (want / unit).ceil() as u32;
             assert_eq!((d.desired, d.active), (need, need > 0), "{clock}: {d:?}");
@@ -654,23 +662,29 @@ fn a_recurring_ramp_is_met_one_lead_before_it_shows() {
 #[test]
 fn regression_a_pool_idle_all_night_was_not_woken_for_its_morning() {
     // Idle past its grace since 07:00 (the whole night, as far as the policy knows),
-    // at zero, where the source has no span: the season wakes it once the 08:00 ramp
-    // is within a lead and actuation (07:58:30), and not before.
-    let mut p = after_a_morning(Pool::Prefill, 100_000.0, 100_000.0);
-    let mut woke = None;
-    let mut t = DAY + 7.0 * 3600.0;
-    while t < DAY + 8.0 * 3600.0 {
-        let mut o = obs(0, |_| {});
-        o.unix_time = Some(t);
-        let d = p.decide(t, &o);
-        if d.active && woke.is_none() {
-            woke = Some((t - DAY, d));
+    // at zero, where the source has no span and no start-up to measure: the season
+    // wakes it once the 08:00 ramp is within the longest start-up seen (at least the
+    // default 60 s) and 30 s of actuation, and not before.
+    for (startup, wake) in [(None, 90.0), (Some(120.0), 150.0)] {
+        let mut p = after_a_morning(Pool::Prefill, 100_000.0, 100_000.0);
+        let mut o = obs(2, |_| {});
+        o.measured_startup_s = startup;
+        p.decide(DAY + 6.0 * 3600.0, &o);
+        let mut woke = None;
+        let mut t = DAY + 7.0 * 3600.0;
+        while t < DAY + 8.0 * 3600.0 {
+            let mut o = obs(0, |_| {});
+            o.unix_time = Some(t);
+            let d = p.decide(t, &o);
+            if d.active && woke.is_none() {
+                woke = Some((t - DAY, d));
+            }
+            t += 5.0;
         }
-        t += 5.0;
+        let (at, d) = woke.expect("woken before 08:00");
+        assert_eq!(at, 8.0 * 3600.0 - wake, "{startup:?}: {d:?}");
+        assert!(d.desired >= 7, "{d:?}");
     }
-    let (at, d) = woke.expect("woken before 08:00");
-    assert_eq!(at, 7.0 * 3600.0 + 58.0 * 60.0 + 30.0, "{d:?}");
-    assert!(d.desired >= 7, "{d:?}");
 }
 
 #[test]
