@@ -63,6 +63,58 @@ fn sref(pool: &str) -> ScaledObjectRef {
     }
 }
 
+/// A scaler serving KEDA's API on free ports, with `sets` on top of its listen
+/// addresses, and a client connected to it.
+struct Running {
+    client: ExternalScalerClient<tonic::transport::Channel>,
+    http_port: u16,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<preheat_scaler::Result<()>>,
+}
+
+impl Running {
+    async fn start(sets: &[String]) -> Running {
+        let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
+        let mut all = vec![
+            format!("grpc_listen=127.0.0.1:{gport}"),
+            format!("http_listen=127.0.0.1:{hport}"),
+        ];
+        all.extend_from_slice(sets);
+        let cfg = Config::load(None, &all).unwrap();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(preheat_scaler::server::run(
+            cfg,
+            Profile::default(),
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        let client = loop {
+            if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{gport}")).await
+            {
+                break c;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        Running {
+            client,
+            http_port: hport,
+            stop,
+            server,
+        }
+    }
+
+    /// Stops the scaler and checks it shut down cleanly.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), self.server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero() {
     let d0 = Arc::new(Mutex::new(Some(engine_text(600))));
@@ -76,35 +128,19 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         fake(d1.clone()).await,
         fake(gw.clone()).await,
     );
-    let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
-    let sets = vec![
-        format!("grpc_listen=127.0.0.1:{gport}"),
-        format!("http_listen=127.0.0.1:{hport}"),
+    let mut scaler = Running::start(&[
         "interval_s=0.1".into(),
         "window_s=2".into(),
         format!(
             "models=[{{name: llama, gateway: [{ug}], prefill: {{idle_grace_s: 0.5}}, decode: {{endpoints: [{u0}, {u1}]}}}}]"
         ),
-    ];
-    let cfg = Config::load(None, &sets).unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(preheat_scaler::server::run(
-        cfg,
-        Profile::default(),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
-    let mut client = loop {
-        if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{gport}")).await {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    ])
+    .await;
+    let (client, hport) = (&mut scaler.client, scaler.http_port);
     // 1200 running sequences, ~230 per replica at a 45 ms ITL budget → about 6.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let d = desired(&mut client, "decode").await;
+        let d = desired(client, "decode").await;
         if (5..=7).contains(&d) {
             break;
         }
@@ -116,7 +152,7 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
     *d1.lock().unwrap() = None;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let d = desired(&mut client, "decode").await;
+        let d = desired(client, "decode").await;
         if d == 2 {
             break;
         }
@@ -128,7 +164,7 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
     }
     // ...and keeps holding them (not passing through 2 on the way down).
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(desired(&mut client, "decode").await, 2, "blind: still held");
+    assert_eq!(desired(client, "decode").await, 2, "blind: still held");
     // The prefill pool has no replicas and no traffic: inactive after its idle grace.
     let mut active = client
         .stream_is_active(sref("prefill"))
@@ -154,7 +190,7 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         .unwrap();
     assert!(woke.result);
     assert!(t0.elapsed() < Duration::from_secs(1));
-    assert!(desired(&mut client, "prefill").await >= 1);
+    assert!(desired(client, "prefill").await >= 1);
     // The scaler's own metrics.
     let m = reqwest::get(format!("http://127.0.0.1:{hport}/metrics"))
         .await
@@ -183,12 +219,7 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         .collect::<Result<Vec<_>, _>>()
         .unwrap();
     assert!(samples.len() >= 12, "{m}");
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(5), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    scaler.stop().await;
 }
 
 /// What a fake Prometheus has seen beyond the steady 100k prompt tokens/s.
@@ -263,46 +294,24 @@ async fn fake_prometheus(history: History) -> String {
 
 /// The prefill pool's first decision from a scaler reading `prometheus`.
 async fn first_prefill_decision(prometheus: &str, prefill: &str) -> i64 {
-    let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
-    let sets = vec![
-        format!("grpc_listen=127.0.0.1:{gport}"),
-        format!("http_listen=127.0.0.1:{hport}"),
+    let mut scaler = Running::start(&[
         "interval_s=5".into(),
         format!("prometheus_url={prometheus}"),
         format!(
             "models=[{{name: llama, prefill: {{prometheus_selector: 'pool=\"prefill\"'{prefill}}}, decode: {{prometheus_selector: 'pool=\"decode\"'}}}}]"
         ),
-    ];
-    let cfg = Config::load(None, &sets).unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(preheat_scaler::server::run(
-        cfg,
-        Profile::default(),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
-    let mut client = loop {
-        if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{gport}")).await {
-            break c;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    ])
+    .await;
     let deadline = Instant::now() + Duration::from_secs(10);
     let d = loop {
-        let d = desired(&mut client, "prefill").await;
+        let d = desired(&mut scaler.client, "prefill").await;
         if d >= 0 {
             break d;
         }
         assert!(Instant::now() < deadline, "no decision");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(5), server)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    scaler.stop().await;
     d
 }
 
