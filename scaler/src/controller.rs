@@ -392,54 +392,51 @@ impl Tick<'_> {
 
     /// A restarted scaler reads what its policy learns from back from Prometheus, so
     /// it does not spend a window relearning a load it had seen: the prefill pool's
-    /// hindsight window, and each pool's season (the load by time of day).
+    /// hindsight window, and each pool's season (the load by time of day). The two
+    /// queries run together: the first decision waits for one round trip, not two.
     async fn seed_from_prometheus(&self, model: &str, p: &mut PoolLoop, t: f64, hit_rate: f64) {
         p.seeded = true;
         let (Source::Prometheus(sel), Some(prom)) = (&p.source, self.prom) else {
             return;
         };
-        let pool = p.pool.as_str();
-        if p.pool == Pool::Prefill {
-            let span = p.policy.cfg.burst_memory_s;
-            match prom.recent_prompt_rates(sel, span, self.timeout).await {
-                Ok(points) => {
-                    let taken = p
-                        .policy
-                        .seed_arrivals(t, prom.step_s(), &points, 1.0 - hit_rate);
-                    tracing::info!(
-                        model,
-                        pool,
-                        points = taken,
-                        "hindsight window read back from Prometheus"
-                    );
-                }
-                Err(e) => {
-                    tracing::warn!(model, pool, error = %e, "reading the hindsight window back from Prometheus: sizing from what is seen from now on");
-                }
+        let span = p.policy.cfg.burst_memory_s;
+        let recent = async {
+            if p.pool == Pool::Prefill {
+                Some(prom.recent_prompt_rates(sel, span, self.timeout).await)
+            } else {
+                None
             }
-        }
-        let Some((bucket, period)) = p.policy.season_buckets() else {
-            return;
         };
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
-        match prom
-            .seasonal_rates(sel, p.pool, period, bucket, self.timeout)
-            .await
-        {
-            Ok(points) => {
-                let taken = p.policy.seed_season(now, &points, 1.0 - hit_rate);
-                tracing::info!(
-                    model,
-                    pool,
-                    buckets = taken,
-                    "season read back from Prometheus"
-                );
+        let season = async {
+            match p.policy.season_buckets() {
+                Some((bucket, period)) => Some(
+                    prom.seasonal_rates(sel, p.pool, period, bucket, self.timeout)
+                        .await,
+                ),
+                None => None,
             }
+        };
+        let (recent, season) = tokio::join!(recent, season);
+        let pool = p.pool.as_str();
+        let log = |what: &str, taken: crate::Result<usize>| match taken {
+            Ok(n) => tracing::info!(model, pool, points = n, "{what} read back from Prometheus"),
             Err(e) => {
-                tracing::warn!(model, pool, error = %e, "reading the season back from Prometheus: learning it from now on");
+                tracing::warn!(model, pool, error = %e, "reading the {what} back from Prometheus: learning it from what is seen from now on")
             }
+        };
+        if let Some(r) = recent {
+            let taken = r.map(|points| {
+                p.policy
+                    .seed_arrivals(t, prom.step_s(), &points, 1.0 - hit_rate)
+            });
+            log("hindsight window", taken);
+        }
+        if let Some(r) = season {
+            let taken = r.map(|points| {
+                p.policy
+                    .seed_season(unix_now().unwrap_or(0.0), &points, 1.0 - hit_rate)
+            });
+            log("season", taken);
         }
     }
 
@@ -515,10 +512,7 @@ impl Tick<'_> {
                 held_requests: held,
                 measured_startup_s: startup,
                 signals,
-                unix_time: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .ok()
-                    .map(|d| d.as_secs_f64()),
+                unix_time: unix_now(),
                 ..Observation::default()
             };
             let d = p.policy.decide(t, &obs);
@@ -626,6 +620,15 @@ fn without_userinfo(url: &str) -> String {
         Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
         None => url.to_owned(),
     }
+}
+
+/// The wall clock, Unix seconds (UTC): what scheduled floors and the season read;
+/// `None` on a clock set before 1970.
+fn unix_now() -> Option<f64> {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs_f64())
 }
 
 #[cfg(test)]
