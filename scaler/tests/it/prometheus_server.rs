@@ -161,10 +161,18 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     assert_eq!(fraction_within(ttft, 0.1), Some(0.0), "{ttft:?}");
     // A restarted scaler reads its hindsight window back: the latest rate at each tick
     // (2 s) of the last 10 s, newest last, each near what the ticker writes.
-    let points = source
-        .recent_prompt_rates(sel, 10.0, Duration::from_secs(5))
-        .await
-        .unwrap();
+    // Prometheus may have started scraping late: wait until it holds the 10 s.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let points = loop {
+        let points = source
+            .recent_prompt_rates(sel, 10.0, Duration::from_secs(5))
+            .await
+            .unwrap();
+        if points.len() >= 4 || Instant::now() > deadline {
+            break points;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
     assert!((4..=7).contains(&points.len()), "{points:?}");
     assert_eq!(points.last().map(|p| p.0), Some(0.0), "{points:?}");
     assert!(points.windows(2).all(|w| w[0].0 > w[1].0), "{points:?}");
@@ -174,10 +182,17 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     // grid, prompt tokens for prefill and generated tokens for decode.
     use preheat_scaler::policy::Pool;
     for (pool, want) in [(Pool::Prefill, 30_000.0), (Pool::Decode, 7_500.0)] {
-        let season = source
-            .seasonal_rates(sel, pool, 12.0, 4.0, Duration::from_secs(5))
-            .await
-            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let season = loop {
+            let season = source
+                .seasonal_rates(sel, pool, 12.0, 4.0, Duration::from_secs(5))
+                .await
+                .unwrap();
+            if season.len() >= 2 || Instant::now() > deadline {
+                break season;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
         assert!((2..=4).contains(&season.len()), "{season:?}");
         assert!(season.iter().all(|p| p.0 % 4.0 == 0.0), "{season:?}");
         let (_, last) = season.last().copied().unwrap();
