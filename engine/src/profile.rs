@@ -53,7 +53,12 @@ pub fn decode_rate<B: Backend + ?Sized>(
     Ok(((batch * steps) as f64 / d.as_secs_f64(), d / steps as u32))
 }
 
-/// Prompt tokens per second of one `len`-token prefill.
+/// Timed passes per prefill length, after one untimed warm-up pass; the fastest counts.
+const PREFILL_PASSES: usize = 3;
+
+/// Prompt tokens per second of one `len`-token prefill on a warm backend: the first
+/// pass pays for faulting weights in and sizing buffers, which a serving replica pays
+/// once, not per prompt.
 pub fn prefill_rate<B: Backend + ?Sized>(be: &mut B, len: usize) -> Result<f64> {
     let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
     let seqs = [SeqSlice {
@@ -62,13 +67,86 @@ pub fn prefill_rate<B: Backend + ?Sized>(be: &mut B, len: usize) -> Result<f64> 
     let tokens: Vec<u32> = (0..len).map(|i| (i % 200) as u32 + 1).collect();
     let positions: Vec<u32> = (0..len as u32).collect();
     let seq_of = vec![0u32; len];
-    let t0 = Instant::now();
-    be.forward(&ForwardBatch {
+    let batch = ForwardBatch {
         tokens: &tokens,
         positions: &positions,
         seq_of: &seq_of,
         seqs: &seqs,
         logits_rows: &[len as u32 - 1],
-    })?;
-    Ok(len as f64 / t0.elapsed().as_secs_f64())
+    };
+    be.forward(&batch)?;
+    let mut best = Duration::MAX;
+    for _ in 0..PREFILL_PASSES {
+        let t0 = Instant::now();
+        be.forward(&batch)?;
+        best = best.min(t0.elapsed());
+    }
+    Ok(len as f64 / best.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::KvLayout;
+    use crate::kv::BlockId;
+    use preheat_snapshot::ModelConfig;
+
+    /// A backend whose first forward pass is slow, as a real one is while it faults
+    /// its weights in and sizes its buffers; later passes take `warm`.
+    struct ColdFirst {
+        calls: usize,
+        cold: Duration,
+        warm: Duration,
+    }
+
+    impl Backend for ColdFirst {
+        fn name(&self) -> &'static str {
+            "cold-first"
+        }
+        fn config(&self) -> &ModelConfig {
+            unreachable!("the measurement only runs forward passes")
+        }
+        fn kv_layout(&self) -> KvLayout {
+            unreachable!("the measurement only runs forward passes")
+        }
+        fn forward(&mut self, _: &ForwardBatch<'_>) -> Result<Vec<f32>> {
+            self.calls += 1;
+            std::thread::sleep(if self.calls == 1 {
+                self.cold
+            } else {
+                self.warm
+            });
+            Ok(Vec::new())
+        }
+        fn weights_fingerprint(&self) -> u64 {
+            0
+        }
+        fn export_kv(&self, _: &[BlockId], _: &mut Vec<u8>) -> Result<()> {
+            Ok(())
+        }
+        fn import_kv(&mut self, _: &[BlockId], _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn regression_prefill_rate_was_one_cold_pass() {
+        // `engine profile` timed a single pass per prompt length, the first of which
+        // paid the backend's warm-up: `preheat up`'s profile said 114 prompt tokens/s
+        // at 16 tokens where the serving engine did 16 in 94 ms (170/s), and the
+        // simulator built on it over-predicted TTFT. The rate is of warm passes.
+        let mut be = ColdFirst {
+            calls: 0,
+            cold: Duration::from_millis(200),
+            warm: Duration::from_millis(10),
+        };
+        let rate = prefill_rate(&mut be, 16).unwrap();
+        // Warm: 16 tokens / 10 ms = 1,600/s; cold: 80/s. Sleeps overshoot, so the
+        // bound is loose, but far above any rate the cold pass can give.
+        assert!(
+            rate > 16.0 / 0.05,
+            "{rate} tokens/s: the cold pass was timed"
+        );
+        assert!(be.calls >= 2);
+    }
 }

@@ -14,6 +14,9 @@ use std::collections::VecDeque;
 use crate::kv::hashing::chain;
 use crate::kv::{BlockHash, BlockId, BlockPool, block_hashes};
 
+/// Tokens per forward pass unless configured (the workers' `--max-batched-tokens`).
+pub const DEFAULT_MAX_BATCHED_TOKENS: usize = 256;
+
 /// Scheduler limits.
 #[derive(Clone, Copy, Debug)]
 #[must_use]
@@ -29,7 +32,7 @@ pub struct SchedulerConfig {
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
-            max_batched_tokens: 256,
+            max_batched_tokens: DEFAULT_MAX_BATCHED_TOKENS,
             max_running: 64,
             max_waiting: 256,
         }

@@ -182,6 +182,12 @@ pub struct PrefillReplica {
     pub(crate) slot: Option<u8>,
     /// Seconds spent computing, for utilisation.
     pub busy_s: f64,
+    /// Its share of the profile's speed (below 1 on a host shared with busy peers).
+    speed: f64,
+    /// Prompts computed in the running job's forward passes beside it (batched
+    /// prefill), and those of a finished batch not yet handed out.
+    batch: Vec<usize>,
+    finished: Vec<usize>,
 }
 
 impl PrefillReplica {
@@ -197,7 +203,30 @@ impl PrefillReplica {
             cache: PrefixCache::new(cache_blocks),
             slot: None,
             busy_s: 0.0,
+            speed: 1.0,
+            batch: Vec::new(),
+            finished: Vec::new(),
         }
+    }
+
+    /// Whether it is computing a prompt.
+    #[must_use]
+    pub fn is_busy(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// Runs at `speed` × the profile's rate from `t`: the running prompt's remaining
+    /// work finishes at the new speed.
+    pub fn set_speed(&mut self, t: f64, speed: f64) {
+        if speed == self.speed {
+            return;
+        }
+        if let Some((_, end)) = &mut self.running
+            && *end > t
+        {
+            *end = t + (*end - t) * self.speed / speed;
+        }
+        self.speed = speed;
     }
 
     #[must_use]
@@ -233,7 +262,7 @@ impl PrefillReplica {
 
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.running.is_none() && self.queue.is_empty()
+        self.running.is_none() && self.queue.is_empty() && self.finished.is_empty()
     }
 
     /// The next time this replica changes state on its own.
@@ -242,6 +271,9 @@ impl PrefillReplica {
         if t < self.ready_at {
             return self.ready_at;
         }
+        if !self.finished.is_empty() {
+            return t;
+        }
         match self.running {
             Some((_, end)) => end,
             None if !self.queue.is_empty() => t,
@@ -249,33 +281,59 @@ impl PrefillReplica {
         }
     }
 
-    /// Finishes the running job if it is due and starts the next one; returns the
-    /// finished request.
-    pub fn step(&mut self, t: f64) -> Option<usize> {
+    /// Finishes the running job if it is due and starts the next one; returns a
+    /// finished request (call until `None`: a batch finishes several at once).
+    ///
+    /// With `batching` (a token budget per batch, and the profile), the next job takes
+    /// the prompts queued behind it while their tokens fit the budget, as an engine
+    /// with batched (chunked) prefill does, and runs at the profile's rate for the
+    /// batch's length; without, prompts run one at a time.
+    pub fn step(&mut self, t: f64, batching: Option<(f64, &Profile)>) -> Option<usize> {
         if t < self.ready_at {
             return None;
+        }
+        if let Some(req) = self.finished.pop() {
+            return Some(req);
         }
         let mut done = None;
         if let Some((job, end)) = self.running
             && end <= t
         {
             done = Some(job.req);
+            self.finished.append(&mut self.batch);
             self.running = None;
         }
         if self.running.is_none()
-            && let Some(job) = self.queue.pop_front()
+            && let Some(mut job) = self.pop_queued()
         {
-            if self.queue.is_empty() {
-                // Sums of floats drift: an empty queue holds exactly nothing.
-                (self.queued_s, self.queued_tokens) = (0.0, 0.0);
-            } else {
-                self.queued_s -= job.service_s;
-                self.queued_tokens -= job.tokens;
+            if let Some((budget, profile)) = batching {
+                while let Some(next) = self.queue.front()
+                    && job.tokens + next.tokens <= budget
+                    && let Some(next) = self.pop_queued()
+                {
+                    job.tokens += next.tokens;
+                    self.batch.push(next.req);
+                }
+                if !self.batch.is_empty() {
+                    job.service_s = job.tokens / profile.prefill_rate(job.tokens);
+                }
             }
-            self.busy_s += job.service_s;
-            self.running = Some((job, t + job.service_s));
+            self.busy_s += job.service_s / self.speed;
+            self.running = Some((job, t + job.service_s / self.speed));
         }
         done
+    }
+
+    fn pop_queued(&mut self) -> Option<PrefillJob> {
+        let job = self.queue.pop_front()?;
+        if self.queue.is_empty() {
+            // Sums of floats drift: an empty queue holds exactly nothing.
+            (self.queued_s, self.queued_tokens) = (0.0, 0.0);
+        } else {
+            self.queued_s -= job.service_s;
+            self.queued_tokens -= job.tokens;
+        }
+        Some(job)
     }
 }
 
@@ -327,6 +385,9 @@ pub struct DecodeReplica {
     /// Time of the last step boundary.
     pub clock: f64,
     pub busy_s: f64,
+    /// How much longer a step takes than the profile says (above 1 on a host shared
+    /// with busy peers).
+    slow: f64,
 }
 
 impl DecodeReplica {
@@ -340,7 +401,21 @@ impl DecodeReplica {
             kv_used: 0.0,
             clock: ready_at,
             busy_s: 0.0,
+            slow: 1.0,
         }
+    }
+
+    /// Runs at `speed` × the profile's rate from `t`: the step under way keeps the
+    /// fraction it has done and finishes the rest at the new speed.
+    pub fn set_speed(&mut self, t: f64, speed: f64) {
+        let slow = 1.0 / speed;
+        if slow == self.slow {
+            return;
+        }
+        if !self.seqs.is_empty() && t > self.clock {
+            self.clock = t - (t - self.clock) * slow / self.slow;
+        }
+        self.slow = slow;
     }
 
     #[must_use]
@@ -390,7 +465,7 @@ impl DecodeReplica {
             return self.ready_at;
         }
         match self.steps_to_next() {
-            Some(min) => self.clock + min as f64 * profile.itl(self.seqs.len() as f64),
+            Some(min) => self.clock + min as f64 * profile.itl(self.seqs.len() as f64) * self.slow,
             None => f64::INFINITY,
         }
     }
@@ -402,7 +477,7 @@ impl DecodeReplica {
             self.clock = self.clock.max(t);
             return;
         };
-        let itl = profile.itl(self.seqs.len() as f64);
+        let itl = profile.itl(self.seqs.len() as f64) * self.slow;
         // The completion `next_event` reports is reached at that very time, computed
         // the same way: dividing back rounds below it once the clock is large.
         let k = if t >= self.clock + min as f64 * itl {

@@ -56,6 +56,19 @@ pub struct SimConfig {
     /// The wall clock (Unix seconds, UTC) at the trace's t = 0, for scheduled floors;
     /// 0 is 1970-01-01T00:00Z, a Thursday midnight.
     pub start_unix: f64,
+    /// Whether the pools open at the size a deployment already serving the trace's
+    /// first minute would have (the default: no policy pays for a trace that opens at
+    /// full load), or at their policies' minimum, as a stack started idle does.
+    pub warm_start: bool,
+    /// Every replica on one host (`preheat up`): busy replicas share its compute, so
+    /// with `k` of them computing at once each runs at `min(1, slots / k)` of the
+    /// profile's speed, where `slots` replicas run at full speed together (1 when the
+    /// profile was measured with the whole host). `None`: a GPU each, as deployed.
+    pub shared_host: Option<f64>,
+    /// Prefill batching: a replica computes the prompts queued at once together, up to
+    /// this many tokens per batch, at the profile's rate for the batch's length (the
+    /// bundled engine's scheduler budget). `None`: one prompt at a time.
+    pub prefill_batch_tokens: Option<f64>,
 }
 
 impl SimConfig {
@@ -72,6 +85,9 @@ impl SimConfig {
             standbys: 1,
             actuation: Actuation::default(),
             start_unix: 0.0,
+            warm_start: true,
+            shared_host: None,
+            prefill_batch_tokens: None,
         }
     }
 

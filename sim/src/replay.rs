@@ -114,7 +114,11 @@ impl<'a> Sim<'a> {
             prefill: PoolCtl::new(prefill),
             decode: PoolCtl::new(decode),
         };
-        let (wp, wd) = warm_start(cfg, trace);
+        let (wp, wd) = if cfg.warm_start {
+            warm_start(cfg, trace)
+        } else {
+            (cfg.prefill.min_replicas, cfg.decode.min_replicas)
+        };
         let p0 = ctl.prefill.scaler.initial().unwrap_or(wp);
         let d0 = ctl.decode.scaler.initial().unwrap_or(wd);
         ctl.prefill.max_replicas = p0;
@@ -243,7 +247,11 @@ impl<'a> Sim<'a> {
             if !self.prefill[i].is_ready(t) {
                 continue;
             }
-            while let Some(req) = self.prefill[i].step(t) {
+            let batching = self
+                .cfg
+                .prefill_batch_tokens
+                .map(|b| (b, &self.cfg.profile));
+            while let Some(req) = self.prefill[i].step(t, batching) {
                 self.first_token(req, t);
             }
         }
@@ -267,8 +275,34 @@ impl<'a> Sim<'a> {
         self.route_held();
         self.admit_decode();
         self.retire_drained();
+        if let Some(slots) = self.cfg.shared_host {
+            self.share_host(slots);
+        }
         if t >= self.next_second {
             self.second();
+        }
+    }
+
+    /// On a shared host, every replica's speed from now: its share of the compute
+    /// among the replicas computing at this moment.
+    fn share_host(&mut self, slots: f64) {
+        let t = self.t;
+        let busy = self
+            .prefill
+            .iter()
+            .filter(|r| r.is_ready(t) && r.is_busy())
+            .count()
+            + self
+                .decode
+                .iter()
+                .filter(|r| r.is_ready(t) && !r.is_empty())
+                .count();
+        let speed = (slots / busy.max(1) as f64).clamp(1e-3, 1.0);
+        for r in &mut self.prefill {
+            r.set_speed(t, speed);
+        }
+        for r in &mut self.decode {
+            r.set_speed(t, speed);
         }
     }
 
@@ -358,7 +392,7 @@ impl<'a> Sim<'a> {
             });
             if rep.running.is_none() {
                 // Idle: starts the job; nothing can finish in the same instant.
-                rep.step(t);
+                rep.step(t, self.cfg.prefill_batch_tokens.map(|b| (b, profile)));
             }
         }
     }

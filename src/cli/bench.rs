@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 
 use super::{OutputArgs, SourceFlag};
-use crate::duration::duration_arg;
+use crate::duration::{duration_arg, seconds_arg};
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCmd {
@@ -20,6 +20,11 @@ pub enum BenchCmd {
     /// report TTFT, ITL, end-to-end latency, throughput and SLO attainment (exit 1 when
     /// any request failed).
     Serve(BenchServeArgs),
+    /// Sim-to-real: runs `preheat up` under a trace slice (as `serve` sends it), then
+    /// the simulator with the same measured profile, start times, policy and requests;
+    /// reports each pool's replica-seconds and the SLO attainment, measured against
+    /// predicted, with their errors.
+    Simreal(BenchSimrealArgs),
     /// Prefix-cache hit rate of KV-aware routing vs round robin on a trace with prefix
     /// block ids (Mooncake).
     Router(BenchRouterArgs),
@@ -107,14 +112,10 @@ pub struct BenchRouterArgs {
     pub out: OutputArgs,
 }
 
+/// What to send: a trace slice or a fixed rate (shared by `bench serve` and
+/// `bench simreal`).
 #[derive(Debug, Args)]
-pub struct BenchServeArgs {
-    /// Base URL of the OpenAI-compatible server (`/v1/completions` is appended).
-    #[arg(long, default_value = "http://127.0.0.1:8000")]
-    pub url: String,
-    /// `model` field of each request (default: the server's only model).
-    #[arg(long)]
-    pub model: Option<String>,
+pub struct LoadArgs {
     /// Replay this trace (Azure CSV or Mooncake JSONL) instead of a fixed rate.
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -142,18 +143,67 @@ pub struct BenchServeArgs {
     pub input_tokens: u32,
     #[arg(long, default_value_t = 32)]
     pub output_tokens: u32,
+    /// Time after which a request counts as failed.
+    #[arg(long, alias = "timeout-s", default_value = "300s", value_parser = duration_arg)]
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchServeArgs {
+    /// Base URL of the OpenAI-compatible server (`/v1/completions` is appended).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// `model` field of each request (default: the server's only model).
+    #[arg(long)]
+    pub model: Option<String>,
+    #[command(flatten)]
+    pub load: LoadArgs,
     #[arg(long, default_value_t = 2.0)]
     pub slo_ttft: f64,
     #[arg(long, default_value_t = 0.05)]
     pub slo_itl: f64,
-    /// Time after which a request counts as failed.
-    #[arg(long, alias = "timeout-s", default_value = "300s", value_parser = duration_arg)]
-    pub timeout: Duration,
     /// Include every request's outcome in the JSON.
     #[arg(long)]
     pub per_request: bool,
     /// Write an SVG of load, TTFT and (against a preheat gateway) each pool's
     /// replicas over time.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// `bench simreal`: the local stack under a load, and the simulator's prediction of it.
+#[derive(Debug, Args)]
+pub struct BenchSimrealArgs {
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// `preheat up`'s cache: the staged model and its measured profile are reused
+    /// between runs.
+    #[arg(long, default_value = ".cache/up")]
+    pub cache_dir: PathBuf,
+    /// The model `preheat up` serves (default: its embedded tiny model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value_t = 2)]
+    pub prefill_max: u32,
+    #[arg(long, default_value_t = 2)]
+    pub decode_max: u32,
+    /// Idle time before a pool goes to zero.
+    #[arg(long, default_value = "30s", value_parser = duration_arg)]
+    pub idle_grace: Duration,
+    /// Parked standbys per pool.
+    #[arg(long, default_value_t = 1)]
+    pub standbys: u32,
+    #[arg(long, default_value_t = 256)]
+    pub kv_cache_mib: usize,
+    /// TTFT target (`2`, `2s`, `1500ms`) the scaler sizes for and both sides count.
+    #[arg(long, default_value = "2s", value_parser = seconds_arg)]
+    pub slo_ttft: f64,
+    /// Inter-token latency target.
+    #[arg(long, default_value = "50ms", value_parser = seconds_arg)]
+    pub slo_itl: f64,
+    /// Write an SVG of each pool's replicas over time, measured and predicted.
     #[arg(long)]
     pub plot: Option<PathBuf>,
     #[command(flatten)]

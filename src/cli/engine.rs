@@ -159,7 +159,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// Tokens per forward pass (decode tokens plus prefill chunks).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS)]
     pub max_batched_tokens: usize,
     /// Sequences decoded together.
     #[arg(long, default_value_t = 64)]

@@ -36,6 +36,7 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
             kv_cache_mib,
         } => {
             profile(&model, &output, &lengths, &batches, steps, kv_cache_mib)?;
+            crate::output::outln!("wrote {}", output.display());
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -383,7 +384,6 @@ pub(crate) fn profile(
         .map_err(|e| anyhow::anyhow!("measured profile is invalid: {}", e.join("; ")))?;
     std::fs::write(output, serde_json::to_vec_pretty(&p)?)
         .with_context(|| format!("writing {}", output.display()))?;
-    crate::output::outln!("wrote {}", output.display());
     Ok(())
 }
 

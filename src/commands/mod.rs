@@ -29,6 +29,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench(BenchCmd::Grammar(args)) => bench::grammar::run(&args),
         Command::Bench(BenchCmd::Scaler(args)) => bench::scaler::run(&args),
         Command::Bench(BenchCmd::Serve(args)) => bench::serve::run(&args),
+        Command::Bench(BenchCmd::Simreal(args)) => bench::simreal::run(&args),
         Command::Bench(BenchCmd::Router(args)) => bench::router::run(&args),
         Command::Bench(BenchCmd::Kv(args)) => bench::kv::run(&args),
         Command::Bench(BenchCmd::Coldstart(args)) => bench::coldstart::run(&args),

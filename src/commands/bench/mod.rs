@@ -10,6 +10,7 @@ pub mod kv;
 pub mod router;
 pub mod scaler;
 pub mod serve;
+pub mod simreal;
 pub mod snapshot;
 
 use std::time::{Duration, Instant};

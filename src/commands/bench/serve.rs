@@ -12,16 +12,16 @@ use preheat_scaler::percentile::percentile as pct;
 use preheat_sim::trace;
 use serde::Serialize;
 
-use crate::cli::BenchServeArgs;
+use crate::cli::{BenchServeArgs, LoadArgs};
 use crate::output::{outln, print_json};
 use preheat_engine::metrics::names::GATEWAY_WORKERS;
 
 /// One request to send.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Planned {
-    at: f64,
-    input_tokens: u32,
-    output_tokens: u32,
+pub(crate) struct Planned {
+    pub(crate) at: f64,
+    pub(crate) input_tokens: u32,
+    pub(crate) output_tokens: u32,
 }
 
 /// What happened to one request.
@@ -69,7 +69,7 @@ pub struct Report {
     pub outcomes: Vec<Outcome>,
 }
 
-fn plan(a: &BenchServeArgs) -> anyhow::Result<Vec<Planned>> {
+pub(crate) fn plan(a: &LoadArgs) -> anyhow::Result<Vec<Planned>> {
     let mut errs = Vec::new();
     if !(a.speedup.is_finite() && a.speedup > 0.0) {
         errs.push("--speedup must be > 0".to_owned());
@@ -354,14 +354,9 @@ fn plot(r: &Report, outcomes: &[Outcome]) -> String {
     )
 }
 
-pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
-    let planned = plan(a)?;
-    let url = a.url.trim_end_matches('/').to_owned();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let timeout = a.timeout.max(Duration::from_millis(1));
-    let bar = indicatif::ProgressBar::new(planned.len() as u64);
+/// A progress bar over `n` requests, drawn only on a terminal.
+pub(crate) fn request_bar(n: usize) -> anyhow::Result<indicatif::ProgressBar> {
+    let bar = indicatif::ProgressBar::new(n as u64);
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_style(
             indicatif::ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} eta {eta}")
@@ -372,45 +367,82 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     } else {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let started = Instant::now();
-    let (mut outcomes, replicas): (Vec<Outcome>, Vec<(f64, u32, u32)>) = rt.block_on(async {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(256)
-            .build()
-            .context("HTTP client")?;
-        let t0 = tokio::time::Instant::now();
-        let log = ReplicaLog::default();
-        let watcher = tokio::spawn(watch_replicas(client.clone(), url.clone(), t0, log.clone()));
-        let mut set = tokio::task::JoinSet::new();
-        for (i, p) in planned.iter().copied().enumerate() {
-            tokio::time::sleep_until(t0 + Duration::from_secs_f64(p.at)).await;
-            let (client, url, model, bar) =
-                (client.clone(), url.clone(), a.model.clone(), bar.clone());
-            set.spawn(async move {
-                let sent = t0.elapsed().as_secs_f64();
-                let o = one(&client, &url, model.as_deref(), p, i, sent, timeout).await;
-                bar.inc(1);
-                (i, o)
-            });
-        }
-        let mut all = vec![Outcome::default(); planned.len()];
-        while let Some(r) = set.join_next().await {
-            let (i, o) = r.context("request task")?;
-            all[i] = o;
-        }
-        watcher.abort();
-        // A last look: a short run may end between two samples.
-        if let Some(s) = sample_replicas(&client, &url, t0).await {
-            log.lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(s);
-        }
-        let replicas = log
-            .lock()
+    Ok(bar)
+}
+
+/// Sends `planned` at their times from `t0`, each streamed to its end; returns every
+/// outcome (in plan order) and the gateway's workers sampled meanwhile.
+pub(crate) async fn replay(
+    url: &str,
+    model: Option<&str>,
+    planned: &[Planned],
+    timeout: Duration,
+    t0: tokio::time::Instant,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<(Vec<Outcome>, Vec<(f64, u32, u32)>)> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .context("HTTP client")?;
+    let log = ReplicaLog::default();
+    let watcher = tokio::spawn(watch_replicas(
+        client.clone(),
+        url.to_owned(),
+        t0,
+        log.clone(),
+    ));
+    let mut set = tokio::task::JoinSet::new();
+    for (i, p) in planned.iter().copied().enumerate() {
+        tokio::time::sleep_until(t0 + Duration::from_secs_f64(p.at)).await;
+        let (client, url, model, bar) = (
+            client.clone(),
+            url.to_owned(),
+            model.map(str::to_owned),
+            bar.clone(),
+        );
+        set.spawn(async move {
+            let sent = t0.elapsed().as_secs_f64();
+            let o = one(&client, &url, model.as_deref(), p, i, sent, timeout).await;
+            bar.inc(1);
+            (i, o)
+        });
+    }
+    let mut all = vec![Outcome::default(); planned.len()];
+    while let Some(r) = set.join_next().await {
+        let (i, o) = r.context("request task")?;
+        all[i] = o;
+    }
+    watcher.abort();
+    // A last look: a short run may end between two samples.
+    if let Some(s) = sample_replicas(&client, url, t0).await {
+        log.lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        anyhow::Ok((all, replicas))
-    })?;
+            .push(s);
+    }
+    let replicas = log
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    Ok((all, replicas))
+}
+
+pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
+    let planned = plan(&a.load)?;
+    let url = a.url.trim_end_matches('/').to_owned();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let timeout = a.load.timeout.max(Duration::from_millis(1));
+    let bar = request_bar(planned.len())?;
+    let started = Instant::now();
+    let (mut outcomes, replicas) = rt.block_on(replay(
+        &url,
+        a.model.as_deref(),
+        &planned,
+        timeout,
+        tokio::time::Instant::now(),
+        &bar,
+    ))?;
     bar.finish_and_clear();
     let duration = started.elapsed().as_secs_f64();
     let mut report = summarise(
@@ -438,6 +470,20 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The first few distinct errors.
+pub(crate) fn first_errors(outcomes: &[Outcome]) -> Vec<String> {
+    let mut errors: Vec<String> = Vec::new();
+    for e in outcomes.iter().filter_map(|o| o.error.as_ref()) {
+        if errors.len() >= 5 {
+            break;
+        }
+        if !errors.contains(e) {
+            errors.push(e.clone());
+        }
+    }
+    errors
+}
+
 fn summarise(
     url: &str,
     outcomes: &mut [Outcome],
@@ -458,12 +504,7 @@ fn summarise(
         .iter()
         .map(|o| o.completion_tokens.unwrap_or(u64::from(o.output_chunks)))
         .sum();
-    let mut errors: Vec<String> = Vec::new();
-    for e in outcomes.iter().filter_map(|o| o.error.clone()) {
-        if errors.len() < 5 && !errors.contains(&e) {
-            errors.push(e);
-        }
-    }
+    let errors = first_errors(outcomes);
     let n = outcomes.len();
     Report {
         url: url.to_owned(),

@@ -143,20 +143,48 @@ fn agent_config(o: &Options, source: &Path, name: &str) -> anyhow::Result<AgentC
     })
 }
 
+/// The scaler's decision interval and metric window in local mode: quick, since a
+/// local replica starts in about a second.
+pub(crate) const INTERVAL_S: f64 = 0.5;
+pub(crate) const WINDOW_S: f64 = 10.0;
+
+/// One pool's policy in local mode: this run's SLOs, limits and idle grace.
+fn pool_policy(o: &Options, (min, max): (u32, u32)) -> PoolPolicy {
+    PoolPolicy {
+        min_replicas: min,
+        max_replicas: max,
+        idle_grace_s: o.idle_grace_s,
+        scale_down_stabilization_s: 30.0,
+        default_lead_s: 2.0,
+        slo_ttft_s: o.slo_ttft,
+        slo_itl_s: o.slo_itl,
+        ..PoolPolicy::default()
+    }
+}
+
+/// What `up` runs with, worked out from its flags as `run` does: the model staged,
+/// its measured profile, and each pool's policy. `bench simreal` simulates exactly this.
+pub(crate) struct Setup {
+    pub(crate) profile: Profile,
+    pub(crate) prefill: PoolPolicy,
+    pub(crate) decode: PoolPolicy,
+}
+
+pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
+    let o = options(a)?;
+    let source = stage(&o)?;
+    Ok(Setup {
+        profile: measured_profile(&source, o.kv_cache_mib)?,
+        prefill: pool_policy(&o, o.limits[0]),
+        decode: pool_policy(&o, o.limits[1]),
+    })
+}
+
 /// The scaler's config for this machine: both pools' endpoints come from the driver at
 /// run time (`run_with`), quick ticks, this run's SLOs and limits.
 fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result<Config> {
-    let pool = |(min, max): (u32, u32)| PoolConfig {
-        policy: PoolPolicy {
-            min_replicas: min,
-            max_replicas: max,
-            idle_grace_s: o.idle_grace_s,
-            scale_down_stabilization_s: 30.0,
-            default_lead_s: 2.0,
-            slo_ttft_s: o.slo_ttft,
-            slo_itl_s: o.slo_itl,
-            ..PoolPolicy::default()
-        },
+    let pool = |limits| PoolConfig {
+        policy: pool_policy(o, limits),
         ..PoolConfig::default()
     };
     let cfg = Config {
@@ -164,8 +192,8 @@ fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result
         http_listen: o.scaler_http,
         // `/status` names endpoints: behind this run's token like the rest.
         cluster_token_file: Some(token_file.to_path_buf()),
-        interval_s: 0.5,
-        window_s: 10.0,
+        interval_s: INTERVAL_S,
+        window_s: WINDOW_S,
         models: vec![ModelConfig {
             name: MODEL.to_owned(),
             metrics_model_name: None,
@@ -189,7 +217,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
     let started = Instant::now();
     let source = stage(&o)?;
-    let profile = measured_profile(&source)?;
+    let profile = measured_profile(&source, o.kv_cache_mib)?;
     let info = gateway::model_info(&source, 16, Some(MODEL))?;
     let logs = o.cache.join("logs");
     std::fs::create_dir_all(&logs)?;

@@ -87,12 +87,16 @@ pub(super) fn staged_name(snap: &Path) -> anyhow::Result<String> {
     Ok(format!("{MODEL}-{digest:016x}"))
 }
 
-/// A measured CPU profile of this model, cached beside the snapshot.
-pub(super) fn measured_profile(snap: &Path) -> anyhow::Result<Profile> {
-    let path = snap.with_extension("profile.json");
+/// A measured CPU profile of this model with the workers' KV budget and compute
+/// threads (workers inherit this process's `RAYON_NUM_THREADS`), cached beside the
+/// snapshot. Both are in the name: the scaler sizes decode by KV tokens and every pool
+/// by speed, and a profile measured otherwise would tell it the wrong capacity.
+pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<Profile> {
+    let threads = rayon::current_num_threads();
+    let path = snap.with_extension(format!("kv{kv_mib}.t{threads}.profile.json"));
     if !path.exists() {
-        tracing::info!("measuring one replica's capacity (once per model)");
-        crate::commands::engine::profile(snap, &path, &[16, 64, 256], &[1, 4, 16], 4, 64)?;
+        tracing::info!("measuring one replica's capacity (once per model and KV budget)");
+        crate::commands::engine::profile(snap, &path, &[16, 64, 256], &[1, 4, 16], 4, kv_mib)?;
     }
     Ok(Profile::from_file(&path)?)
 }

@@ -1,0 +1,799 @@
+//! `preheat bench simreal`: is the simulator right about the stack it models?
+//!
+//! It runs `preheat up` (as a child process, with the flags an operator would give)
+//! under a trace slice sent as `bench serve` sends it, and records each pool's replicas
+//! (the scaler's `/status`, twice a second) and every worker's start time (its
+//! `preheat:startup_phase_seconds{phase="registered"}`). Then it runs the simulator on
+//! what actually happened: the requests as sent (their times and token counts as the
+//! server counted them), `up`'s measured profile, the start times just measured, and
+//! the pools' policies worked out from the same `up` flags, actuated directly at the
+//! scaler's tick as `up`'s driver does. It reports each pool's replica-seconds and the
+//! SLO attainment, measured and predicted, and their errors against the tolerances
+//! the simulator is held to.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use preheat_scaler::policy::PoolPolicy;
+use preheat_scaler::status::StatusReport;
+use preheat_sim::trace::TraceRequest;
+use preheat_sim::{Actuation, SimConfig, StartClass};
+use serde::Serialize;
+
+use super::serve::{self, Outcome, Planned};
+use crate::cli::{BenchSimrealArgs, Cli, Command, UpArgs};
+use crate::commands::up;
+use crate::output::{outln, print_json};
+use crate::process::free_port;
+
+/// Predicted replica-seconds may be off by this fraction of the measured …
+const REPLICA_SECONDS_TOLERANCE: f64 = 0.20;
+/// … and predicted attainment by this many percentage points. A miss means the model
+/// needs fixing, not these.
+const ATTAINMENT_TOLERANCE_POINTS: f64 = 5.0;
+
+/// How long `up` may take to stage the model and open its gateway.
+const UP_READY_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often the pools' replicas are read.
+const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+
+/// One worker's measured start.
+#[derive(Clone, Debug, Serialize)]
+pub struct Start {
+    pub role: String,
+    /// `cold`, `staged`, `hot` or `standby` (a promotion), as the worker says.
+    pub source: String,
+    /// Seconds from its origin (process start, or promotion) to registering.
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PoolComparison {
+    pub pool: &'static str,
+    pub measured_replica_s: f64,
+    pub predicted_replica_s: f64,
+    /// (predicted − measured) / measured; `None` when the pool never ran.
+    pub error: Option<f64>,
+    pub measured_max: u32,
+    pub predicted_max: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub requests: usize,
+    pub failed: usize,
+    /// The first few distinct errors of failed requests.
+    pub errors: Vec<String>,
+    /// Both sides are compared over [0, this]: from the first request to the last
+    /// answer.
+    pub window_s: f64,
+    pub profile_source: String,
+    pub starts: Vec<Start>,
+    /// The start times the simulation ran with (the medians of `starts`, or the
+    /// profile's where none of that kind was seen).
+    pub sim_start_s: f64,
+    pub sim_promote_s: f64,
+    pub sim_start_measured: bool,
+    pub measured_attainment: f64,
+    pub predicted_attainment: f64,
+    pub attainment_error_points: f64,
+    /// TTFT and ITL (p50, p99), measured and predicted: where an attainment gap comes
+    /// from.
+    pub measured_ttft: (Option<f64>, Option<f64>),
+    pub predicted_ttft: (f64, f64),
+    pub measured_itl: (Option<f64>, Option<f64>),
+    pub predicted_itl: (f64, f64),
+    pub pools: Vec<PoolComparison>,
+    pub replica_s_tolerance: f64,
+    pub attainment_tolerance_points: f64,
+    pub within_tolerance: bool,
+    /// (seconds, prefill, decode) replicas, as `up` ran them and as predicted.
+    pub measured: Vec<(f64, u32, u32)>,
+    pub predicted: Vec<(f64, u32, u32)>,
+}
+
+/// The `preheat up` command line for this run, on free loopback ports.
+fn up_args(a: &BenchSimrealArgs) -> anyhow::Result<Vec<String>> {
+    let addr = |p: u16| format!("127.0.0.1:{p}");
+    let mut v: Vec<String> = vec![
+        "up".into(),
+        "--port".into(),
+        free_port()?.to_string(),
+        "--gateway-internal".into(),
+        addr(free_port()?),
+        "--scaler-listen".into(),
+        addr(free_port()?),
+        "--scaler-http".into(),
+        addr(free_port()?),
+        "--agent-listen".into(),
+        addr(free_port()?),
+        "--cache-dir".into(),
+        a.cache_dir.to_string_lossy().into_owned(),
+        "--prefill-max".into(),
+        a.prefill_max.to_string(),
+        "--decode-max".into(),
+        a.decode_max.to_string(),
+        "--idle-grace".into(),
+        format!("{}ms", a.idle_grace.as_millis()),
+        "--standbys".into(),
+        a.standbys.to_string(),
+        "--kv-cache-mib".into(),
+        a.kv_cache_mib.to_string(),
+        "--slo-ttft".into(),
+        a.slo_ttft.to_string(),
+        "--slo-itl".into(),
+        a.slo_itl.to_string(),
+    ];
+    if let Some(m) = &a.model {
+        v.push("--model".into());
+        v.push(m.to_string_lossy().into_owned());
+    }
+    Ok(v)
+}
+
+/// The same command line as `up` itself parses it.
+fn parse_up(args: &[String]) -> anyhow::Result<UpArgs> {
+    let cli =
+        Cli::try_parse_from(std::iter::once("preheat").chain(args.iter().map(String::as_str)))
+            .context("the `preheat up` flags this run would use")?;
+    match cli.command {
+        Command::Up(u) => Ok(u),
+        _ => bail!("`up` parsed as another command"),
+    }
+}
+
+/// `preheat up`, stopped (SIGTERM, then its drain) when dropped.
+struct UpProcess {
+    child: tokio::process::Child,
+    log: PathBuf,
+}
+
+impl UpProcess {
+    fn start(args: &[String], log: &Path) -> anyhow::Result<Self> {
+        let out =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let child = tokio::process::Command::new(std::env::current_exe()?)
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting `preheat up`")?;
+        Ok(UpProcess {
+            child,
+            log: log.to_owned(),
+        })
+    }
+
+    /// Why it is not running, with the end of its log; `None` while it runs.
+    fn exited(&mut self) -> Option<String> {
+        let status = self.child.try_wait().ok()??;
+        Some(format!(
+            "`preheat up` exited with {status}: {}",
+            preheat_warmpool::restart_backoff::log_tail(&self.log, 5)
+        ))
+    }
+
+    async fn stop(mut self) {
+        preheat_warmpool::standby::terminate(&self.child);
+        if tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("`preheat up` did not stop within 60 s; killing it");
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// Where this run's `up` listens, read back from its own flags.
+struct Endpoints {
+    gateway: String,
+    gateway_internal: String,
+    scaler_http: String,
+    token_file: PathBuf,
+}
+
+impl Endpoints {
+    fn of(u: &UpArgs) -> Self {
+        Endpoints {
+            gateway: format!("http://{}:{}", u.host, u.port),
+            gateway_internal: format!("http://{}", u.gateway_internal),
+            scaler_http: format!("http://{}", u.scaler_http),
+            token_file: u.cache_dir.join("cluster-token"),
+        }
+    }
+}
+
+/// Waits until the gateway answers and the scaler reports both pools.
+async fn wait_ready(
+    c: &reqwest::Client,
+    e: &Endpoints,
+    up: &mut UpProcess,
+) -> anyhow::Result<String> {
+    let deadline = Instant::now() + UP_READY_TIMEOUT;
+    loop {
+        if let Some(why) = up.exited() {
+            bail!("{why}");
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "`preheat up` was not ready within {} s (log: {})",
+                UP_READY_TIMEOUT.as_secs(),
+                up.log.display()
+            );
+        }
+        let healthy = c
+            .get(format!("{}/health", e.gateway))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if healthy
+            && let Ok(token) = std::fs::read_to_string(&e.token_file)
+            && status(c, e, token.trim()).await.is_some()
+        {
+            return Ok(token.trim().to_owned());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// (prefill, decode) replicas the scaler sees: `up`'s started, unstopped workers.
+async fn status(c: &reqwest::Client, e: &Endpoints, token: &str) -> Option<(u32, u32)> {
+    let r: StatusReport = c
+        .get(format!("{}/status", e.scaler_http))
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?
+        .error_for_status()
+        .ok()?
+        .json()
+        .await
+        .ok()?;
+    let pools = &r.models.first()?.pools;
+    let n = |name: &str| pools.iter().find(|p| p.pool == name).map(|p| p.current);
+    Some((n("prefill")?, n("decode")?))
+}
+
+/// Registered workers not yet looked at: their measured start, once each.
+async fn new_starts(
+    c: &reqwest::Client,
+    e: &Endpoints,
+    token: &str,
+    seen: &mut std::collections::HashSet<String>,
+) -> Vec<Start> {
+    let Ok(r) = c
+        .get(format!("{}/internal/workers", e.gateway_internal))
+        .bearer_auth(token)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+    else {
+        return Vec::new();
+    };
+    let Ok(v) = r.json::<serde_json::Value>().await else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for w in v["workers"].as_array().into_iter().flatten() {
+        let (Some(url), Some(role)) = (w["url"].as_str(), w["role"].as_str()) else {
+            continue;
+        };
+        if seen.contains(url) {
+            continue;
+        }
+        let text = match c
+            .get(format!("{}/metrics", url.trim_end_matches('/')))
+            .bearer_auth(token)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
+            _ => continue,
+        };
+        let Ok(reading) = preheat_scaler::signals::exposition::parse(&text, None) else {
+            continue;
+        };
+        // The latest start's `registered` phase; a promoted standby reports its
+        // promotion, not its parked load.
+        let latest = reading
+            .startup
+            .iter()
+            .filter(|((phase, _), _)| phase == "registered")
+            .max_by(|a, b| a.1.total_cmp(b.1));
+        if let Some(((_, source), &seconds)) = latest {
+            seen.insert(url.to_owned());
+            out.push(Start {
+                role: role.to_owned(),
+                source: source.clone(),
+                seconds,
+            });
+        }
+    }
+    out
+}
+
+/// What the real run produced.
+struct Measured {
+    outcomes: Vec<Outcome>,
+    replicas: Vec<(f64, u32, u32)>,
+    starts: Vec<Start>,
+    window_s: f64,
+}
+
+async fn measure(
+    a: &BenchSimrealArgs,
+    planned: &[Planned],
+    args: &[String],
+    e: &Endpoints,
+) -> anyhow::Result<Measured> {
+    std::fs::create_dir_all(&a.cache_dir)?;
+    let mut up = UpProcess::start(args, &a.cache_dir.join("simreal-up.log"))?;
+    let c = reqwest::Client::new();
+    let token = match wait_ready(&c, e, &mut up).await {
+        Ok(t) => t,
+        Err(err) => {
+            up.stop().await;
+            return Err(err);
+        }
+    };
+    let t0 = tokio::time::Instant::now();
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let watcher = {
+        let (c, e, token) = (
+            c.clone(),
+            Endpoints {
+                gateway: e.gateway.clone(),
+                gateway_internal: e.gateway_internal.clone(),
+                scaler_http: e.scaler_http.clone(),
+                token_file: e.token_file.clone(),
+            },
+            token.clone(),
+        );
+        tokio::spawn(async move {
+            let mut replicas = Vec::new();
+            let mut starts = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            let mut tick = tokio::time::interval(SAMPLE_EVERY);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop_rx.changed() => break,
+                }
+                let t = t0.elapsed().as_secs_f64();
+                if let Some((p, d)) = status(&c, &e, &token).await {
+                    replicas.push((t, p, d));
+                }
+                starts.extend(new_starts(&c, &e, &token, &mut seen).await);
+            }
+            // Workers that registered since the last look.
+            starts.extend(new_starts(&c, &e, &token, &mut seen).await);
+            (replicas, starts)
+        })
+    };
+    let bar = serve::request_bar(planned.len())?;
+    let timeout = a.load.timeout.max(Duration::from_millis(1));
+    let sent = serve::replay(&e.gateway, None, planned, timeout, t0, &bar).await;
+    let window_s = t0.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let _ = stop_tx.send(true);
+    let watched = watcher.await;
+    up.stop().await;
+    let (outcomes, _) = sent?;
+    let (replicas, starts) = watched.context("the replica watcher")?;
+    Ok(Measured {
+        outcomes,
+        replicas,
+        starts,
+        window_s,
+    })
+}
+
+/// How many workers run at full speed together on this machine: its cores over each
+/// worker's compute threads (`RAYON_NUM_THREADS`, inherited, else every core).
+fn host_slots() -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    (cores as f64 / rayon::current_num_threads().max(1) as f64).max(1.0)
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    preheat_scaler::percentile::percentile(&mut v, 0.5)
+}
+
+/// A request's prompt and output tokens as the server counted them (its usage), else
+/// as planned.
+fn counted(p: &Planned, o: &Outcome) -> (u32, u32) {
+    let n = |v: Option<u64>, planned: u32| v.and_then(|n| u32::try_from(n).ok()).unwrap_or(planned);
+    (
+        n(o.prompt_tokens, p.input_tokens),
+        n(o.completion_tokens, p.output_tokens),
+    )
+}
+
+/// The requests as they were sent: when, and how many tokens the server counted.
+fn trace_of(planned: &[Planned], outcomes: &[Outcome]) -> Vec<TraceRequest> {
+    let mut t: Vec<TraceRequest> = planned
+        .iter()
+        .zip(outcomes)
+        .map(|(p, o)| {
+            let (input_tokens, output_tokens) = counted(p, o);
+            TraceRequest {
+                t: o.sent_at,
+                input_tokens,
+                output_tokens,
+                blocks: Vec::new(),
+            }
+        })
+        .collect();
+    t.sort_by(|a, b| a.t.total_cmp(&b.t));
+    t
+}
+
+/// Whether a request was answered within the SLOs as the simulator counts them.
+fn attained(o: &Outcome, input_tokens: u32, prefill: &PoolPolicy, decode: &PoolPolicy) -> bool {
+    o.ok && o
+        .ttft
+        .is_some_and(|t| t <= prefill.ttft_slo_for(f64::from(input_tokens)) + 1e-9)
+        && o.itl.is_none_or(|i| i <= decode.slo_itl_s + 1e-9)
+}
+
+/// ∫ replicas dt over [0, end] of a step function sampled at `samples` (each value
+/// holds until the next sample; before the first, the pools are at their first value).
+fn replica_seconds(
+    samples: &[(f64, u32, u32)],
+    end: f64,
+    pick: fn(&(f64, u32, u32)) -> u32,
+) -> f64 {
+    let mut total = 0.0;
+    for (i, s) in samples.iter().enumerate() {
+        let from = if i == 0 { 0.0 } else { s.0.min(end) };
+        let to = samples.get(i + 1).map_or(end, |n| n.0.min(end));
+        total += f64::from(pick(s)) * (to - from).max(0.0);
+    }
+    total
+}
+
+fn compare(
+    pool: &'static str,
+    measured: &[(f64, u32, u32)],
+    predicted: &[(f64, u32, u32)],
+    end: f64,
+    pick: fn(&(f64, u32, u32)) -> u32,
+) -> PoolComparison {
+    let m = replica_seconds(measured, end, pick);
+    let p = replica_seconds(predicted, end, pick);
+    let max = |v: &[(f64, u32, u32)]| v.iter().filter(|s| s.0 <= end).map(pick).max().unwrap_or(0);
+    PoolComparison {
+        pool,
+        measured_replica_s: m,
+        predicted_replica_s: p,
+        error: (m > 0.0).then(|| (p - m) / m),
+        measured_max: max(measured),
+        predicted_max: max(predicted),
+    }
+}
+
+pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
+    let planned = serve::plan(&a.load)?;
+    let args = up_args(a)?;
+    let up_flags = parse_up(&args)?;
+    // Stages the model and measures its profile (once per model and KV budget) here,
+    // so `up` below finds both in its cache and starts as it would on a second run.
+    let setup = up::setup(&up_flags)?;
+    let e = Endpoints::of(&up_flags);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    tracing::info!(
+        requests = planned.len(),
+        "running `preheat up` under the load"
+    );
+    let m = rt.block_on(measure(a, &planned, &args, &e))?;
+
+    let of = |standby: bool| {
+        median(
+            m.starts
+                .iter()
+                .filter(|s| (s.source == "standby") == standby)
+                .map(|s| s.seconds)
+                .collect(),
+        )
+    };
+    let (start_s, promote_s) = (of(false), of(true));
+    let mut profile = setup.profile.clone();
+    if let Some(s) = start_s {
+        profile.startup_s.hot = s;
+    }
+    if let Some(s) = promote_s {
+        profile.startup_s.standby = s;
+    }
+    let mut cfg = SimConfig::new(setup.prefill.clone(), setup.decode.clone(), profile.clone());
+    cfg.start = if a.standbys > 0 {
+        StartClass::Standby
+    } else {
+        StartClass::Hot
+    };
+    cfg.standbys = a.standbys;
+    cfg.actuation = Actuation::Direct;
+    cfg.interval_s = up::INTERVAL_S;
+    cfg.window_s = up::WINDOW_S;
+    cfg.sample_s = 1.0;
+    // `up` starts idle, with every worker on this one machine. The profile was
+    // measured with the threads each worker has, so that many fit side by side.
+    cfg.warm_start = false;
+    cfg.shared_host = Some(host_slots());
+    // `up`'s workers batch queued prompts up to their default token budget.
+    cfg.prefill_batch_tokens = Some(preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64);
+    let trace = trace_of(&planned, &m.outcomes);
+    tracing::info!("simulating the same run");
+    let predicted = preheat_sim::run_policy("preheat", &cfg, &trace)?;
+
+    let ok = m
+        .outcomes
+        .iter()
+        .zip(&planned)
+        .filter(|(o, p)| attained(o, counted(p, o).0, &setup.prefill, &setup.decode))
+        .count();
+    let n = m.outcomes.len().max(1);
+    let measured_attainment = ok as f64 / n as f64;
+    let pools = vec![
+        compare(
+            "prefill",
+            &m.replicas,
+            &predicted.timeline,
+            m.window_s,
+            |s| s.1,
+        ),
+        compare(
+            "decode",
+            &m.replicas,
+            &predicted.timeline,
+            m.window_s,
+            |s| s.2,
+        ),
+    ];
+    let attainment_error_points = (predicted.slo_attainment - measured_attainment) * 100.0;
+    let within_tolerance = attainment_error_points.abs() <= ATTAINMENT_TOLERANCE_POINTS
+        && pools
+            .iter()
+            .all(|p| p.error.is_none_or(|e| e.abs() <= REPLICA_SECONDS_TOLERANCE));
+    let pcts = |v: &mut Vec<f64>| {
+        (
+            preheat_scaler::percentile::percentile(v, 0.5),
+            preheat_scaler::percentile::percentile(v, 0.99),
+        )
+    };
+    let measured_ttft = pcts(&mut m.outcomes.iter().filter_map(|o| o.ttft).collect());
+    let measured_itl = pcts(&mut m.outcomes.iter().filter_map(|o| o.itl).collect());
+    let report = Report {
+        requests: m.outcomes.len(),
+        failed: m.outcomes.iter().filter(|o| !o.ok).count(),
+        errors: serve::first_errors(&m.outcomes),
+        window_s: m.window_s,
+        profile_source: profile.source.clone(),
+        starts: m.starts,
+        sim_start_s: profile.startup_s.hot,
+        sim_promote_s: profile.startup_s.standby,
+        sim_start_measured: start_s.is_some(),
+        measured_attainment,
+        predicted_attainment: predicted.slo_attainment,
+        attainment_error_points,
+        measured_ttft,
+        predicted_ttft: (predicted.ttft_p50, predicted.ttft_p99),
+        measured_itl,
+        predicted_itl: (predicted.itl_p50, predicted.itl_p99),
+        pools,
+        replica_s_tolerance: REPLICA_SECONDS_TOLERANCE,
+        attainment_tolerance_points: ATTAINMENT_TOLERANCE_POINTS,
+        within_tolerance,
+        measured: m.replicas,
+        predicted: predicted
+            .timeline
+            .iter()
+            .copied()
+            .filter(|s| s.0 <= m.window_s)
+            .collect(),
+    };
+    if let Some(path) = &a.plot {
+        std::fs::write(path, plot(&report))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if a.out.json {
+        print_json(&serde_json::to_value(&report)?)?;
+    } else {
+        print_text(&report)?;
+    }
+    Ok(if report.failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn print_text(r: &Report) -> anyhow::Result<()> {
+    outln!(
+        "{} requests ({} failed) over {:.1} s; profile: {}",
+        r.requests,
+        r.failed,
+        r.window_s,
+        r.profile_source
+    );
+    for e in &r.errors {
+        outln!("error: {e}");
+    }
+    outln!(
+        "starts measured: {} (simulated with {:.2} s to start{}, {:.3} s to promote)",
+        r.starts.len(),
+        r.sim_start_s,
+        if r.sim_start_measured {
+            ""
+        } else {
+            " (the profile's: none measured)"
+        },
+        r.sim_promote_s
+    );
+    outln!(
+        "{:<8} {:>12} {:>12} {:>8} {:>6} {:>6}",
+        "pool",
+        "measured r-s",
+        "predicted",
+        "error",
+        "max m",
+        "max p"
+    );
+    for p in &r.pools {
+        outln!(
+            "{:<8} {:>12.1} {:>12.1} {:>8} {:>6} {:>6}",
+            p.pool,
+            p.measured_replica_s,
+            p.predicted_replica_s,
+            p.error
+                .map_or("-".to_owned(), |e| format!("{:+.1}%", e * 100.0)),
+            p.measured_max,
+            p.predicted_max
+        );
+    }
+    outln!(
+        "SLO attainment: measured {:.2}%, predicted {:.2}% ({:+.2} points)",
+        r.measured_attainment * 100.0,
+        r.predicted_attainment * 100.0,
+        r.attainment_error_points
+    );
+    let ms = |v: Option<f64>| v.map_or("-".to_owned(), |x| format!("{:.0} ms", x * 1e3));
+    outln!(
+        "TTFT p50/p99: measured {} / {}, predicted {} / {}; ITL p50/p99: measured {} / {}, predicted {} / {}",
+        ms(r.measured_ttft.0),
+        ms(r.measured_ttft.1),
+        ms(Some(r.predicted_ttft.0)),
+        ms(Some(r.predicted_ttft.1)),
+        ms(r.measured_itl.0),
+        ms(r.measured_itl.1),
+        ms(Some(r.predicted_itl.0)),
+        ms(Some(r.predicted_itl.1))
+    );
+    outln!(
+        "within tolerance (replica-seconds ±{:.0}%, attainment ±{} points): {}",
+        r.replica_s_tolerance * 100.0,
+        r.attainment_tolerance_points,
+        if r.within_tolerance { "yes" } else { "no" }
+    );
+    Ok(())
+}
+
+fn plot(r: &Report) -> String {
+    use crate::plot::{Panel, Series, svg};
+    let pool = |label: &str, pick: fn(&(f64, u32, u32)) -> u32| Panel {
+        y_label: label.into(),
+        series: [("measured", &r.measured), ("predicted", &r.predicted)]
+            .into_iter()
+            .map(|(name, v)| Series {
+                name: name.into(),
+                points: v.iter().map(|s| (s.0, f64::from(pick(s)))).collect(),
+                step: true,
+            })
+            .collect(),
+    };
+    svg(
+        &format!(
+            "sim-to-real: {} requests; attainment measured {:.1}%, predicted {:.1}%",
+            r.requests,
+            r.measured_attainment * 100.0,
+            r.predicted_attainment * 100.0
+        ),
+        "seconds",
+        &[
+            pool("prefill replicas", |s| s.1),
+            pool("decode replicas", |s| s.2),
+        ],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_seconds_integrate_a_step_function_over_the_window() {
+        let s = [(0.5, 0, 1), (10.0, 2, 1), (20.0, 1, 0)];
+        // prefill: 0 until 10, 2 until 20, 1 until 25.
+        assert_eq!(replica_seconds(&s, 25.0, |x| x.1), 25.0);
+        // decode: 1 until 20 (the first sample holds from 0), 0 after.
+        assert_eq!(replica_seconds(&s, 25.0, |x| x.2), 20.0);
+        // Samples after the window do not count.
+        assert_eq!(replica_seconds(&s, 15.0, |x| x.1), 10.0);
+        assert_eq!(replica_seconds(&[], 15.0, |x| x.1), 0.0);
+    }
+
+    #[test]
+    fn errors_are_relative_to_the_measured_side() {
+        let m = [(0.0, 2, 0)];
+        let p = [(0.0, 1, 0), (5.0, 3, 0)];
+        let c = compare("prefill", &m, &p, 10.0, |x| x.1);
+        assert_eq!((c.measured_replica_s, c.predicted_replica_s), (20.0, 20.0));
+        assert_eq!(c.error, Some(0.0));
+        assert_eq!((c.measured_max, c.predicted_max), (2, 3));
+        let idle = compare("decode", &m, &p, 10.0, |x| x.2);
+        assert_eq!(idle.error, None);
+    }
+
+    #[test]
+    fn attainment_counts_like_the_simulator() {
+        let policy = PoolPolicy {
+            slo_ttft_s: 1.0,
+            slo_ttft_ref_tokens: 100.0,
+            slo_itl_s: 0.05,
+            ..PoolPolicy::default()
+        };
+        let o = |ttft: f64, itl: Option<f64>| Outcome {
+            ok: true,
+            ttft: Some(ttft),
+            itl,
+            ..Outcome::default()
+        };
+        // A 300-token prompt has three times the TTFT target.
+        assert!(attained(&o(2.5, Some(0.01)), 300, &policy, &policy));
+        assert!(!attained(&o(2.5, Some(0.01)), 100, &policy, &policy));
+        assert!(!attained(&o(0.5, Some(0.06)), 100, &policy, &policy));
+        assert!(attained(&o(0.5, None), 100, &policy, &policy));
+        let failed = Outcome {
+            ok: false,
+            ..o(0.1, None)
+        };
+        assert!(!attained(&failed, 100, &policy, &policy));
+    }
+
+    #[test]
+    fn the_up_flags_parse_as_up_parses_them() {
+        let a = Cli::try_parse_from([
+            "preheat",
+            "bench",
+            "simreal",
+            "--prefill-max",
+            "3",
+            "--idle-grace",
+            "45s",
+            "--slo-ttft",
+            "1.5",
+        ])
+        .unwrap();
+        let Command::Bench(crate::cli::BenchCmd::Simreal(a)) = a.command else {
+            panic!("not simreal")
+        };
+        let u = parse_up(&up_args(&a).unwrap()).unwrap();
+        assert_eq!((u.prefill_max, u.decode_max), (3, 2));
+        assert_eq!(u.idle_grace, Duration::from_secs(45));
+        assert_eq!((u.slo_ttft, u.slo_itl), (1.5, 0.05));
+        assert_eq!(u.cache_dir, a.cache_dir);
+    }
+}
