@@ -559,6 +559,42 @@ mod tests {
     }
 
     #[test]
+    fn a_slowed_replica_finishes_the_rest_of_its_work_at_the_new_speed() {
+        let p = Profile::default();
+        let itl = p.itl(1.0);
+        let mut d = DecodeReplica::new(0.0);
+        d.admit(
+            0.0,
+            Seq {
+                req: 0,
+                remaining: 10,
+                kv_tokens: 1.0,
+            },
+        );
+        // Two and a half steps done at full speed, the rest at half.
+        let t = 2.5 * itl;
+        let mut done = Vec::new();
+        d.advance(t, &p, &mut done);
+        d.set_speed(t, 0.5);
+        let end = d.next_event(t, &p);
+        assert!((end - (t + 7.5 * 2.0 * itl)).abs() < 1e-12, "{end}");
+        d.advance(end, &p, &mut done);
+        assert_eq!(done.len(), 1);
+        assert!((done[0].1 - end).abs() < 1e-12);
+
+        let mut r = PrefillReplica::new(0.0, 4);
+        r.enqueue(PrefillJob {
+            req: 3,
+            tokens: 100.0,
+            service_s: 1.0,
+        });
+        assert_eq!(r.step(0.0, None), None);
+        r.set_speed(0.25, 0.5);
+        assert_eq!(r.next_event(0.25), 0.25 + 0.75 * 2.0);
+        assert_eq!(r.step(1.75, None), Some(3));
+    }
+
+    #[test]
     fn regression_decode_stalled_when_its_next_completion_was_a_day_and_more_away() {
         // Past a day and a half of simulated time, `(due - clock) / itl` rounds below
         // the steps that `next_event` promised: `advance` at that event took no step,

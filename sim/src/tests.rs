@@ -467,3 +467,77 @@ fn a_scheduled_floor_raises_the_pool_ahead_of_its_start_in_the_simulator() {
         plain.timeline
     );
 }
+
+#[test]
+fn on_a_shared_host_busy_replicas_split_its_speed() {
+    // Two prompts at once on two prefill replicas: each alone in its own GPU, or both
+    // on one host whose whole speed the profile measured (each at half speed).
+    let mut c = cfg();
+    let trace = steady(0.0, 2, 0.0, 2048, 2);
+    let own = run_fixed(&c, &trace, 2, 1);
+    assert!((own.ttft_p99 - 0.128).abs() < 1e-6, "{}", own.ttft_p99);
+    c.shared_host = Some(1.0);
+    let shared = run_fixed(&c, &trace, 2, 1);
+    assert!(
+        (shared.ttft_p99 - 0.256).abs() < 1e-6,
+        "{}",
+        shared.ttft_p99
+    );
+    // Two slots hold both at full speed.
+    c.shared_host = Some(2.0);
+    let roomy = run_fixed(&c, &trace, 2, 1);
+    assert!((roomy.ttft_p99 - 0.128).abs() < 1e-6, "{}", roomy.ttft_p99);
+    // A lone prompt runs at full speed even on one slot.
+    c.shared_host = Some(1.0);
+    let alone = run_fixed(&c, &steady(0.0, 1, 0.0, 2048, 1), 2, 1);
+    assert!((alone.ttft_p99 - 0.128).abs() < 1e-6, "{}", alone.ttft_p99);
+}
+
+#[test]
+fn a_batching_prefill_computes_queued_prompts_together() {
+    // Three 128-token prompts at once on one replica: one at a time they finish at
+    // 1, 2 and 3 × 128 / rate(128); batched (a 512-token budget), the first runs alone
+    // (the replica was idle) and the other two together at the rate of 256 tokens.
+    let mut c = cfg();
+    let p = &c.profile;
+    let (one, two) = (128.0 / p.prefill_rate(128.0), 256.0 / p.prefill_rate(256.0));
+    let trace = steady(0.0, 3, 0.0, 128, 1);
+    let serial = run_fixed(&c, &trace, 1, 1);
+    assert!(
+        (serial.ttft_p99 - 3.0 * one).abs() < 1e-9,
+        "{}",
+        serial.ttft_p99
+    );
+    c.prefill_batch_tokens = Some(512.0);
+    let batched = run_fixed(&c, &trace, 1, 1);
+    assert_eq!(batched.unfinished, 0);
+    assert!(
+        (batched.ttft_p99 - (one + two)).abs() < 1e-9,
+        "{}",
+        batched.ttft_p99
+    );
+    // A budget below two prompts batches nothing.
+    c.prefill_batch_tokens = Some(200.0);
+    let tight = run_fixed(&c, &trace, 1, 1);
+    assert!(
+        (tight.ttft_p99 - 3.0 * one).abs() < 1e-9,
+        "{}",
+        tight.ttft_p99
+    );
+}
+
+#[test]
+fn an_idle_start_opens_at_the_policies_minimum() {
+    let mut c = cfg();
+    c.prefill.min_replicas = 0;
+    c.decode.min_replicas = 0;
+    let trace = steady(30.0, 20, 1.0, 2048, 10);
+    let warm = run_policy("preheat", &c, &trace).unwrap();
+    assert_eq!((warm.timeline[0].1, warm.timeline[0].2), (1, 1));
+    c.warm_start = false;
+    let idle = run_policy("preheat", &c, &trace).unwrap();
+    assert_eq!((idle.timeline[0].1, idle.timeline[0].2), (0, 0));
+    // Woken by the first request, and nothing lost.
+    assert_eq!(idle.unfinished, 0);
+    assert!(idle.timeline.iter().any(|s| s.1 > 0 && s.2 > 0));
+}
