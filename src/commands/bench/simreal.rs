@@ -77,6 +77,11 @@ pub struct Report {
     pub sim_start_s: f64,
     pub sim_promote_s: f64,
     pub sim_start_measured: bool,
+    /// Cores the stack's own processes (gateway, scaler, agent, load generator) used
+    /// on average over the window, and the worker slots left (the simulation's
+    /// shared host).
+    pub stack_cores: f64,
+    pub host_slots: f64,
     pub measured_attainment: f64,
     pub predicted_attainment: f64,
     pub attainment_error_points: f64,
@@ -330,6 +335,26 @@ struct Measured {
     replicas: Vec<(f64, u32, u32)>,
     starts: Vec<Start>,
     window_s: f64,
+    /// CPU seconds the stack itself used over the window, besides its workers: `up`'s
+    /// gateway, scaler and warm-pool agent, and this load generator. `None` where
+    /// `/proc` cannot say.
+    stack_cpu_s: Option<f64>,
+}
+
+/// CPU seconds (user + system) process `pid` has used itself (not its children).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name (which may hold spaces, hence the last ')'): state is
+    // field 3 of proc(5), utime 14 and stime 15.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // In clock ticks of USER_HZ, which Linux fixes at 100 for user space.
+    Some(ticks / 100.0)
+}
+
+/// CPU seconds used by this process and `up`'s.
+fn stack_cpu(up_pid: Option<u32>) -> Option<f64> {
+    Some(cpu_seconds(std::process::id())? + cpu_seconds(up_pid?)?)
 }
 
 async fn measure(
@@ -349,6 +374,8 @@ async fn measure(
         }
     };
     let t0 = tokio::time::Instant::now();
+    let up_pid = up.child.id();
+    let cpu0 = stack_cpu(up_pid);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let watcher = {
         let (c, e, token) = (
@@ -386,6 +413,7 @@ async fn measure(
     let timeout = a.load.timeout.max(Duration::from_millis(1));
     let sent = serve::replay(&e.gateway, None, planned, timeout, t0, &bar).await;
     let window_s = t0.elapsed().as_secs_f64();
+    let stack_cpu_s = stack_cpu(up_pid).zip(cpu0).map(|(b, a)| (b - a).max(0.0));
     bar.finish_and_clear();
     let _ = stop_tx.send(true);
     let watched = watcher.await;
@@ -397,14 +425,16 @@ async fn measure(
         replicas,
         starts,
         window_s,
+        stack_cpu_s,
     })
 }
 
-/// How many workers run at full speed together on this machine: its cores over each
-/// worker's compute threads (`RAYON_NUM_THREADS`, inherited, else every core).
-fn host_slots() -> f64 {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    (cores as f64 / rayon::current_num_threads().max(1) as f64).max(1.0)
+/// How many workers run at full speed together on this machine: the cores the stack's
+/// own processes left them on average (`stack_cores`), over each worker's compute
+/// threads (`RAYON_NUM_THREADS`, inherited, else every core). At least a tenth of one.
+fn host_slots(stack_cores: f64) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as f64;
+    ((cores - stack_cores) / rayon::current_num_threads().max(1) as f64).max(0.1)
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -530,9 +560,12 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
     cfg.window_s = up::WINDOW_S;
     cfg.sample_s = 1.0;
     // `up` starts idle, with every worker on this one machine. The profile was
-    // measured with the threads each worker has, so that many fit side by side.
+    // measured with the threads each worker has, so that many fit side by side in the
+    // cores the gateway, scaler and load generator leave.
     cfg.warm_start = false;
-    cfg.shared_host = Some(host_slots());
+    let stack_cores = m.stack_cpu_s.map_or(0.0, |c| c / m.window_s.max(1e-9));
+    let slots = host_slots(stack_cores);
+    cfg.shared_host = Some(slots);
     // `up`'s workers batch queued prompts up to their default token budget.
     cfg.prefill_batch_tokens = Some(preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64);
     let trace = trace_of(&planned, &m.outcomes);
@@ -586,6 +619,8 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         sim_start_s: profile.startup_s.hot,
         sim_promote_s: profile.startup_s.standby,
         sim_start_measured: start_s.is_some(),
+        stack_cores,
+        host_slots: slots,
         measured_attainment,
         predicted_attainment: predicted.slo_attainment,
         attainment_error_points,
@@ -632,6 +667,11 @@ fn print_text(r: &Report) -> anyhow::Result<()> {
     for e in &r.errors {
         outln!("error: {e}");
     }
+    outln!(
+        "host: the stack besides its workers used {:.2} cores; {:.2} worker slots left",
+        r.stack_cores,
+        r.host_slots
+    );
     outln!(
         "starts measured: {} (simulated with {:.2} s to start{}, {:.3} s to promote)",
         r.starts.len(),
@@ -771,6 +811,19 @@ mod tests {
             ..o(0.1, None)
         };
         assert!(!attained(&failed, 100, &policy, &policy));
+    }
+
+    #[test]
+    fn cpu_seconds_come_from_proc_and_grow_with_work() {
+        let before = cpu_seconds(std::process::id()).expect("this process's /proc stat");
+        let t = Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let after = cpu_seconds(std::process::id()).unwrap();
+        assert!(after - before >= 0.1, "{before} → {after}");
+        assert_eq!(cpu_seconds(u32::MAX), None);
     }
 
     #[test]
