@@ -215,6 +215,12 @@ impl PrefillReplica {
         self.running.is_some()
     }
 
+    /// Prompts being computed: the running job and those batched with it.
+    #[must_use]
+    pub fn running_prompts(&self) -> usize {
+        usize::from(self.running.is_some()) + self.batch.len()
+    }
+
     /// Runs at `speed` × the profile's rate from `t`: the running prompt's remaining
     /// work finishes at the new speed.
     pub fn set_speed(&mut self, t: f64, speed: f64) {
@@ -300,7 +306,8 @@ impl PrefillReplica {
             && end <= t
         {
             done = Some(job.req);
-            self.finished.append(&mut self.batch);
+            // Handed out from the back: in the order the batch took them.
+            self.finished.extend(self.batch.drain(..).rev());
             self.running = None;
         }
         if self.running.is_none()
@@ -458,6 +465,11 @@ impl DecodeReplica {
         self.seqs.peek().map(|s| s.end_step - self.steps)
     }
 
+    /// Seconds one step takes now.
+    fn step_s(&self, profile: &Profile) -> f64 {
+        profile.itl(self.seqs.len() as f64) * self.slow
+    }
+
     /// When the next sequence completes if nothing else changes.
     #[must_use]
     pub fn next_event(&self, t: f64, profile: &Profile) -> f64 {
@@ -465,7 +477,7 @@ impl DecodeReplica {
             return self.ready_at;
         }
         match self.steps_to_next() {
-            Some(min) => self.clock + min as f64 * profile.itl(self.seqs.len() as f64) * self.slow,
+            Some(min) => self.clock + min as f64 * self.step_s(profile),
             None => f64::INFINITY,
         }
     }
@@ -477,7 +489,7 @@ impl DecodeReplica {
             self.clock = self.clock.max(t);
             return;
         };
-        let itl = profile.itl(self.seqs.len() as f64) * self.slow;
+        let itl = self.step_s(profile);
         // The completion `next_event` reports is reached at that very time, computed
         // the same way: dividing back rounds below it once the clock is large.
         let k = if t >= self.clock + min as f64 * itl {
@@ -592,6 +604,26 @@ mod tests {
         r.set_speed(0.25, 0.5);
         assert_eq!(r.next_event(0.25), 0.25 + 0.75 * 2.0);
         assert_eq!(r.step(1.75, None), Some(3));
+    }
+
+    #[test]
+    fn a_batch_hands_out_its_prompts_in_order_and_counts_each_running() {
+        let p = Profile::default();
+        let mut r = PrefillReplica::new(0.0, 4);
+        for req in [5, 6, 7] {
+            r.enqueue(PrefillJob {
+                req,
+                tokens: 100.0,
+                service_s: 1.0,
+            });
+        }
+        assert_eq!(r.step(0.0, Some((1000.0, &p))), None);
+        assert_eq!((r.running_prompts(), r.waiting()), (3, 0));
+        let end = r.next_event(0.0);
+        assert!((end - 300.0 / p.prefill_rate(300.0)).abs() < 1e-12);
+        let out: Vec<usize> = std::iter::from_fn(|| r.step(end, Some((1000.0, &p)))).collect();
+        assert_eq!(out, [5, 6, 7]);
+        assert!(r.is_empty());
     }
 
     #[test]

@@ -89,7 +89,7 @@ impl Sim<'_> {
         let signals = PoolSignals {
             endpoints_ok: ready,
             waiting: reps.iter().map(|r| r.waiting() as f64).sum(),
-            running: reps.iter().filter(|r| r.running.is_some()).count() as f64,
+            running: reps.iter().map(|r| r.running_prompts() as f64).sum(),
             queued_prompt_tokens: reps.iter().map(|r| r.queued_tokens()).sum(),
             prompt_rate: self.window_rate(oldest, |c| c.prompt_tokens),
             prompt_rate_peak: self.peak_prompt_rate(),

@@ -297,7 +297,13 @@ impl<'a> Sim<'a> {
                 .iter()
                 .filter(|r| r.is_ready(t) && !r.is_empty())
                 .count();
-        let speed = (slots / busy.max(1) as f64).clamp(1e-3, 1.0);
+        // A NaN share would stop every replica for ever: the floor instead.
+        let share = slots / busy.max(1) as f64;
+        let speed = if share.is_nan() {
+            1e-3
+        } else {
+            share.clamp(1e-3, 1.0)
+        };
         for r in &mut self.prefill {
             r.set_speed(t, speed);
         }
@@ -391,8 +397,10 @@ impl<'a> Sim<'a> {
                 service_s: (len - cached) / rate,
             });
             if rep.running.is_none() {
-                // Idle: starts the job; nothing can finish in the same instant.
-                rep.step(t, self.cfg.prefill_batch_tokens.map(|b| (b, profile)));
+                // Idle: starts the job; nothing can finish in the same instant (the
+                // event loop handed out every finished prompt before routing).
+                let done = rep.step(t, self.cfg.prefill_batch_tokens.map(|b| (b, profile)));
+                debug_assert!(done.is_none(), "a prompt finished while routing");
             }
         }
     }

@@ -178,9 +178,10 @@ pub struct BenchServeArgs {
 pub struct BenchSimrealArgs {
     #[command(flatten)]
     pub load: LoadArgs,
-    /// `preheat up`'s cache: the staged model and its measured profile are reused
-    /// between runs.
-    #[arg(long, default_value = ".cache/up")]
+    /// The cache of the `preheat up` this runs: the staged model and its measured
+    /// profile are reused between runs. Not a running `up`'s own (the run writes a
+    /// new cluster token there).
+    #[arg(long, default_value = ".cache/simreal")]
     pub cache_dir: PathBuf,
     /// The model `preheat up` serves (default: its embedded tiny model).
     #[arg(long)]
