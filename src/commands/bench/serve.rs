@@ -454,16 +454,28 @@ pub fn run(a: &BenchServeArgs) -> anyhow::Result<ExitCode> {
         a.per_request,
     );
     report.replicas = replicas;
-    if let Some(path) = &a.plot {
-        std::fs::write(path, plot(&report, &outcomes))
-            .with_context(|| format!("writing {}", path.display()))?;
+    let svg = a.plot.as_deref().map(|p| (p, plot(&report, &outcomes)));
+    emit(&report, svg, a.out.json, print_text, report.failed)
+}
+
+/// A bench report's ending: its plot written, the report printed as JSON or text,
+/// and exit 1 when requests failed.
+pub(crate) fn emit<R: Serialize>(
+    report: &R,
+    svg: Option<(&std::path::Path, String)>,
+    json: bool,
+    text: fn(&R) -> anyhow::Result<()>,
+    failed: usize,
+) -> anyhow::Result<ExitCode> {
+    if let Some((path, svg)) = svg {
+        std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
     }
-    if a.out.json {
-        print_json(&serde_json::to_value(&report)?)?;
+    if json {
+        print_json(&serde_json::to_value(report)?)?;
     } else {
-        print_text(&report)?;
+        text(report)?;
     }
-    Ok(if report.failed > 0 {
+    Ok(if failed > 0 {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS

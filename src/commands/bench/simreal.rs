@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use preheat_scaler::policy::PoolPolicy;
+use preheat_scaler::scrape::{MAX_BODY_BYTES, read_limited};
 use preheat_scaler::status::StatusReport;
 use preheat_sim::trace::TraceRequest;
 use preheat_sim::{Actuation, SimConfig, StartClass};
@@ -28,7 +29,7 @@ use serde::Serialize;
 use super::serve::{self, Outcome, Planned};
 use crate::cli::{BenchSimrealArgs, Cli, Command, UpArgs};
 use crate::commands::up;
-use crate::output::{outln, print_json};
+use crate::output::outln;
 use crate::process::free_port;
 
 /// Predicted replica-seconds may be off by this fraction of the measured …
@@ -232,6 +233,7 @@ impl UpProcess {
 }
 
 /// Where this run's `up` listens, read back from its own flags.
+#[derive(Clone)]
 struct Endpoints {
     gateway: String,
     gateway_internal: String,
@@ -294,20 +296,25 @@ async fn wait_ready(
     }
 }
 
-/// (prefill, decode) replicas the scaler sees: `up`'s started, unstopped workers.
-async fn status(c: &reqwest::Client, e: &Endpoints, token: &str) -> Option<(u32, u32)> {
-    let r: StatusReport = c
-        .get(format!("{}/status", e.scaler_http))
+/// A successful answer's body from one of this run's own processes, with this run's
+/// token; bounded in time (2 s) and size as the scaler bounds its scrapes.
+async fn get_body(c: &reqwest::Client, url: &str, token: &str) -> Option<Vec<u8>> {
+    let r = c
+        .get(url)
         .bearer_auth(token)
         .timeout(Duration::from_secs(2))
         .send()
         .await
         .ok()?
         .error_for_status()
-        .ok()?
-        .json()
-        .await
         .ok()?;
+    read_limited(r, MAX_BODY_BYTES).await.ok()
+}
+
+/// (prefill, decode) replicas the scaler sees: `up`'s started, unstopped workers.
+async fn status(c: &reqwest::Client, e: &Endpoints, token: &str) -> Option<(u32, u32)> {
+    let body = get_body(c, &format!("{}/status", e.scaler_http), token).await?;
+    let r: StatusReport = serde_json::from_slice(&body).ok()?;
     let pools = &r.models.first()?.pools;
     let n = |name: &str| pools.iter().find(|p| p.pool == name).map(|p| p.current);
     Some((n("prefill")?, n("decode")?))
@@ -320,16 +327,11 @@ async fn new_starts(
     token: &str,
     seen: &mut std::collections::HashSet<String>,
 ) -> Vec<Start> {
-    let Ok(r) = c
-        .get(format!("{}/internal/workers", e.gateway_internal))
-        .bearer_auth(token)
-        .timeout(Duration::from_secs(2))
-        .send()
+    let url = format!("{}/internal/workers", e.gateway_internal);
+    let Some(v) = get_body(c, &url, token)
         .await
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
     else {
-        return Vec::new();
-    };
-    let Ok(v) = r.json::<serde_json::Value>().await else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -340,15 +342,12 @@ async fn new_starts(
         if seen.contains(url) {
             continue;
         }
-        let text = match c
-            .get(format!("{}/metrics", url.trim_end_matches('/')))
-            .bearer_auth(token)
-            .timeout(Duration::from_secs(2))
-            .send()
+        let metrics = format!("{}/metrics", url.trim_end_matches('/'));
+        let Some(text) = get_body(c, &metrics, token)
             .await
-        {
-            Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
-            _ => continue,
+            .and_then(|b| String::from_utf8(b).ok())
+        else {
+            continue;
         };
         let Ok(reading) = preheat_scaler::signals::exposition::parse(&text, None) else {
             continue;
@@ -423,16 +422,7 @@ async fn measure(
     let cpu0 = stack_cpu(up_pid);
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let watcher = {
-        let (c, e, token) = (
-            c.clone(),
-            Endpoints {
-                gateway: e.gateway.clone(),
-                gateway_internal: e.gateway_internal.clone(),
-                scaler_http: e.scaler_http.clone(),
-                token_file: e.token_file.clone(),
-            },
-            token.clone(),
-        );
+        let (c, e, token) = (c.clone(), e.clone(), token.clone());
         tokio::spawn(async move {
             let mut replicas = Vec::new();
             let mut starts = Vec::new();
@@ -700,20 +690,8 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
             .filter(|s| s.0 <= m.window_s)
             .collect(),
     };
-    if let Some(path) = &a.plot {
-        std::fs::write(path, plot(&report))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    if a.out.json {
-        print_json(&serde_json::to_value(&report)?)?;
-    } else {
-        print_text(&report)?;
-    }
-    Ok(if report.failed > 0 {
-        ExitCode::from(1)
-    } else {
-        ExitCode::SUCCESS
-    })
+    let svg = a.plot.as_deref().map(|p| (p, plot(&report)));
+    serve::emit(&report, svg, a.out.json, print_text, report.failed)
 }
 
 fn print_text(r: &Report) -> anyhow::Result<()> {
