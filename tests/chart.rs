@@ -38,19 +38,34 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
     for f in ["tls.crt", "tls.key", "ca.crt"] {
         std::fs::write(tls.path().join(f), "PEM").unwrap();
     }
+    // ...and its state volume, where the scaler keeps its state file.
+    let state = tempfile::tempdir().unwrap();
     let mut checked = 0;
     for variant in std::fs::read_dir(dump.path()).unwrap().flatten() {
         let scaler = variant.path().join("scaler.yaml");
         let text = std::fs::read_to_string(&scaler).unwrap();
         let mounted = format!("{}/", tls.path().display());
+        let state_dir = format!("{}/", state.path().display());
         std::fs::write(
             &scaler,
-            text.replace("/var/run/preheat/scaler-tls/", &mounted),
+            text.replace("/var/run/preheat/scaler-tls/", &mounted)
+                .replace("/var/lib/preheat/", &state_dir),
         )
         .unwrap();
         let cfg = preheat_scaler::config::Config::load(Some(&scaler), &[])
             .unwrap_or_else(|e| panic!("{}: {e}", scaler.display()));
         assert_eq!(cfg.models.len(), 1);
+        // The state file is kept unless the values turn it off (one variant does).
+        let stateless = variant
+            .file_name()
+            .to_string_lossy()
+            .starts_with("no-warmpool");
+        assert_eq!(
+            cfg.state_file,
+            (!stateless).then(|| state.path().join("scaler-state.json")),
+            "{}",
+            scaler.display()
+        );
         // Every variant keeps the chart's default headroom: the policy the simulator's
         // frontiers measure is the one the chart deploys.
         let m = &cfg.models[0];

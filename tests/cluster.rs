@@ -285,6 +285,13 @@ fn a_fresh_install_holds_the_first_request_at_zero_and_answers_it() {
         "first request at zero answered in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
+    // The scaler keeps its state file on its emptyDir under a read-only root.
+    let scaler = &c.pods_of(SCALER)[0].name;
+    let logs = c.all_logs(scaler);
+    assert!(
+        logs.contains("no state file yet") && !logs.contains("saving the state file failed"),
+        "{logs}"
+    );
 }
 
 #[test]
@@ -351,7 +358,26 @@ fn disrupt_under_load(run: &Run, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)
 
 #[test]
 fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
-    scaler_disruption(json!({}), 216, "the restart", kill_the_scaler);
+    // Its state on a claim: the new pod resumes what the old one learnt.
+    let values = json!({"scaler": {"state": {"persistence": {"enabled": true}}}});
+    scaler_disruption(values, 216, "the restart", |c| {
+        let victim = c.pods_of(SCALER)[0].name.clone();
+        kill_the_scaler(c);
+        let now = c
+            .pods_of(SCALER)
+            .into_iter()
+            .find(|p| p.name != victim && p.ready)
+            .unwrap();
+        let logs = c.all_logs(&now.name);
+        for pool in ["prefill", "decode"] {
+            assert!(
+                logs.lines()
+                    .any(|l| l.contains("season resumed from the state file")
+                        && l.contains(&format!("pool={pool}"))),
+                "the new scaler did not resume {pool}'s season:\n{logs}"
+            );
+        }
+    });
 }
 
 /// Kills the scaler pod and waits for its replacement to be Ready and settle.

@@ -206,6 +206,12 @@ impl Controller {
                 },
             })
             .collect();
+        let state_file = self.cfg.state_file.clone();
+        if let Some(path) = &state_file {
+            resume(path, &mut models);
+        }
+        let mut saved_at: Option<Instant> = None;
+        let mut save_failing = false;
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ctx = Tick {
@@ -223,6 +229,105 @@ impl Controller {
             let t = start.elapsed().as_secs_f64();
             for m in &mut models {
                 ctx.decide_model(m, t).await;
+            }
+            if let Some(path) = &state_file
+                && saved_at.is_none_or(|s| s.elapsed().as_secs_f64() >= crate::state::SAVE_EVERY_S)
+            {
+                saved_at = Some(Instant::now());
+                save(path, &models, &mut save_failing).await;
+            }
+        }
+    }
+}
+
+/// What each pool learnt, for the state file.
+fn saved_state(models: &[ModelLoop]) -> Option<crate::state::SavedState> {
+    let pools: Vec<crate::state::SavedPool> = models
+        .iter()
+        .flat_map(|m| {
+            m.pools.iter().filter_map(|p| {
+                Some(crate::state::SavedPool {
+                    model: m.cfg.name.clone(),
+                    pool: p.pool.as_str().to_owned(),
+                    season: p.policy.season_state()?,
+                })
+            })
+        })
+        .collect();
+    if pools.is_empty() {
+        return None;
+    }
+    Some(crate::state::SavedState::new(unix_now()?, pools))
+}
+
+/// Writes the state file off the tick's thread; a failure is logged when it starts
+/// and when it ends, not every save.
+async fn save(path: &std::path::Path, models: &[ModelLoop], failing: &mut bool) {
+    let Some(state) = saved_state(models) else {
+        return;
+    };
+    let p = path.to_path_buf();
+    let written = tokio::task::spawn_blocking(move || crate::state::save(&p, &state))
+        .await
+        .unwrap_or_else(|e| {
+            Err(crate::state::StateError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(e.to_string()),
+            })
+        });
+    match written {
+        Ok(()) if *failing => {
+            *failing = false;
+            tracing::info!(path = %path.display(), "state file saved again");
+        }
+        Ok(()) => {}
+        Err(e) if !*failing => {
+            *failing = true;
+            tracing::warn!(error = %e, "saving the state file failed: a restart now would lose what was learnt since the last save; retrying every 30 s");
+        }
+        Err(_) => {}
+    }
+}
+
+/// Takes back what an earlier run saved in `path`: each pool's season whose model,
+/// pool, period and bucket still match. What cannot be used is logged and learnt
+/// afresh; nothing here stops the scaler.
+fn resume(path: &std::path::Path, models: &mut [ModelLoop]) {
+    let state = match crate::state::load(path) {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            tracing::info!(path = %path.display(), "no state file yet: learning each pool's season from now on");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "not resuming the state file: learning each pool's season afresh (it is rewritten within 30 s)");
+            return;
+        }
+    };
+    let Some(now) = unix_now() else {
+        return;
+    };
+    for saved in &state.pools {
+        let found = models
+            .iter_mut()
+            .filter(|m| m.cfg.name == saved.model)
+            .flat_map(|m| m.pools.iter_mut())
+            .find(|p| p.pool.as_str() == saved.pool);
+        let Some(p) = found else {
+            tracing::info!(model = %saved.model, pool = %saved.pool, "state file: no such pool configured now; dropping its season");
+            continue;
+        };
+        let age = now - state.saved_unix;
+        if !(age.is_finite() && age <= crate::state::max_age_s(saved.season.period_s)) {
+            tracing::info!(model = %saved.model, pool = %saved.pool, age_s = age, "state file: the season is too old to resume; learning it afresh");
+            continue;
+        }
+        match p.policy.restore_season(&saved.season, now) {
+            Ok(buckets) => {
+                tracing::info!(model = %saved.model, pool = %saved.pool, buckets, age_s = age, "season resumed from the state file")
+            }
+            Err(reason) => {
+                tracing::warn!(model = %saved.model, pool = %saved.pool, %reason, "state file: not resuming the pool's season")
             }
         }
     }

@@ -24,6 +24,7 @@ pub mod scrape;
 pub mod server;
 pub mod signals;
 pub mod standbys;
+pub mod state;
 pub mod status;
 
 pub use error::{Result, ScalerError};

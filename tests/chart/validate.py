@@ -227,6 +227,40 @@ def check_security(variant, merged, by_kind):
                     fail(variant, f"the prefill KV port is open to {comps}, want decode workers and the agents' standbys only")
 
 
+def check_scaler_state(variant, merged, by_kind):
+    """The scaler's state file sits on a writable volume of the kind the values ask for
+    (an emptyDir, or the claim the chart creates or is given), and nowhere without it."""
+    st = merged["scaler"]["state"]
+    dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-scaler"]
+    cms = [c for c in by_kind.get("ConfigMap", []) if c["metadata"]["name"] == "rel-preheat-scaler"]
+    if not dep or not cms:
+        return
+    cfg = yaml.safe_load(cms[0]["data"]["scaler.yaml"])
+    pod = dep[0]["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in pod["containers"][0].get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    claims = {o["metadata"]["name"] for o in by_kind.get("PersistentVolumeClaim", [])}
+    if not st["enabled"]:
+        if "state_file" in cfg or "state" in volumes or claims:
+            fail(variant, "scaler.state.enabled is false, yet a state file, volume or claim is rendered")
+        return
+    m = mounts.get("state")
+    if not m or m.get("readOnly") or not cfg.get("state_file", "").startswith(m["mountPath"] + "/"):
+        fail(variant, f'scaler: state_file {cfg.get("state_file")} is not on its writable state volume')
+    v = volumes.get("state", {})
+    persistence = st["persistence"]
+    if persistence["enabled"]:
+        want = persistence["existingClaim"] or "rel-preheat-scaler-state"
+        if v.get("persistentVolumeClaim", {}).get("claimName") != want:
+            fail(variant, f"scaler: the state volume is not the claim {want}")
+        if (want in claims) == bool(persistence["existingClaim"]):
+            fail(variant, f"scaler: claim {want} rendered {want in claims}, existingClaim {persistence['existingClaim']!r}")
+        if pod.get("securityContext", {}).get("fsGroup") != 65532:
+            fail(variant, "scaler: the claim is not writable by the scaler's group (fsGroup)")
+    elif "emptyDir" not in v or claims:
+        fail(variant, "scaler: the state volume is not an emptyDir")
+
+
 def check_variant(variant, values, defaults, schema, dump):
     merged = deep_merge(defaults, values)
     chart = helm_python.Chart.load(CHART)
@@ -327,6 +361,7 @@ def check_variant(variant, values, defaults, schema, dump):
     if sc_dep and sc_dep[0]["spec"].get("strategy", {}).get("type") != "Recreate":
         fail(variant, "the scaler's rollout can run two scalers at once (strategy is not Recreate)")
     check_security(variant, merged, by_kind)
+    check_scaler_state(variant, merged, by_kind)
     tls = merged["scaler"]["tls"]
     if tls["secret"] and merged["scaler"]["mode"] == "keda":
         auth = names("TriggerAuthentication")

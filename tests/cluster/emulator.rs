@@ -524,7 +524,8 @@ impl Cluster {
     }
 
     /// The host directory behind a volume: hostPaths per node (shared by that node's
-    /// pods), ConfigMaps and Secrets as files, emptyDirs per pod.
+    /// pods), ConfigMaps and Secrets as files, PersistentVolumeClaims per claim,
+    /// emptyDirs per pod.
     fn volume_dir(&self, pod: &str, node: &str, v: &Value) -> PathBuf {
         let root = self.dir.path();
         if let Some(hp) = v["hostPath"]["path"].as_str() {
@@ -553,6 +554,14 @@ impl Cluster {
             }
             // Readable by the pod's user (defaultMode 0444), as the kubelet mounts it.
             let _ = Command::new("chmod").args(["-R", "a+rX"]).arg(&d).status();
+            return d;
+        }
+        if let Some(claim) = v["persistentVolumeClaim"]["claimName"].as_str() {
+            // A claim outlives its pods: one directory per claim, whichever pod mounts it.
+            let d = root.join("claims").join(claim);
+            std::fs::create_dir_all(&d).unwrap();
+            // Writable by the pod's user, as fsGroup makes a claim's volume.
+            let _ = Command::new("chmod").args(["1777"]).arg(&d).status();
             return d;
         }
         if v.get("emptyDir").is_some() {
@@ -704,7 +713,16 @@ impl Cluster {
 
     /// The logs of a pod's container (for failure messages).
     pub fn logs(&self, pod: &str) -> String {
-        let out = docker(&["logs", "--tail", "30", &self.cname(pod)]);
+        self.logs_tail(pod, "30")
+    }
+
+    /// All the logs of a pod's container.
+    pub fn all_logs(&self, pod: &str) -> String {
+        self.logs_tail(pod, "all")
+    }
+
+    fn logs_tail(&self, pod: &str, tail: &str) -> String {
+        let out = docker(&["logs", "--tail", tail, &self.cname(pod)]);
         format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),

@@ -44,6 +44,10 @@ pub struct Config {
     /// File holding the deployment's cluster token, which the warm-pool agents' API
     /// asks for (`--cluster-token-file` / `$PREHEAT_CLUSTER_TOKEN_FILE` override it).
     pub cluster_token_file: Option<PathBuf>,
+    /// File the scaler keeps what it learnt in (each pool's season), read at start and
+    /// rewritten every 30 s, so a restart resumes it; without it (or Prometheus to read
+    /// it back from) a restarted scaler relearns its season over a whole period.
+    pub state_file: Option<PathBuf>,
     pub models: Vec<ModelConfig>,
 }
 
@@ -100,6 +104,7 @@ impl Default for Config {
             prometheus_scrape_interval_s: 15.0,
             tls: None,
             cluster_token_file: None,
+            state_file: None,
             models: Vec::new(),
         }
     }
@@ -406,6 +411,20 @@ impl Config {
                 {
                     e.push(format!("{n}: {} is not a readable file", p.display()));
                 }
+            }
+        }
+        if sources && let Some(p) = &self.state_file {
+            let dir = match p.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => std::path::Path::new("."),
+            };
+            if p.file_name().is_none() || p.is_dir() {
+                e.push(format!("state_file: {} is not a file name", p.display()));
+            } else if !dir.is_dir() {
+                e.push(format!(
+                    "state_file: its directory {} does not exist",
+                    dir.display()
+                ));
             }
         }
         if self.kubernetes.namespace.is_empty() {

@@ -139,3 +139,21 @@ fn unknown_keys_are_errors() {
     let e = load("models: []\nintreval_s: 3\n", &[]).unwrap_err();
     assert!(e.to_string().contains("intreval_s"), "{e}");
 }
+
+#[test]
+fn a_state_file_needs_a_directory_that_is_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = |p: &std::path::Path| format!("state_file={}", p.display());
+    let ok = dir.path().join("scaler-state.json");
+    let cfg = load(YAML, &[&at(&ok)]).unwrap();
+    assert_eq!(cfg.state_file.as_deref(), Some(ok.as_path()));
+    let e = load(YAML, &[&at(&dir.path().join("gone/scaler-state.json"))])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("state_file: its directory") && e.contains("gone"),
+        "{e}"
+    );
+    let e = load(YAML, &[&at(dir.path())]).unwrap_err().to_string();
+    assert!(e.contains("is not a file name"), "{e}");
+}

@@ -382,6 +382,25 @@ impl PreheatPolicy {
         season.seed(now_unix, &points)
     }
 
+    /// What the season has learnt, for the state file; `None`: off.
+    #[must_use]
+    pub fn season_state(&self) -> Option<season::SeasonState> {
+        self.season.as_ref().map(Season::state)
+    }
+
+    /// Takes back a season saved by an earlier run (see [`Season::restore`]); the
+    /// buckets learnt, or why it was refused (this pool's season is off, too).
+    pub fn restore_season(
+        &mut self,
+        st: &season::SeasonState,
+        now_unix: f64,
+    ) -> Result<usize, String> {
+        match &mut self.season {
+            Some(season) => season.restore(st, now_unix),
+            None => Err("seasonality is off for this pool (season_period_s: 0)".into()),
+        }
+    }
+
     /// The season's bucket and period, for reading it back; `None`: off.
     #[must_use]
     pub fn season_buckets(&self) -> Option<(f64, f64)> {

@@ -10,6 +10,8 @@
 //! periods so a changed day takes over within a few periods (a daylight-saving shift
 //! of local office hours, too).
 
+use serde::{Deserialize, Serialize};
+
 use super::hindsight::covered_since;
 
 /// How many buckets a period may hold: a restart reads them back in one Prometheus
@@ -22,6 +24,34 @@ const BLEND: f64 = 0.5;
 /// A bucket filled for less than this share of its length says too little (the
 /// scaler started or was blind part-way through it).
 const MIN_FILL: f64 = 0.5;
+
+/// What a season has learnt, as the scaler's state file keeps it across restarts
+/// ([`Season::state`], [`Season::restore`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeasonState {
+    pub period_s: f64,
+    pub bucket_s: f64,
+    /// Learnt mean rate per bucket, from the one holding the epoch on (`null`: not
+    /// seen yet).
+    pub learnt: Vec<Option<f64>>,
+    /// The bucket being filled when saved, resumed or folded after a restart.
+    pub filling: Option<Filling>,
+    /// Unix time of the last reading.
+    pub last_unix: Option<f64>,
+}
+
+/// A bucket part-way through its readings.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Filling {
+    /// Bucket number since the Unix epoch.
+    pub bucket: i64,
+    /// Rate × seconds read in it.
+    pub sum: f64,
+    /// Seconds read in it.
+    pub secs: f64,
+}
 
 /// The learnt rate now and the most expected before the horizon.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -146,6 +176,64 @@ impl Season {
             }
         }
         taken
+    }
+
+    /// What this season has learnt, for the state file.
+    #[must_use]
+    pub fn state(&self) -> SeasonState {
+        SeasonState {
+            period_s: self.period_s,
+            bucket_s: self.bucket_s,
+            learnt: self.learnt.clone(),
+            filling: self
+                .filling
+                .map(|(bucket, sum, secs)| Filling { bucket, sum, secs }),
+            last_unix: self.last_unix,
+        }
+    }
+
+    /// Takes back what an earlier run learnt (read from the state file at Unix time
+    /// `now_unix`), before any reading of this run; returns the buckets learnt. A
+    /// state from another period or bucket, with a wrong length or a value that is
+    /// not a rate, is refused whole, with the reason. A bucket or reading dated in the
+    /// future (a clock set back) is dropped: it would hold this run's readings off.
+    pub fn restore(&mut self, st: &SeasonState, now_unix: f64) -> Result<usize, String> {
+        if st.period_s != self.period_s || st.bucket_s != self.bucket_s {
+            return Err(format!(
+                "saved for a {} s period of {} s buckets, configured {} s of {} s",
+                st.period_s, st.bucket_s, self.period_s, self.bucket_s
+            ));
+        }
+        if st.learnt.len() != self.learnt.len() {
+            return Err(format!(
+                "{} buckets saved where the period holds {}",
+                st.learnt.len(),
+                self.learnt.len()
+            ));
+        }
+        let rate = |v: f64| v.is_finite() && v >= 0.0;
+        if let Some(i) = st.learnt.iter().position(|v| v.is_some_and(|v| !rate(v))) {
+            return Err(format!("bucket {i} holds {:?}, not a rate", st.learnt[i]));
+        }
+        if let Some(f) = &st.filling
+            && !(rate(f.sum) && rate(f.secs) && f.secs <= self.bucket_s)
+        {
+            return Err(format!("the bucket being filled is not readings: {f:?}"));
+        }
+        if !now_unix.is_finite() {
+            return Err("no wall clock to date it by".into());
+        }
+        self.learnt.clone_from(&st.learnt);
+        let now_bucket = self.abs_bucket(now_unix);
+        self.filling = st
+            .filling
+            .filter(|f| f.bucket <= now_bucket)
+            .map(|f| (f.bucket, f.sum, f.secs));
+        self.last_unix = st.last_unix.filter(|t| t.is_finite() && *t <= now_unix);
+        if self.last_unix.is_none() {
+            self.filling = None;
+        }
+        Ok(self.learnt.iter().filter(|v| v.is_some()).count())
     }
 
     /// What the season expects from Unix time `unix` to `horizon_s` later; `None`
@@ -340,6 +428,64 @@ mod tests {
         assert_eq!(o.now, Some(700.0));
         // Seeds never overwrite what was learnt.
         assert_eq!(s.seed(now, &points[..1]), 0);
+    }
+
+    #[test]
+    fn a_restored_season_expects_what_the_saved_one_did_and_goes_on_filling_its_bucket() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        live(&mut s, 0.0, DAY + 150.0, morning);
+        let st = s.state();
+        // Through the state file's encoding, as a restarted scaler reads it.
+        let st: SeasonState = serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
+        let mut r = Season::new(DAY, 300.0).expect("season");
+        assert_eq!(r.restore(&st, DAY + 160.0), Ok(288));
+        let at = DAY + 8.0 * 3600.0 - 120.0;
+        assert_eq!(r.outlook(at, 300.0), s.outlook(at, 300.0));
+        // The bucket saved half-read goes on filling across the restart (a gap counts
+        // as skipped readings) and is learnt when the clock leaves it.
+        live(&mut s, DAY + 160.0, DAY + 400.0, |_| 50.0);
+        live(&mut r, DAY + 160.0, DAY + 400.0, |_| 50.0);
+        assert_eq!(r.state(), s.state());
+    }
+
+    #[test]
+    fn a_saved_season_that_does_not_fit_is_refused_whole_by_reason() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        live(&mut s, 0.0, 3600.0, |_| 10.0);
+        let good = s.state();
+        let mut other = Season::new(DAY, 600.0).expect("season");
+        let e = other.restore(&good, 4000.0).unwrap_err();
+        assert!(e.contains("600 s buckets") || e.contains("of 600 s"), "{e}");
+        let mut short = good.clone();
+        short.learnt.pop();
+        let mut bad_rate = good.clone();
+        bad_rate.learnt[3] = Some(-1.0);
+        let mut bad_fill = good.clone();
+        bad_fill.filling = Some(Filling {
+            bucket: 12,
+            sum: 1.0,
+            secs: 1e9,
+        });
+        for (st, want) in [
+            (short, "287 buckets"),
+            (bad_rate, "bucket 3"),
+            (bad_fill, "filled"),
+        ] {
+            let mut r = Season::new(DAY, 300.0).expect("season");
+            let e = r.restore(&st, 4000.0).unwrap_err();
+            assert!(e.contains(want), "{e}");
+            assert_eq!(r.outlook(1000.0, 0.0), None, "nothing taken from {want}");
+        }
+        // Saved by a clock ahead of this one: the learnt buckets stand, the reading
+        // time and the bucket being filled are dropped, so this run's readings count.
+        let mut r = Season::new(DAY, 300.0).expect("season");
+        assert_eq!(
+            r.restore(&good, 1000.0),
+            Ok(good.learnt.iter().flatten().count())
+        );
+        assert_eq!((r.state().filling, r.state().last_unix), (None, None));
+        r.record(1005.0, 10.0, 5.0);
+        assert_eq!(r.state().last_unix, Some(1005.0));
     }
 
     #[test]

@@ -340,3 +340,154 @@ async fn a_restarted_scaler_reads_its_season_back_from_prometheus() {
     let fresh = first_prefill_decision(&fake_prometheus(History::Ramp).await, off).await;
     assert!(fresh < 20, "no season: {fresh}");
 }
+
+/// A scaler of one model whose prefill pool is at zero and whose decode pool has one
+/// idle replica, reading no Prometheus, keeping its state in `state`.
+async fn at_zero_with_state(state: &std::path::Path) -> Running {
+    let d0 = Arc::new(Mutex::new(Some(engine_text(0))));
+    let gw = Arc::new(Mutex::new(Some(
+        "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 0\n"
+            .to_owned(),
+    )));
+    let (u0, ug) = (fake(d0).await, fake(gw).await);
+    Running::start(&[
+        "interval_s=0.2".into(),
+        "window_s=2".into(),
+        format!("state_file={}", state.display()),
+        format!(
+            "models=[{{name: llama, gateway: [{ug}], prefill: {{default_lead_s: 300}}, decode: {{endpoints: [{u0}]}}}}]"
+        ),
+    ])
+    .await
+}
+
+/// The prefill pool's desired replicas once the scaler has decided.
+async fn first_decision(scaler: &mut Running, pool: &str) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = desired(&mut scaler.client, pool).await;
+        if d >= 0 {
+            return d;
+        }
+        assert!(Instant::now() < deadline, "no decision");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits for the state file at `path` to hold a save made after `after` (Unix s).
+async fn saved_after(path: &std::path::Path, after: f64) -> preheat_scaler::state::SavedState {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(Some(s)) = preheat_scaler::state::load(path)
+            && s.saved_unix > after
+        {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no state saved in {}",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state_file() {
+    use preheat_scaler::policy::season::SeasonState;
+    use preheat_scaler::state::{SavedPool, SavedState, save};
+    // Yesterday, what the earlier run learnt: quiet at this time of day, 1M prompt
+    // tokens/s from the next five-minute bucket on. Resumed, the season wakes the
+    // prefill pool at zero one 5-minute lead ahead of the ramp, sized for it (past the
+    // 64-replica limit); a fresh scaler leaves it at zero.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scaler-state.json");
+    let now = unix_now();
+    let slot = |unix: f64| ((unix / 300.0).floor() as i64).rem_euclid(288) as usize;
+    let mut learnt = vec![None; 288];
+    learnt[slot(now)] = Some(0.0);
+    for k in 1..=3 {
+        learnt[slot(now + 300.0 * f64::from(k))] = Some(1e6);
+    }
+    let season = SeasonState {
+        period_s: 86_400.0,
+        bucket_s: 300.0,
+        learnt: learnt.clone(),
+        filling: None,
+        last_unix: Some(now - 60.0),
+    };
+    let pool = |pool: &str| SavedPool {
+        model: "llama".into(),
+        pool: pool.into(),
+        season: season.clone(),
+    };
+    // Saved a minute ago by the run before, with a pool that is no longer configured.
+    let mut gone = pool("prefill");
+    gone.model = "retired".into();
+    save(
+        &path,
+        &SavedState::new(now - 60.0, vec![pool("prefill"), gone]),
+    )
+    .unwrap();
+
+    let mut scaler = at_zero_with_state(&path).await;
+    assert_eq!(
+        first_decision(&mut scaler, "prefill").await,
+        64,
+        "the ramp yesterday"
+    );
+    // It goes on keeping its state: the next save holds the resumed season (and this
+    // run's readings), for both pools, and drops the retired model.
+    let st = saved_after(&path, now).await;
+    scaler.stop().await;
+    let pools: Vec<(&str, &str)> = st
+        .pools
+        .iter()
+        .map(|p| (p.model.as_str(), p.pool.as_str()))
+        .collect();
+    assert_eq!(pools, [("llama", "prefill"), ("llama", "decode")]);
+    for k in 1..=3 {
+        let s = slot(now + 300.0 * f64::from(k));
+        assert_eq!(st.pools[0].season.learnt[s], Some(1e6), "bucket {s}");
+    }
+    assert!(
+        st.pools[0].season.last_unix.is_some_and(|t| t > now),
+        "{:?}",
+        st.pools[0].season.last_unix
+    );
+
+    // Without the state (a first start), the pool stays at zero.
+    let fresh_dir = tempfile::tempdir().unwrap();
+    let mut fresh = at_zero_with_state(&fresh_dir.path().join("scaler-state.json")).await;
+    assert_eq!(
+        first_decision(&mut fresh, "prefill").await,
+        0,
+        "nothing learnt"
+    );
+    fresh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_state_file_is_reported_and_replaced_and_never_stops_the_scaler() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scaler-state.json");
+    // Half a file (written by something that is not the scaler: its own saves are whole).
+    std::fs::write(
+        &path,
+        br#"{"format": "preheat-scaler-state/1", "saved_unix": 17"#,
+    )
+    .unwrap();
+    let before = unix_now();
+    let mut scaler = at_zero_with_state(&path).await;
+    assert_eq!(first_decision(&mut scaler, "prefill").await, 0);
+    let st = saved_after(&path, before - 1.0).await;
+    scaler.stop().await;
+    assert_eq!(st.pools.len(), 2, "{st:?}");
+}

@@ -408,6 +408,14 @@ async fn measure(
     e: &Endpoints,
 ) -> anyhow::Result<Measured> {
     std::fs::create_dir_all(&a.cache_dir)?;
+    // From idle with nothing learnt, as the simulation starts: an earlier run's season
+    // would pre-warm this one.
+    match std::fs::remove_file(a.cache_dir.join(up::STATE_FILE)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            anyhow::bail!("removing the last run's scaler state: {e}")
+        }
+        _ => {}
+    }
     let mut up = UpProcess::start(args, &a.cache_dir.join("simreal-up.log"))?;
     let c = reqwest::Client::new();
     let token = match wait_ready(&c, e, &mut up, a.standbys).await {

@@ -182,6 +182,10 @@ pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
 
 /// The scaler's config for this machine: both pools' endpoints come from the driver at
 /// run time (`run_with`), quick ticks, this run's SLOs and limits.
+/// The scaler's state file in the cache directory: a restarted `up` resumes each
+/// pool's season (its load by time of day) instead of relearning it over a day.
+pub const STATE_FILE: &str = "scaler-state.json";
+
 fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result<Config> {
     let pool = |limits| PoolConfig {
         policy: pool_policy(o, limits),
@@ -192,6 +196,7 @@ fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result
         http_listen: o.scaler_http,
         // `/status` names endpoints: behind this run's token like the rest.
         cluster_token_file: Some(token_file.to_path_buf()),
+        state_file: Some(o.cache.join(STATE_FILE)),
         interval_s: INTERVAL_S,
         window_s: WINDOW_S,
         models: vec![ModelConfig {
