@@ -148,7 +148,8 @@ impl Controller {
         }
     }
 
-    pub async fn run(self) {
+    /// Ticks until `stop` turns true, then saves the state file a last time.
+    pub async fn run(self, mut stop: tokio::sync::watch::Receiver<bool>) {
         let client = reqwest::Client::new();
         // The token goes to the agents alone, never to scrape targets or Prometheus.
         let agents_client = preheat_edge::client::internal_with_token(self.agent_token.as_deref());
@@ -225,7 +226,10 @@ impl Controller {
             namespace: &self.cfg.kubernetes.namespace,
         };
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|v| *v) => break,
+            }
             let t = start.elapsed().as_secs_f64();
             for m in &mut models {
                 ctx.decide_model(m, t).await;
@@ -236,6 +240,10 @@ impl Controller {
                 saved_at = Some(Instant::now());
                 save(path, &models, &mut save_failing).await;
             }
+        }
+        // A graceful stop (a rollout, `up` ending) loses nothing learnt since the last save.
+        if let Some(path) = &state_file {
+            save(path, &models, &mut save_failing).await;
         }
     }
 }

@@ -79,7 +79,8 @@ pub async fn run_with(
     for (model, pool, list) in shared {
         ctl = ctl.with_shared(&model, pool, list);
     }
-    let controller = tokio::spawn(ctl.run());
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let controller = tokio::spawn(ctl.run(rx.clone()));
     type St = State<(Arc<DecisionStore>, Vec<String>)>;
     let app = Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -95,7 +96,6 @@ pub async fn run_with(
     // `/status` names endpoints: our own processes and operators with the token only
     // (`/metrics` and `/healthz` stay open for Prometheus and probes).
     let app = preheat_edge::routes::internal(app, agent_token);
-    let (tx, rx) = tokio::sync::watch::channel(false);
     let closing = Arc::clone(&store);
     tokio::spawn(async move {
         stop.await;
@@ -138,7 +138,17 @@ pub async fn run_with(
             },
         );
     let r = grpc.await;
-    controller.abort();
+    // The controller finishes its tick and saves its state; a stuck one is not waited on.
+    let abort = controller.abort_handle();
+    if tokio::time::timeout(std::time::Duration::from_secs(10), controller)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "the control loop did not stop within 10 s; the last state file save may be lost"
+        );
+        abort.abort();
+    }
     let _ = http.await;
     r.map_err(ScalerError::Grpc)
 }

@@ -488,6 +488,14 @@ async fn a_corrupt_state_file_is_reported_and_replaced_and_never_stops_the_scale
     let mut scaler = at_zero_with_state(&path).await;
     assert_eq!(first_decision(&mut scaler, "prefill").await, 0);
     let st = saved_after(&path, before - 1.0).await;
-    scaler.stop().await;
     assert_eq!(st.pools.len(), 2, "{st:?}");
+    // A graceful stop saves once more: what was learnt since the last save is kept.
+    let stopping = unix_now();
+    scaler.stop().await;
+    let last = preheat_scaler::state::load(&path).unwrap().unwrap();
+    assert!(
+        last.saved_unix >= stopping,
+        "{} < {stopping}",
+        last.saved_unix
+    );
 }
