@@ -51,6 +51,12 @@ pub trait Autoscaler: Send {
         true
     }
     fn decide(&mut self, v: &PoolView) -> u32;
+    /// Whether decisions read the pool's signals. A plan fixed in advance reads only
+    /// the clock and the replicas, and building a whole view every second (latency
+    /// quantiles over the window) would cost more than its decisions.
+    fn observes(&self) -> bool {
+        true
+    }
     /// Replicas up when the trace starts, if the policy fixes them; otherwise the
     /// simulator starts every policy alike, sized for the trace's first minute.
     fn initial(&self) -> Option<u32> {
@@ -175,6 +181,9 @@ impl Autoscaler for Static {
     }
     fn decide(&mut self, _: &PoolView) -> u32 {
         self.0
+    }
+    fn observes(&self) -> bool {
+        false
     }
     fn initial(&self) -> Option<u32> {
         Some(self.0)

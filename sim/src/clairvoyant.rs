@@ -55,6 +55,9 @@ impl Autoscaler for Plan {
     fn decide(&mut self, v: &PoolView) -> u32 {
         self.at(v.t).max(1)
     }
+    fn observes(&self) -> bool {
+        false
+    }
     fn initial(&self) -> Option<u32> {
         Some(self.at(0.0).max(1))
     }

@@ -5,19 +5,22 @@
 //! a sequence holds its prompt + output tokens of KV from admission to completion.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 
 use preheat_scaler::profile::Profile;
+
+use crate::block_map::BlockMap;
 
 /// LRU set of prefix blocks held by one prefill replica: a map from block to its node
 /// in a list ordered by last use (nodes kept in a slab, reused after eviction), so a
 /// touch costs one map lookup per block whether the block is new or not. The simulator
 /// touches every routed request's blocks, so this is one of its innermost loops.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PrefixCache {
     capacity: usize,
-    by_id: HashMap<u64, u32, BlockIdHasher>,
+    /// Each held block's node.
+    by_id: BlockMap<u32>,
     nodes: Vec<Node>,
     free: Vec<u32>,
     /// Least and most recently used nodes.
@@ -68,7 +71,11 @@ impl PrefixCache {
     pub fn new(capacity_blocks: usize) -> Self {
         PrefixCache {
             capacity: capacity_blocks,
-            ..PrefixCache::default()
+            by_id: BlockMap::new(u32::MAX),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: None,
+            tail: None,
         }
     }
 
@@ -77,19 +84,20 @@ impl PrefixCache {
     pub fn overlap(&self, blocks: &[u64]) -> usize {
         blocks
             .iter()
-            .take_while(|b| self.by_id.contains_key(b))
+            .take_while(|b| self.by_id.get(**b).is_some())
             .count()
     }
 
     /// Whether nothing is cached.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.by_id.is_empty()
+        self.by_id.len() == 0
     }
 
-    /// Blocks held.
+    /// Blocks held, least recently used first.
     pub fn blocks(&self) -> impl Iterator<Item = u64> + '_ {
-        self.by_id.keys().copied()
+        std::iter::successors(self.head, |&i| self.nodes[i as usize].next)
+            .map(|i| self.nodes[i as usize].block)
     }
 
     fn unlink(&mut self, i: u32) {
@@ -119,7 +127,7 @@ impl PrefixCache {
     /// comes or goes.
     pub fn touch(&mut self, blocks: &[u64], mut changed: impl FnMut(u64, bool)) {
         for &b in blocks {
-            if let Some(&i) = self.by_id.get(&b) {
+            if let Some(i) = self.by_id.get(b) {
                 if self.tail != Some(i) {
                     self.unlink(i);
                     self.push_back(i);
@@ -141,7 +149,7 @@ impl PrefixCache {
                     (self.nodes.len() - 1) as u32
                 }
             };
-            self.by_id.insert(b, i);
+            self.by_id.set(b, i);
             self.push_back(i);
             changed(b, true);
         }
@@ -149,7 +157,7 @@ impl PrefixCache {
             let Some(i) = self.head else { break };
             self.unlink(i);
             let block = self.nodes[i as usize].block;
-            self.by_id.remove(&block);
+            self.by_id.set(block, u32::MAX);
             self.free.push(i);
             changed(block, false);
         }

@@ -19,6 +19,7 @@
 
 mod actuate;
 pub mod autoscalers;
+mod block_map;
 pub mod clairvoyant;
 pub mod cluster;
 pub mod config;

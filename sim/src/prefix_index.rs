@@ -5,17 +5,25 @@
 //! for every replica together. A replica gets one of [`SLOTS`] slots when it first
 //! caches something; any beyond that many are asked the slow way.
 
-use std::collections::HashMap;
-
-use crate::cluster::BlockIdHasher;
+use crate::block_map::BlockMap;
 
 /// Replicas the index tracks at once (a bit each).
 pub(crate) const SLOTS: usize = 128;
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct PrefixIndex {
-    owners: HashMap<u64, u128, BlockIdHasher>,
+    /// Each block's holders, a bit per slot (0: none).
+    owners: BlockMap<u128>,
     used: u128,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        PrefixIndex {
+            owners: BlockMap::new(0),
+            used: 0,
+        }
+    }
 }
 
 impl PrefixIndex {
@@ -39,15 +47,13 @@ impl PrefixIndex {
     }
 
     pub(crate) fn add(&mut self, slot: u8, block: u64) {
-        *self.owners.entry(block).or_insert(0) |= 1u128 << slot;
+        let m = self.owners.get(block).unwrap_or(0);
+        self.owners.set(block, m | 1u128 << slot);
     }
 
     pub(crate) fn remove(&mut self, slot: u8, block: u64) {
-        if let Some(m) = self.owners.get_mut(&block) {
-            *m &= !(1u128 << slot);
-            if *m == 0 {
-                self.owners.remove(&block);
-            }
+        if let Some(m) = self.owners.get(block) {
+            self.owners.set(block, m & !(1u128 << slot));
         }
     }
 
@@ -59,7 +65,7 @@ impl PrefixIndex {
             if alive == 0 {
                 return;
             }
-            let still = alive & self.owners.get(b).copied().unwrap_or(0);
+            let still = alive & self.owners.get(*b).unwrap_or(0);
             let mut stopped = alive & !still;
             while stopped != 0 {
                 let s = stopped.trailing_zeros() as usize;

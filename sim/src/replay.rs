@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use preheat_scaler::policy::Pool;
 
-use crate::autoscalers::Autoscaler;
+use crate::autoscalers::{Autoscaler, PoolView};
 use crate::cluster::{DecodeReplica, PrefillJob, PrefillReplica, Seq};
 use crate::config::{SimConfig, StartClass};
 use crate::per_pool::{POOLS, PerPool};
@@ -485,7 +485,15 @@ impl<'a> Sim<'a> {
     }
 
     fn decide(&mut self, pool: Pool) {
-        let v = self.view(pool);
+        let v = if self.ctl[pool].scaler.observes() {
+            self.view(pool)
+        } else {
+            PoolView {
+                t: self.t,
+                current: self.current(pool),
+                ..PoolView::default()
+            }
+        };
         let desired = self.ctl[pool].scaler.decide(&v);
         tracing::trace!(
             t = v.t,

@@ -235,6 +235,23 @@ pub fn scale_rate(trace: &[TraceRequest], k: u32) -> Vec<TraceRequest> {
     out
 }
 
+/// Renumbers the trace's prefix blocks 0, 1, 2… in order of first appearance; returns
+/// how many distinct blocks it holds. Only equality of ids means anything (equal ids,
+/// equal prefix), so a replay is the same before and after, and small ids let the
+/// simulator's prefix caches index arrays instead of hashing (see `block_map`). Run it
+/// once per trace, after [`scale_rate`].
+pub fn intern_blocks(trace: &mut [TraceRequest]) -> usize {
+    let mut ids: std::collections::HashMap<u64, u64, crate::cluster::BlockIdHasher> =
+        std::collections::HashMap::default();
+    for r in trace.iter_mut() {
+        for b in &mut r.blocks {
+            let next = ids.len() as u64;
+            *b = *ids.entry(*b).or_insert(next);
+        }
+    }
+    ids.len()
+}
+
 /// A number in [0, 1) from (`i`, `c`): splitmix64's finaliser, so neighbours differ.
 fn unit_jitter(i: u64, c: u64) -> f64 {
     let mut z = i
@@ -336,5 +353,24 @@ mod tests {
             "one shared first block per copy world"
         );
         assert_eq!(scale_rate(&trace, 1), trace);
+    }
+
+    #[test]
+    fn interned_blocks_keep_which_requests_share_a_prefix() {
+        let req = |blocks: &[u64]| TraceRequest {
+            t: 0.0,
+            input_tokens: 1,
+            output_tokens: 1,
+            blocks: blocks.to_vec(),
+        };
+        let mut t = vec![
+            req(&[u64::MAX, 7, 9]),
+            req(&[u64::MAX, 7, 3]),
+            req(&[]),
+            req(&[3, 42]),
+        ];
+        assert_eq!(intern_blocks(&mut t), 5);
+        let blocks: Vec<&[u64]> = t.iter().map(|r| r.blocks.as_slice()).collect();
+        assert_eq!(blocks, [&[0, 1, 2][..], &[0, 1, 3], &[], &[3, 4]]);
     }
 }

@@ -96,7 +96,9 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
 
 pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
-    let trace = sim::trace::scale_rate(&sim::trace::load(&a.trace)?, a.rate_scale);
+    let mut trace = sim::trace::scale_rate(&sim::trace::load(&a.trace)?, a.rate_scale);
+    let blocks = sim::trace::intern_blocks(&mut trace);
+    tracing::debug!(blocks, "distinct prefix blocks");
     let name = if a.rate_scale > 1 {
         format!("{} ×{}", a.trace.display(), a.rate_scale)
     } else {
