@@ -403,6 +403,10 @@ pub struct DecodeReplica {
     /// How much longer a step takes than the profile says (above 1 on a host shared
     /// with busy peers).
     slow: f64,
+    /// The profile's ITL at the last batch size asked, (batch, seconds): asked for
+    /// every replica at every event, and the batch seldom changes between them. One
+    /// replica only ever sees its simulation's profile.
+    itl_at: std::cell::Cell<(usize, f64)>,
 }
 
 impl DecodeReplica {
@@ -417,6 +421,7 @@ impl DecodeReplica {
             clock: ready_at,
             busy_s: 0.0,
             slow: 1.0,
+            itl_at: std::cell::Cell::new((usize::MAX, 0.0)),
         }
     }
 
@@ -475,7 +480,16 @@ impl DecodeReplica {
 
     /// Seconds one step takes now.
     fn step_s(&self, profile: &Profile) -> f64 {
-        profile.itl(self.seqs.len() as f64) * self.slow
+        let n = self.seqs.len();
+        let (at, itl) = self.itl_at.get();
+        let itl = if at == n {
+            itl
+        } else {
+            let itl = profile.itl(n as f64);
+            self.itl_at.set((n, itl));
+            itl
+        };
+        itl * self.slow
     }
 
     /// When the next sequence completes if nothing else changes.
@@ -503,7 +517,10 @@ impl DecodeReplica {
         let k = if t >= self.clock + min as f64 * itl {
             min
         } else {
-            ((((t - self.clock) / itl) + 1e-9).floor().max(0.0) as u64).min(min)
+            // Whole steps done by `t`: the cast truncates toward zero and saturates
+            // below at 0, which is floor-then-clamp for these values without a libm
+            // call (this runs for every replica at every event).
+            ((((t - self.clock) / itl) + 1e-9) as u64).min(min)
         };
         // A sequence admitted with nothing to generate (min 0) finishes without a step.
         if k == 0 && min > 0 {
