@@ -369,11 +369,13 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
             .find(|p| p.name != victim && p.ready)
             .unwrap();
         let logs = c.all_logs(&now.name);
+        // What the old one had read into the bucket under way goes on filling.
         for pool in ["prefill", "decode"] {
             assert!(
                 logs.lines()
                     .any(|l| l.contains("season resumed from the state file")
-                        && l.contains(&format!("pool={pool}"))),
+                        && l.contains(&format!("pool={pool}"))
+                        && !l.contains("filling_s=0 ")),
                 "the new scaler did not resume {pool}'s season:\n{logs}"
             );
         }

@@ -207,12 +207,10 @@ impl Controller {
                 },
             })
             .collect();
-        let state_file = self.cfg.state_file.clone();
-        if let Some(path) = &state_file {
-            resume(path, &mut models);
-        }
-        let mut saved_at: Option<Instant> = None;
-        let mut save_failing = false;
+        let mut keeper = match &self.cfg.state_file {
+            Some(path) => Some(StateKeeper::resume(path, &mut models).await),
+            None => None,
+        };
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ctx = Tick {
@@ -234,109 +232,223 @@ impl Controller {
             for m in &mut models {
                 ctx.decide_model(m, t).await;
             }
-            if let Some(path) = &state_file
-                && saved_at.is_none_or(|s| s.elapsed().as_secs_f64() >= crate::state::SAVE_EVERY_S)
-            {
-                saved_at = Some(Instant::now());
-                save(path, &models, &mut save_failing).await;
+            if let Some(k) = &mut keeper {
+                k.save_if_due(&models);
             }
         }
         // A graceful stop (a rollout, `up` ending) loses nothing learnt since the last save.
-        if let Some(path) = &state_file {
-            save(path, &models, &mut save_failing).await;
+        if let Some(k) = keeper {
+            k.last_save(&models).await;
         }
     }
 }
 
-/// What each pool learnt, for the state file.
-fn saved_state(models: &[ModelLoop]) -> Option<crate::state::SavedState> {
-    let pools: Vec<crate::state::SavedPool> = models
-        .iter()
-        .flat_map(|m| {
+/// Keeps the state file: resumes it at start, saves every [`SAVE_EVERY_S`] off the
+/// control loop (at most one save in flight: a hung disk delays saves, never
+/// decisions), and once more at a graceful stop. Pools it cannot resume now (their
+/// model gone from the config, their season configured differently) are carried in
+/// every save until [`max_age_s`] has passed, so a rollback finds them.
+///
+/// [`SAVE_EVERY_S`]: crate::state::SAVE_EVERY_S
+/// [`max_age_s`]: crate::state::max_age_s
+struct StateKeeper {
+    path: std::path::PathBuf,
+    carried: Vec<crate::state::SavedPool>,
+    saved_at: Option<Instant>,
+    in_flight: Option<tokio::task::JoinHandle<Result<(), crate::state::StateError>>>,
+    /// Whether the last save failed (a failure is logged when it starts and ends).
+    failing: bool,
+}
+
+impl StateKeeper {
+    /// Takes back what an earlier run saved: each pool's season whose model, pool,
+    /// period and bucket still match and that is not too old. A file that cannot be
+    /// read is set aside (`.rejected`) and each season learnt afresh; nothing here
+    /// stops the scaler.
+    async fn resume(path: &std::path::Path, models: &mut [ModelLoop]) -> Self {
+        let mut keeper = StateKeeper {
+            path: path.to_path_buf(),
+            carried: Vec::new(),
+            saved_at: None,
+            in_flight: None,
+            failing: false,
+        };
+        let p = path.to_path_buf();
+        let loaded = tokio::task::spawn_blocking(move || crate::state::load(&p))
+            .await
+            .unwrap_or_else(|e| {
+                Err(crate::state::StateError::Io {
+                    path: path.to_path_buf(),
+                    source: std::io::Error::other(e.to_string()),
+                })
+            });
+        let state = match loaded {
+            Ok(Some(s)) => s,
+            Ok(None) => {
+                tracing::info!(path = %path.display(), "no state file yet: learning each pool's season from now on");
+                return keeper;
+            }
+            Err(e) => {
+                match crate::state::set_aside(path) {
+                    Ok(aside) => {
+                        tracing::warn!(error = %e, aside = %aside.display(), "not resuming the state file: set aside; learning each pool's season afresh")
+                    }
+                    Err(e2) => {
+                        tracing::warn!(error = %e, aside_error = %e2, "not resuming the state file, and it could not be set aside: the next save replaces it; learning each pool's season afresh")
+                    }
+                }
+                return keeper;
+            }
+        };
+        let Some(now) = unix_now() else {
+            tracing::warn!("no wall clock: not resuming the state file");
+            keeper.carried = state.pools;
+            return keeper;
+        };
+        let mut resumed: Vec<(String, Pool)> = Vec::new();
+        for saved in state.pools {
+            let age = now - saved.saved_unix;
+            if !(age.is_finite() && age <= crate::state::max_age_s(saved.season.period_s)) {
+                tracing::info!(model = %saved.model, pool = %saved.pool, age_s = age, "state file: the season is too old to resume; dropping it");
+                continue;
+            }
+            let found = models
+                .iter_mut()
+                .filter(|m| m.cfg.name == saved.model)
+                .flat_map(|m| m.pools.iter_mut())
+                .find(|p| p.pool.as_str() == saved.pool);
+            let Some(p) = found else {
+                tracing::info!(model = %saved.model, pool = %saved.pool, "state file: no such pool configured now; keeping its season in the file for a rollback");
+                keeper.carried.push(saved);
+                continue;
+            };
+            let key = (saved.model.clone(), p.pool);
+            if resumed.contains(&key) {
+                // A second entry: one carried for another season configuration.
+                if p.policy.season_buckets() != Some((saved.season.bucket_s, saved.season.period_s))
+                {
+                    keeper.carried.push(saved);
+                }
+                continue;
+            }
+            match p.policy.restore_season(&saved.season, now) {
+                Ok(r) => {
+                    tracing::info!(model = %saved.model, pool = %saved.pool, buckets = r.buckets, filling_s = r.filling_s, age_s = age, "season resumed from the state file");
+                    resumed.push(key);
+                }
+                Err(reason) => {
+                    tracing::warn!(model = %saved.model, pool = %saved.pool, %reason, "state file: not resuming the pool's season; keeping it in the file for a rollback");
+                    keeper.carried.push(saved);
+                }
+            }
+        }
+        keeper
+    }
+
+    /// What each pool learnt, and what is carried.
+    fn state(&self, models: &[ModelLoop]) -> Option<crate::state::SavedState> {
+        let now = unix_now()?;
+        let live = models.iter().flat_map(|m| {
             m.pools.iter().filter_map(|p| {
                 Some(crate::state::SavedPool {
                     model: m.cfg.name.clone(),
                     pool: p.pool.as_str().to_owned(),
+                    saved_unix: now,
                     season: p.policy.season_state()?,
                 })
             })
-        })
-        .collect();
-    if pools.is_empty() {
-        return None;
-    }
-    Some(crate::state::SavedState::new(unix_now()?, pools))
-}
-
-/// Writes the state file off the tick's thread; a failure is logged when it starts
-/// and when it ends, not every save.
-async fn save(path: &std::path::Path, models: &[ModelLoop], failing: &mut bool) {
-    let Some(state) = saved_state(models) else {
-        return;
-    };
-    let p = path.to_path_buf();
-    let written = tokio::task::spawn_blocking(move || crate::state::save(&p, &state))
-        .await
-        .unwrap_or_else(|e| {
-            Err(crate::state::StateError::Io {
-                path: path.to_path_buf(),
-                source: std::io::Error::other(e.to_string()),
-            })
         });
-    match written {
-        Ok(()) if *failing => {
-            *failing = false;
-            tracing::info!(path = %path.display(), "state file saved again");
-        }
-        Ok(()) => {}
-        Err(e) if !*failing => {
-            *failing = true;
-            tracing::warn!(error = %e, "saving the state file failed: a restart now would lose what was learnt since the last save; retrying every 30 s");
-        }
-        Err(_) => {}
+        let pools: Vec<crate::state::SavedPool> = live
+            .chain(
+                self.carried
+                    .iter()
+                    .filter(|c| now - c.saved_unix <= crate::state::max_age_s(c.season.period_s))
+                    .cloned(),
+            )
+            .collect();
+        (!pools.is_empty()).then(|| crate::state::SavedState::new(now, pools))
     }
-}
 
-/// Takes back what an earlier run saved in `path`: each pool's season whose model,
-/// pool, period and bucket still match. What cannot be used is logged and learnt
-/// afresh; nothing here stops the scaler.
-fn resume(path: &std::path::Path, models: &mut [ModelLoop]) {
-    let state = match crate::state::load(path) {
-        Ok(Some(s)) => s,
-        Ok(None) => {
-            tracing::info!(path = %path.display(), "no state file yet: learning each pool's season from now on");
+    /// Starts a save when one is due and none is in flight.
+    fn save_if_due(&mut self, models: &[ModelLoop]) {
+        if self
+            .saved_at
+            .is_some_and(|s| s.elapsed().as_secs_f64() < crate::state::SAVE_EVERY_S)
+        {
             return;
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "not resuming the state file: learning each pool's season afresh (it is rewritten within 30 s)");
-            return;
+        if let Some(h) = &self.in_flight {
+            if !h.is_finished() {
+                if !self.failing {
+                    self.failing = true;
+                    tracing::warn!(path = %self.path.display(), "the last state file save has not finished (a slow disk?): skipping this one");
+                }
+                return;
+            }
+            if let Some(h) = self.in_flight.take() {
+                // Finished: its result is ready without waiting.
+                let r = futures_util::FutureExt::now_or_never(h);
+                self.heard(r);
+            }
         }
-    };
-    let Some(now) = unix_now() else {
-        return;
-    };
-    for saved in &state.pools {
-        let found = models
-            .iter_mut()
-            .filter(|m| m.cfg.name == saved.model)
-            .flat_map(|m| m.pools.iter_mut())
-            .find(|p| p.pool.as_str() == saved.pool);
-        let Some(p) = found else {
-            tracing::info!(model = %saved.model, pool = %saved.pool, "state file: no such pool configured now; dropping its season");
-            continue;
+        self.saved_at = Some(Instant::now());
+        let Some(state) = self.state(models) else {
+            return;
         };
-        let age = now - state.saved_unix;
-        if !(age.is_finite() && age <= crate::state::max_age_s(saved.season.period_s)) {
-            tracing::info!(model = %saved.model, pool = %saved.pool, age_s = age, "state file: the season is too old to resume; learning it afresh");
-            continue;
+        let p = self.path.clone();
+        self.in_flight = Some(tokio::task::spawn_blocking(move || {
+            crate::state::save(&p, &state)
+        }));
+    }
+
+    /// Waits (a few seconds at most) for the save in flight, then saves once more.
+    async fn last_save(mut self, models: &[ModelLoop]) {
+        const WAIT: Duration = Duration::from_secs(5);
+        if let Some(h) = self.in_flight.take() {
+            match tokio::time::timeout(WAIT, h).await {
+                Ok(r) => self.heard(Some(r)),
+                Err(_) => {
+                    tracing::warn!(path = %self.path.display(), "a state file save is stuck: not saving at stop");
+                    return;
+                }
+            }
         }
-        match p.policy.restore_season(&saved.season, now) {
-            Ok(buckets) => {
-                tracing::info!(model = %saved.model, pool = %saved.pool, buckets, age_s = age, "season resumed from the state file")
+        let Some(state) = self.state(models) else {
+            return;
+        };
+        let p = self.path.clone();
+        let h = tokio::task::spawn_blocking(move || crate::state::save(&p, &state));
+        match tokio::time::timeout(WAIT, h).await {
+            Ok(r) => self.heard(Some(r)),
+            Err(_) => {
+                tracing::warn!(path = %self.path.display(), "the state file save at stop is stuck: what was learnt since the last save is lost")
             }
-            Err(reason) => {
-                tracing::warn!(model = %saved.model, pool = %saved.pool, %reason, "state file: not resuming the pool's season")
+        }
+    }
+
+    fn heard(
+        &mut self,
+        r: Option<Result<Result<(), crate::state::StateError>, tokio::task::JoinError>>,
+    ) {
+        let r = match r {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => Err(crate::state::StateError::Io {
+                path: self.path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            }),
+            None => return,
+        };
+        match r {
+            Ok(()) if self.failing => {
+                self.failing = false;
+                tracing::info!(path = %self.path.display(), "state file saved again");
             }
+            Ok(()) => {}
+            Err(e) if !self.failing => {
+                self.failing = true;
+                tracing::warn!(error = %e, "saving the state file failed: a restart now would lose what was learnt since the last save; retrying every 30 s");
+            }
+            Err(_) => {}
         }
     }
 }

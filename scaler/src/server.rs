@@ -70,6 +70,21 @@ pub async fn run_with(
         )),
         None => None,
     };
+    // One scaler per state file, held until this returns: two would overwrite each
+    // other's seasons (two `preheat up` on one cache dir, a shared claim).
+    let _state_lock = match &cfg.state_file {
+        Some(p) => match crate::state::lock(p) {
+            Ok(f) => Some(f),
+            Err(e @ crate::state::StateError::InUse { .. }) => {
+                return Err(ScalerError::Config(vec![e.to_string()]));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot lock the state file (this filesystem may not lock): not checking for another scaler using it");
+                None
+            }
+        },
+        None => None,
+    };
     let store = DecisionStore::new(models.clone());
     let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
     let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
@@ -80,6 +95,7 @@ pub async fn run_with(
         ctl = ctl.with_shared(&model, pool, list);
     }
     let (tx, rx) = tokio::sync::watch::channel(false);
+    let tx_stop = tx.clone();
     let controller = tokio::spawn(ctl.run(rx.clone()));
     type St = State<(Arc<DecisionStore>, Vec<String>)>;
     let app = Router::new()
@@ -139,15 +155,18 @@ pub async fn run_with(
         );
     let r = grpc.await;
     // The controller finishes its tick and saves its state; a stuck one is not waited on.
+    // Also when gRPC ended without a stop signal.
+    let _ = tx_stop.send(true);
     let abort = controller.abort_handle();
-    if tokio::time::timeout(std::time::Duration::from_secs(10), controller)
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            "the control loop did not stop within 10 s; the last state file save may be lost"
-        );
-        abort.abort();
+    match tokio::time::timeout(std::time::Duration::from_secs(15), controller).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "the control loop ended abnormally"),
+        Err(_) => {
+            tracing::warn!(
+                "the control loop did not stop within 15 s; the last state file save may be lost"
+            );
+            abort.abort();
+        }
     }
     let _ = http.await;
     r.map_err(ScalerError::Grpc)

@@ -52,6 +52,11 @@ pub struct SavedPool {
     pub model: String,
     /// `prefill` or `decode`.
     pub pool: String,
+    /// Unix time this pool's season was learnt up to: the save for a live pool; for
+    /// one carried over unused (its model gone from the config, its season
+    /// configured differently), the save it was last used in, so a rollback within
+    /// [`max_age_s`] still finds it.
+    pub saved_unix: f64,
     pub season: SeasonState,
 }
 
@@ -82,6 +87,13 @@ pub enum StateError {
     Parse { path: PathBuf, reason: String },
     #[error("state file {path}: format {found:?}; this scaler reads {FORMAT:?}")]
     Format { path: PathBuf, found: String },
+    #[error("state file {path}: not a regular file")]
+    NotAFile { path: PathBuf },
+    #[error(
+        "state file {path}: in use by another scaler (it holds {lock}); two scalers \
+         sharing one state file would overwrite each other's seasons"
+    )]
+    InUse { path: PathBuf, lock: PathBuf },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StateError + '_ {
@@ -93,11 +105,18 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StateError + '_ {
 
 /// Reads the state at `path`; `None` when there is none yet (a first start).
 pub fn load(path: &Path) -> Result<Option<SavedState>, StateError> {
-    let file = match std::fs::File::open(path) {
-        Ok(f) => f,
+    // Not opened unless a regular file: opening a FIFO would wait for a writer.
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => {
+            return Err(StateError::NotAFile {
+                path: path.to_path_buf(),
+            });
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io(path)(e)),
-    };
+    }
+    let file = std::fs::File::open(path).map_err(io(path))?;
     let mut bytes = Vec::new();
     // One byte past the limit tells a file at the limit from a longer one.
     file.take(MAX_STATE_BYTES + 1)
@@ -137,25 +156,55 @@ pub fn save(path: &Path, state: &SavedState) -> Result<(), StateError> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let name = path
-        .file_name()
-        .map_or_else(|| "state".into(), |n| n.to_string_lossy().into_owned());
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    // A new file of its own (O_EXCL, a random name, mode 0600): never one a link
+    // points at, nor another process's temporary file on a shared volume.
     let written = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+        tmp.write_all(&bytes)?;
+        tmp.as_file().sync_all()?;
+        tmp.persist(path).map_err(|e| e.error)?;
+        Ok::<(), std::io::Error>(())
     })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(path)(e));
-    }
+    written.map_err(io(path))?;
     // Some filesystems cannot sync a directory; the file itself is whole either way.
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Moves a state file that cannot be used to `<path>.rejected` (replacing an older
+/// one), so the next save does not overwrite what a newer scaler, or a person, may
+/// still want; returns where it went.
+pub fn set_aside(path: &Path) -> Result<PathBuf, StateError> {
+    let mut aside = path.as_os_str().to_owned();
+    aside.push(".rejected");
+    let aside = PathBuf::from(aside);
+    std::fs::rename(path, &aside).map_err(io(path))?;
+    Ok(aside)
+}
+
+/// Holds `<path>.lock` for as long as the returned file is kept: one scaler per state
+/// file. [`StateError::InUse`] when another holds it; any other error means the
+/// filesystem cannot lock (some network filesystems), which the caller may accept.
+pub fn lock(path: &Path) -> Result<std::fs::File, StateError> {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock = PathBuf::from(name);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock)
+        .map_err(io(&lock))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StateError::InUse {
+            path: path.to_path_buf(),
+            lock,
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(&lock)(e)),
+    }
 }
 
 #[cfg(test)]
@@ -175,6 +224,7 @@ mod tests {
             vec![SavedPool {
                 model: "llama".into(),
                 pool: "prefill".into(),
+                saved_unix: 3600.0,
                 season: s.state(),
             }],
         )
@@ -250,6 +300,39 @@ mod tests {
         assert!(e.contains("blocked"), "{e}");
         assert_eq!(load(&path).unwrap(), Some(state()));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_waiting_for_a_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo (coreutils)");
+        let e = load(&path).unwrap_err();
+        assert!(matches!(e, StateError::NotAFile { .. }), "{e}");
+    }
+
+    #[test]
+    fn an_unusable_file_is_set_aside_not_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        std::fs::write(&path, b"{\"format\": \"preheat-scaler-state/9\"}").unwrap();
+        let aside = set_aside(&path).unwrap();
+        assert_eq!(aside, dir.path().join("state.json.rejected"));
+        assert!(load(&path).unwrap().is_none());
+        assert!(std::fs::read_to_string(&aside).unwrap().contains("/9"));
+    }
+
+    #[test]
+    fn one_scaler_holds_a_state_file_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let held = lock(&path).unwrap();
+        let e = lock(&path).unwrap_err();
+        assert!(matches!(e, StateError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains("another scaler"), "{e}");
+        drop(held);
+        lock(&path).expect("free again once the holder is gone");
     }
 
     #[test]

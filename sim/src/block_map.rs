@@ -8,7 +8,8 @@ use std::collections::HashMap;
 
 use crate::cluster::BlockIdHasher;
 
-/// Ids kept in the vector: at most 1 MiB of `u32` values per map.
+/// Ids kept in the vector: at most 1 MiB per prefix cache (`u32` nodes) and 4 MiB for
+/// the index (`u128` owner masks).
 pub(crate) const DENSE_IDS: u64 = 1 << 18;
 
 #[derive(Clone, Debug)]

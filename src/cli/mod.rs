@@ -165,6 +165,10 @@ pub struct UpArgs {
     /// Staged snapshots, the measured profile and worker logs.
     #[arg(long, default_value = ".cache/up")]
     pub cache_dir: PathBuf,
+    /// The scaler's state file: each pool's learnt season, resumed at the next start
+    /// [default: <cache-dir>/scaler-state.json].
+    #[arg(long)]
+    pub state_file: Option<PathBuf>,
     /// Parked standby workers kept per pool (loaded, not registered); a scale-up
     /// promotes them first.
     #[arg(long, default_value_t = 1)]

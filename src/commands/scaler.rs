@@ -36,11 +36,14 @@ pub fn run(cmd: ScalerCmd) -> anyhow::Result<ExitCode> {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(preheat_scaler::server::run(
+            let served = rt.block_on(preheat_scaler::server::run(
                 cfg,
                 profile,
                 crate::signals::shutdown_signal(),
-            ))?;
+            ));
+            // A state file save stuck on a hung disk must not hold the exit forever.
+            rt.shutdown_timeout(std::time::Duration::from_secs(5));
+            served?;
             Ok(ExitCode::SUCCESS)
         }
     }

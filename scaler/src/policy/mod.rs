@@ -388,13 +388,13 @@ impl PreheatPolicy {
         self.season.as_ref().map(Season::state)
     }
 
-    /// Takes back a season saved by an earlier run (see [`Season::restore`]); the
-    /// buckets learnt, or why it was refused (this pool's season is off, too).
+    /// Takes back a season saved by an earlier run (see [`Season::restore`]): what it
+    /// took, or why it was refused (this pool's season is off, too).
     pub fn restore_season(
         &mut self,
         st: &season::SeasonState,
         now_unix: f64,
-    ) -> Result<usize, String> {
+    ) -> Result<season::Restored, String> {
         match &mut self.season {
             Some(season) => season.restore(st, now_unix),
             None => Err("seasonality is off for this pool (season_period_s: 0)".into()),

@@ -73,6 +73,18 @@ pub struct Season {
     filling: Option<(i64, f64, f64)>,
     /// Unix time of the last reading.
     last_unix: Option<f64>,
+    /// Until when an earlier run's state was resumed ([`Season::restore`]): readings
+    /// seeded from after it are newer than what it learnt.
+    resumed_until: Option<f64>,
+}
+
+/// What [`Season::restore`] took back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Restored {
+    /// Buckets learnt.
+    pub buckets: usize,
+    /// Seconds of readings in the bucket that goes on filling (0: none).
+    pub filling_s: f64,
 }
 
 impl Season {
@@ -91,6 +103,7 @@ impl Season {
             learnt: vec![None; n],
             filling: None,
             last_unix: None,
+            resumed_until: None,
         })
     }
 
@@ -155,8 +168,9 @@ impl Season {
 
     /// Fills buckets not yet learnt from readings taken earlier (a restarted scaler
     /// reads them back from Prometheus): (Unix time, mean rate over the bucket before
-    /// it). Readings older than a period, in the future or not numbers are dropped.
-    /// Returns how many were taken.
+    /// it); a bucket resumed from the state file takes in a reading from after its
+    /// save as one more period. Readings older than a period, in the future or not
+    /// numbers are dropped. Returns how many were taken.
     pub fn seed(&mut self, now_unix: f64, points: &[(f64, f64)]) -> usize {
         let mut taken = 0;
         for &(at, rate) in points {
@@ -169,11 +183,18 @@ impl Season {
                 continue;
             }
             // The bucket that ends at `at` (a reading covers the bucket before it).
-            let slot = self.slot(self.abs_bucket(at - 0.5 * self.bucket_s));
-            if self.learnt[slot].is_none() {
-                self.learnt[slot] = Some(rate);
-                taken += 1;
+            let mid = at - 0.5 * self.bucket_s;
+            let slot = self.slot(self.abs_bucket(mid));
+            match self.learnt[slot] {
+                None => self.learnt[slot] = Some(rate),
+                // Seen after the resumed state was saved (while this scaler was
+                // down): a newer period of that bucket, blended in as one learnt live.
+                Some(old) if self.resumed_until.is_some_and(|r| mid > r) => {
+                    self.learnt[slot] = Some(BLEND * rate + (1.0 - BLEND) * old);
+                }
+                Some(_) => continue,
             }
+            taken += 1;
         }
         taken
     }
@@ -193,11 +214,13 @@ impl Season {
     }
 
     /// Takes back what an earlier run learnt (read from the state file at Unix time
-    /// `now_unix`), before any reading of this run; returns the buckets learnt. A
-    /// state from another period or bucket, with a wrong length or a value that is
-    /// not a rate, is refused whole, with the reason. A bucket or reading dated in the
-    /// future (a clock set back) is dropped: it would hold this run's readings off.
-    pub fn restore(&mut self, st: &SeasonState, now_unix: f64) -> Result<usize, String> {
+    /// `now_unix`), before any reading of this run. A state from another period or
+    /// bucket, with a wrong length or a learnt value that is not a rate, is refused
+    /// whole, with the reason. The bucket being filled is resumed when it is readings
+    /// (its seconds may run past a bucket: each reading covers the time since the last
+    /// one, across the bucket's start) and not dated in the future; so is the time of
+    /// the last reading. Otherwise they are dropped and the learnt buckets kept.
+    pub fn restore(&mut self, st: &SeasonState, now_unix: f64) -> Result<Restored, String> {
         if st.period_s != self.period_s || st.bucket_s != self.bucket_s {
             return Err(format!(
                 "saved for a {} s period of {} s buckets, configured {} s of {} s",
@@ -215,25 +238,24 @@ impl Season {
         if let Some(i) = st.learnt.iter().position(|v| v.is_some_and(|v| !rate(v))) {
             return Err(format!("bucket {i} holds {:?}, not a rate", st.learnt[i]));
         }
-        if let Some(f) = &st.filling
-            && !(rate(f.sum) && rate(f.secs) && f.secs <= self.bucket_s)
-        {
-            return Err(format!("the bucket being filled is not readings: {f:?}"));
-        }
         if !now_unix.is_finite() {
             return Err("no wall clock to date it by".into());
         }
         self.learnt.clone_from(&st.learnt);
         let now_bucket = self.abs_bucket(now_unix);
+        // A clock set back since the save would hold this run's readings off until it
+        // passed the saved ones.
+        self.last_unix = st.last_unix.filter(|t| t.is_finite() && *t <= now_unix);
         self.filling = st
             .filling
-            .filter(|f| f.bucket <= now_bucket)
+            .filter(|f| rate(f.sum) && rate(f.secs) && f.bucket <= now_bucket)
+            .filter(|_| self.last_unix.is_some())
             .map(|f| (f.bucket, f.sum, f.secs));
-        self.last_unix = st.last_unix.filter(|t| t.is_finite() && *t <= now_unix);
-        if self.last_unix.is_none() {
-            self.filling = None;
-        }
-        Ok(self.learnt.iter().filter(|v| v.is_some()).count())
+        self.resumed_until = self.last_unix;
+        Ok(Restored {
+            buckets: self.learnt.iter().filter(|v| v.is_some()).count(),
+            filling_s: self.filling.map_or(0.0, |f| f.2),
+        })
     }
 
     /// What the season expects from Unix time `unix` to `horizon_s` later; `None`
@@ -438,7 +460,7 @@ mod tests {
         // Through the state file's encoding, as a restarted scaler reads it.
         let st: SeasonState = serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
         let mut r = Season::new(DAY, 300.0).expect("season");
-        assert_eq!(r.restore(&st, DAY + 160.0), Ok(288));
+        assert_eq!(r.restore(&st, DAY + 160.0).map(|r| r.buckets), Ok(288));
         let at = DAY + 8.0 * 3600.0 - 120.0;
         assert_eq!(r.outlook(at, 300.0), s.outlook(at, 300.0));
         // The bucket saved half-read goes on filling across the restart (a gap counts
@@ -460,32 +482,81 @@ mod tests {
         short.learnt.pop();
         let mut bad_rate = good.clone();
         bad_rate.learnt[3] = Some(-1.0);
-        let mut bad_fill = good.clone();
-        bad_fill.filling = Some(Filling {
-            bucket: 12,
-            sum: 1.0,
-            secs: 1e9,
-        });
-        for (st, want) in [
-            (short, "287 buckets"),
-            (bad_rate, "bucket 3"),
-            (bad_fill, "filled"),
-        ] {
+        for (st, want) in [(short, "287 buckets"), (bad_rate, "bucket 3")] {
             let mut r = Season::new(DAY, 300.0).expect("season");
             let e = r.restore(&st, 4000.0).unwrap_err();
             assert!(e.contains(want), "{e}");
             assert_eq!(r.outlook(1000.0, 0.0), None, "nothing taken from {want}");
         }
+        // A bucket being filled that is not readings is dropped, the learnt ones kept.
+        let mut bad_fill = good.clone();
+        bad_fill.filling = Some(Filling {
+            bucket: 12,
+            sum: 1.0,
+            secs: f64::NAN,
+        });
+        let mut r = Season::new(DAY, 300.0).expect("season");
+        let learnt = good.learnt.iter().flatten().count();
+        assert_eq!(
+            r.restore(&bad_fill, 4000.0),
+            Ok(Restored {
+                buckets: learnt,
+                filling_s: 0.0
+            })
+        );
         // Saved by a clock ahead of this one: the learnt buckets stand, the reading
         // time and the bucket being filled are dropped, so this run's readings count.
         let mut r = Season::new(DAY, 300.0).expect("season");
-        assert_eq!(
-            r.restore(&good, 1000.0),
-            Ok(good.learnt.iter().flatten().count())
-        );
+        assert_eq!(r.restore(&good, 1000.0).map(|r| r.buckets), Ok(learnt));
         assert_eq!((r.state().filling, r.state().last_unix), (None, None));
         r.record(1005.0, 10.0, 5.0);
         assert_eq!(r.state().last_unix, Some(1005.0));
+    }
+
+    #[test]
+    fn regression_a_bucket_read_past_its_length_made_the_scaler_refuse_its_own_state() {
+        // Each reading covers the time since the last one, across a bucket's start: a
+        // tick at 299.0 then jittered ones from 300.5 to 599.9 fill bucket 1 with 300.9 s.
+        // Saved then, the state was refused whole on restart (and overwritten).
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        live(&mut s, 0.0, 295.0, |_| 10.0);
+        s.record(299.0, 10.0, 5.0);
+        let mut t = 300.5;
+        while t < 599.0 {
+            s.record(t, 10.0, 5.0);
+            t += 5.0;
+        }
+        s.record(599.9, 10.0, 5.0);
+        let st = s.state();
+        let secs = st.filling.expect("filling").secs;
+        assert!(secs > 300.0, "{secs}");
+        let mut r = Season::new(DAY, 300.0).expect("season");
+        let got = r.restore(&st, 600.0).expect("its own state");
+        assert_eq!(got.buckets, 1);
+        assert!((got.filling_s - secs).abs() < 1e-9, "{got:?}");
+    }
+
+    #[test]
+    fn readings_from_while_the_scaler_was_down_update_what_it_resumed() {
+        // Resumed at 09:00 from a save at 08:00 that had learnt 100 for every bucket;
+        // Prometheus has 500 for 08:30-08:35 (after the save) and 900 for 07:30-07:35
+        // (before it, which the saved blend already holds).
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        let mut st = s.state();
+        st.learnt = vec![Some(100.0); 288];
+        st.last_unix = Some(8.0 * 3600.0);
+        let now = 9.0 * 3600.0;
+        s.restore(&st, now).expect("restored");
+        let after = 8.5 * 3600.0 + 300.0;
+        let before = 7.5 * 3600.0 + 300.0;
+        assert_eq!(s.seed(now, &[(after, 500.0), (before, 900.0)]), 1);
+        let at = |u: f64| s.outlook(u, 0.0).and_then(|o| o.now);
+        assert_eq!(
+            at(DAY + 8.5 * 3600.0 + 10.0),
+            Some(300.0),
+            "blended by halves"
+        );
+        assert_eq!(at(DAY + 7.5 * 3600.0 + 10.0), Some(100.0), "kept");
     }
 
     #[test]

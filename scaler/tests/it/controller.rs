@@ -107,7 +107,7 @@ impl Running {
     /// Stops the scaler and checks it shut down cleanly.
     async fn stop(self) {
         let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(5), self.server)
+        tokio::time::timeout(Duration::from_secs(20), self.server)
             .await
             .unwrap()
             .unwrap()
@@ -361,7 +361,7 @@ async fn at_zero_with_state(state: &std::path::Path) -> Running {
     .await
 }
 
-/// The prefill pool's desired replicas once the scaler has decided.
+/// The pool's desired replicas once the scaler has decided.
 async fn first_decision(scaler: &mut Running, pool: &str) -> i64 {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -426,6 +426,7 @@ async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state
     let pool = |pool: &str| SavedPool {
         model: "llama".into(),
         pool: pool.into(),
+        saved_unix: now - 60.0,
         season: season.clone(),
     };
     // Saved a minute ago by the run before, with a pool that is no longer configured.
@@ -443,8 +444,26 @@ async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state
         64,
         "the ramp yesterday"
     );
+    // A second scaler on the same state file is refused by name: the two would
+    // overwrite each other's seasons.
+    let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
+    let twin = Config::load(
+        None,
+        &[
+            format!("grpc_listen=127.0.0.1:{gport}"),
+            format!("http_listen=127.0.0.1:{hport}"),
+            format!("state_file={}", path.display()),
+            "models=[{name: llama, prefill: {endpoints: []}, decode: {endpoints: []}}]".into(),
+        ],
+    )
+    .unwrap();
+    let e = preheat_scaler::server::run(twin, Profile::default(), async {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("in use by another scaler"), "{e}");
     // It goes on keeping its state: the next save holds the resumed season (and this
-    // run's readings), for both pools, and drops the retired model.
+    // run's readings) for both pools, and carries the retired model's for a rollback.
     let st = saved_after(&path, now).await;
     scaler.stop().await;
     let pools: Vec<(&str, &str)> = st
@@ -452,7 +471,15 @@ async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state
         .iter()
         .map(|p| (p.model.as_str(), p.pool.as_str()))
         .collect();
-    assert_eq!(pools, [("llama", "prefill"), ("llama", "decode")]);
+    assert_eq!(
+        pools,
+        [
+            ("llama", "prefill"),
+            ("llama", "decode"),
+            ("retired", "prefill")
+        ]
+    );
+    assert_eq!(st.pools[2].saved_unix, now - 60.0, "carried as it was");
     for k in 1..=3 {
         let s = slot(now + 300.0 * f64::from(k));
         assert_eq!(st.pools[0].season.learnt[s], Some(1e6), "bucket {s}");
@@ -489,6 +516,9 @@ async fn a_corrupt_state_file_is_reported_and_replaced_and_never_stops_the_scale
     assert_eq!(first_decision(&mut scaler, "prefill").await, 0);
     let st = saved_after(&path, before - 1.0).await;
     assert_eq!(st.pools.len(), 2, "{st:?}");
+    // The half file was set aside, not overwritten.
+    let aside = std::fs::read_to_string(dir.path().join("scaler-state.json.rejected")).unwrap();
+    assert!(aside.ends_with("\"saved_unix\": 17"), "{aside}");
     // A graceful stop saves once more: what was learnt since the last save is kept.
     let stopping = unix_now();
     scaler.stop().await;

@@ -32,6 +32,9 @@ use crate::commands::up;
 use crate::output::outln;
 use crate::process::free_port;
 
+/// This run's scaler state file, in its cache dir: deleted before each run.
+const STATE_FILE: &str = "simreal-scaler-state.json";
+
 /// Predicted replica-seconds may be off by this fraction of the measured …
 const REPLICA_SECONDS_TOLERANCE: f64 = 0.20;
 /// … and predicted attainment by this many percentage points. A miss means the model
@@ -123,6 +126,8 @@ fn up_args(a: &BenchSimrealArgs) -> anyhow::Result<Vec<String>> {
         addr(free_port()?),
         "--cache-dir".into(),
         a.cache_dir.to_string_lossy().into_owned(),
+        "--state-file".into(),
+        a.cache_dir.join(STATE_FILE).to_string_lossy().into_owned(),
         "--prefill-max".into(),
         a.prefill_max.to_string(),
         "--decode-max".into(),
@@ -409,8 +414,8 @@ async fn measure(
 ) -> anyhow::Result<Measured> {
     std::fs::create_dir_all(&a.cache_dir)?;
     // From idle with nothing learnt, as the simulation starts: an earlier run's season
-    // would pre-warm this one.
-    match std::fs::remove_file(a.cache_dir.join(up::STATE_FILE)) {
+    // would pre-warm this one. Its own file, never an operator's `up`'s.
+    match std::fs::remove_file(a.cache_dir.join(STATE_FILE)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             anyhow::bail!("removing the last run's scaler state: {e}")
         }

@@ -50,6 +50,7 @@ struct Options {
     idle_grace_s: f64,
     limits: [(u32, u32); 2],
     cache: PathBuf,
+    state_file: PathBuf,
     model: Option<PathBuf>,
     chat_template: Option<String>,
     kv_cache_mib: usize,
@@ -114,6 +115,10 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
         idle_grace_s: a.idle_grace.as_secs_f64(),
         limits: [(a.prefill_min, a.prefill_max), (a.decode_min, a.decode_max)],
         cache: a.cache_dir.clone(),
+        state_file: a
+            .state_file
+            .clone()
+            .unwrap_or_else(|| a.cache_dir.join(STATE_FILE)),
         model: a.model.clone(),
         chat_template: super::engine::read_chat_template(a.chat_template.as_deref())?,
         kv_cache_mib: a.kv_cache_mib,
@@ -180,12 +185,13 @@ pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
     })
 }
 
+/// The scaler's state file in the cache directory unless `--state-file` says: a
+/// restarted `up` resumes each pool's season (its load by time of day) instead of
+/// relearning it over a day.
+const STATE_FILE: &str = "scaler-state.json";
+
 /// The scaler's config for this machine: both pools' endpoints come from the driver at
 /// run time (`run_with`), quick ticks, this run's SLOs and limits.
-/// The scaler's state file in the cache directory: a restarted `up` resumes each
-/// pool's season (its load by time of day) instead of relearning it over a day.
-pub const STATE_FILE: &str = "scaler-state.json";
-
 fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result<Config> {
     let pool = |limits| PoolConfig {
         policy: pool_policy(o, limits),
@@ -196,7 +202,7 @@ fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result
         http_listen: o.scaler_http,
         // `/status` names endpoints: behind this run's token like the rest.
         cluster_token_file: Some(token_file.to_path_buf()),
-        state_file: Some(o.cache.join(STATE_FILE)),
+        state_file: Some(o.state_file.clone()),
         interval_s: INTERVAL_S,
         window_s: WINDOW_S,
         models: vec![ModelConfig {
