@@ -243,6 +243,12 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         let plot = std::fs::read_to_string(&svg).unwrap();
         assert!(plot.contains(">decode</text>") && plot.contains("TTFT p90"));
     });
+    // The scaler keeps what it learnt in the cache dir, for the next `up`.
+    let state = preheat_scaler::state::load(&cache.path().join("scaler-state.json"))
+        .unwrap()
+        .expect("a state file after the first tick");
+    let pools: Vec<&str> = state.pools.iter().map(|p| p.pool.as_str()).collect();
+    assert_eq!(pools, ["prefill", "decode"]);
 }
 
 /// `preheat up ARGS` on loopback ports with `cache` as its cache; its stderr goes to
