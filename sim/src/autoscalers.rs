@@ -9,6 +9,8 @@ use preheat_scaler::policy::{Observation, Pool, PoolPolicy, PreheatPolicy};
 use preheat_scaler::profile::Profile;
 use preheat_scaler::signals::PoolSignals;
 
+use crate::hpa::{Hpa, HpaBehavior};
+
 /// What an autoscaler sees of one pool when it decides.
 #[derive(Clone, Debug, Default)]
 pub struct PoolView {
@@ -193,60 +195,15 @@ impl Autoscaler for Static {
     }
 }
 
-/// Kubernetes HPA's algorithm: `ceil(current × metric / target)`, skipped within the
-/// 10% tolerance, scale-down to the highest recommendation of the stabilisation
-/// window (300 s), scale-up limited to max(4 pods, +100%) per period.
-#[derive(Clone, Debug)]
-struct Hpa {
-    min: u32,
-    max: u32,
-    recommendations: VecDeque<(f64, u32)>,
-}
-
-impl Hpa {
-    const TOLERANCE: f64 = 0.1;
-    const DOWN_STABILIZATION_S: f64 = 300.0;
-
-    fn new(min: u32, max: u32) -> Self {
-        Hpa {
-            min,
-            max,
-            recommendations: VecDeque::new(),
-        }
-    }
-
-    /// `ratio` is metric / target (utilisation ratio or per-replica average / target).
-    fn apply(&mut self, t: f64, current: u32, ratio: f64, total_over_target: f64) -> u32 {
-        let raw = if current == 0 {
-            total_over_target.ceil()
-        } else if (ratio - 1.0).abs() <= Self::TOLERANCE {
-            f64::from(current)
-        } else {
-            (f64::from(current) * ratio).ceil()
-        };
-        let raw = (raw.max(0.0) as u32).clamp(self.min, self.max);
-        self.recommendations.push_back((t, raw));
-        while self
-            .recommendations
-            .front()
-            .is_some_and(|(ts, _)| *ts < t - Self::DOWN_STABILIZATION_S)
-        {
-            self.recommendations.pop_front();
-        }
-        let stabilized = self
-            .recommendations
-            .iter()
-            .map(|r| r.1)
-            .max()
-            .unwrap_or(raw);
-        let desired = if raw < current {
-            stabilized.min(current)
-        } else {
-            raw
-        };
-        let up_limit = current.saturating_mul(2).max(current + 4);
-        desired.min(up_limit).clamp(self.min, self.max)
-    }
+/// The replicas HPA's metric asks for: `ceil(current × ratio)`, or at zero replicas
+/// the metric's total over its target.
+fn hpa_proposal(current: u32, ratio: f64, total_over_target: f64) -> u32 {
+    let x = if current == 0 {
+        total_over_target
+    } else {
+        f64::from(current) * ratio
+    };
+    x.ceil().max(0.0) as u32
 }
 
 /// HPA on GPU utilisation (busy fraction), target 70% unless given; HPA cannot scale
@@ -264,7 +221,7 @@ impl HpaUtilization {
     #[must_use]
     pub fn new(max: u32, target: f64) -> Self {
         HpaUtilization {
-            hpa: Hpa::new(1, max),
+            hpa: Hpa::new(HpaBehavior::KUBERNETES_DEFAULT, 1, max),
             target,
         }
     }
@@ -279,7 +236,8 @@ impl Autoscaler for HpaUtilization {
     }
     fn decide(&mut self, v: &PoolView) -> u32 {
         let ratio = v.utilization / self.target;
-        self.hpa.apply(v.t, v.current, ratio, ratio)
+        let proposal = hpa_proposal(v.current, ratio, ratio);
+        self.hpa.sync(v.t, v.current, ratio, proposal)
     }
 }
 
@@ -304,7 +262,7 @@ impl KedaQueue {
         KedaQueue {
             pool,
             cap,
-            hpa: Hpa::new(1, max),
+            hpa: Hpa::new(HpaBehavior::KUBERNETES_DEFAULT, 1, max),
             last_active: f64::NEG_INFINITY,
             fraction,
         }
@@ -321,7 +279,7 @@ impl Autoscaler for KedaQueue {
             self.last_active = v.t;
         }
         if v.t - self.last_active > COOLDOWN_S {
-            self.hpa.recommendations.clear();
+            self.hpa.reset();
             return 0;
         }
         let target = (self.cap.per_replica(self.pool) * self.fraction).max(1.0);
@@ -332,7 +290,8 @@ impl Autoscaler for KedaQueue {
         } else {
             total / f64::from(v.current)
         };
-        self.hpa.apply(v.t, v.current, ratio, total).max(1)
+        let proposal = hpa_proposal(v.current, ratio, total);
+        self.hpa.sync(v.t, v.current, ratio, proposal).max(1)
     }
 }
 

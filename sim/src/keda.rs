@@ -6,9 +6,8 @@
 //! pool from 0 to 1 as soon as `StreamIsActive` says active, and back to 0 once the
 //! scaler has been inactive for the cooldown period.
 
-use std::collections::VecDeque;
-
 use crate::autoscalers::{Autoscaler, PoolView};
+use crate::hpa::{Hpa, HpaBehavior};
 
 /// The actuation path from a policy's decision to the replica count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -30,18 +29,9 @@ pub struct KedaSettings {
     /// HPA reads at the first scaler tick at or after each sync mark (the scaler's
     /// default 5 s tick divides 15 s).
     pub sync_s: f64,
-    /// `behavior.scaleUp.tolerance` / `behavior.scaleDown.tolerance`, as the chart
-    /// sets them; clusters without the `HPAConfigurableTolerance` feature use 10% both
-    /// ways instead.
-    pub up_tolerance: f64,
-    pub down_tolerance: f64,
-    /// Scale-up policies (largest wins): +`up_percent`% or +`up_pods` per `up_period_s`.
-    pub up_percent: f64,
-    pub up_pods: u32,
-    pub up_period_s: f64,
-    /// Scale-down policy: at most `down_pods` removed per `down_period_s`.
-    pub down_pods: u32,
-    pub down_period_s: f64,
+    /// The HPA's `behavior` (tolerances, policies), as the chart sets it; clusters
+    /// without the `HPAConfigurableTolerance` feature use 10% both ways instead.
+    pub behavior: HpaBehavior,
     /// `cooldownPeriod`: seconds inactive before KEDA scales to zero.
     pub cooldown_s: f64,
 }
@@ -50,13 +40,7 @@ impl Default for KedaSettings {
     fn default() -> Self {
         KedaSettings {
             sync_s: 15.0,
-            up_tolerance: 0.01,
-            down_tolerance: 0.05,
-            up_percent: 100.0,
-            up_pods: 4,
-            up_period_s: 15.0,
-            down_pods: 1,
-            down_period_s: 30.0,
+            behavior: HpaBehavior::CHART,
             cooldown_s: 300.0,
         }
     }
@@ -66,18 +50,15 @@ impl Default for KedaSettings {
 pub struct Keda {
     inner: Box<dyn Autoscaler>,
     s: KedaSettings,
-    max: u32,
+    hpa: Hpa,
     next_sync: f64,
     last_active: f64,
-    /// (time, replicas added or removed) of each HPA change, over the longer period.
-    changes: VecDeque<(f64, i64)>,
 }
 
 impl std::fmt::Debug for Keda {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Keda")
             .field("settings", &self.s)
-            .field("max", &self.max)
             .field("next_sync", &self.next_sync)
             .finish_non_exhaustive()
     }
@@ -88,53 +69,11 @@ impl Keda {
         Keda {
             inner,
             s: settings,
-            max: max_replicas.max(1),
+            // HPA's minimum is 1 while KEDA holds the pool active.
+            hpa: Hpa::new(settings.behavior, 1, max_replicas.max(1)),
             next_sync: 0.0,
             last_active: f64::NEG_INFINITY,
-            changes: VecDeque::new(),
         }
-    }
-
-    /// HPA's rate-limit base: replicas at the start of the policy's period, i.e. now
-    /// less what was added in it plus what was removed (both directions, as the HPA
-    /// controller counts them).
-    fn period_start(&self, t: f64, period: f64, current: u32) -> u32 {
-        let moved: i64 = self
-            .changes
-            .iter()
-            .filter(|(at, _)| *at > t - period)
-            .map(|c| c.1)
-            .sum();
-        u32::try_from((i64::from(current) - moved).max(0)).unwrap_or(u32::MAX)
-    }
-
-    /// One HPA sync: `metric` is the scaler's desired replicas (target 1 per replica).
-    fn hpa(&mut self, t: f64, current: u32, metric: u32) -> u32 {
-        let ratio = f64::from(metric) / f64::from(current);
-        let within = ratio <= 1.0 + self.s.up_tolerance && ratio >= 1.0 - self.s.down_tolerance;
-        // HPA's minimum is 1 while KEDA holds the pool active.
-        let mut want = if within {
-            current
-        } else {
-            metric.clamp(1, self.max)
-        };
-        if want > current {
-            let base = self.period_start(t, self.s.up_period_s, current);
-            let by_percent = (f64::from(base) * (1.0 + self.s.up_percent / 100.0)).ceil() as u32;
-            want = want.min(by_percent.max(base + self.s.up_pods));
-        } else if want < current {
-            let base = self.period_start(t, self.s.down_period_s, current);
-            want = want.max(base.saturating_sub(self.s.down_pods));
-        }
-        if want != current {
-            self.changes
-                .push_back((t, i64::from(want) - i64::from(current)));
-        }
-        let keep = self.s.up_period_s.max(self.s.down_period_s);
-        while self.changes.front().is_some_and(|c| c.0 <= t - keep) {
-            self.changes.pop_front();
-        }
-        want
     }
 }
 
@@ -169,13 +108,15 @@ impl Autoscaler for Keda {
             return u32::from(desired > 0);
         }
         if desired == 0 && v.t - self.last_active >= self.s.cooldown_s {
-            self.changes.clear();
+            self.hpa.reset();
             return 0;
         }
         if !synced {
             return v.current;
         }
-        self.hpa(v.t, v.current, desired)
+        // The metric is the scaler's desired replicas against a target of 1 each.
+        let ratio = f64::from(desired) / f64::from(v.current);
+        self.hpa.sync(v.t, v.current, ratio, desired)
     }
 }
 

@@ -24,6 +24,7 @@ pub mod clairvoyant;
 pub mod cluster;
 pub mod config;
 pub mod day;
+pub mod hpa;
 pub mod keda;
 mod observe;
 mod per_pool;
