@@ -375,7 +375,7 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
                 logs.lines()
                     .any(|l| l.contains("season resumed from the state file")
                         && l.contains(&format!("pool={pool}"))
-                        && !l.contains("filling_s=0 ")),
+                        && !l.contains("filling_s=0.0 ")),
                 "the new scaler did not resume {pool}'s season:\n{logs}"
             );
         }

@@ -258,7 +258,15 @@ struct StateKeeper {
     in_flight: Option<tokio::task::JoinHandle<Result<(), crate::state::StateError>>>,
     /// Whether the last save failed (a failure is logged when it starts and ends).
     failing: bool,
+    /// Whether a save still running when the next was due was logged.
+    slow_logged: bool,
+    /// The path is not a file this scaler can replace (a directory, a FIFO): no saves.
+    disabled: bool,
 }
+
+/// Seasons carried for a rollback, newest first, at most: the file stays far below
+/// the size a scaler reads back.
+const MAX_CARRIED: usize = 64;
 
 impl StateKeeper {
     /// Takes back what an earlier run saved: each pool's season whose model, pool,
@@ -272,6 +280,8 @@ impl StateKeeper {
             saved_at: None,
             in_flight: None,
             failing: false,
+            slow_logged: false,
+            disabled: false,
         };
         let p = path.to_path_buf();
         let loaded = tokio::task::spawn_blocking(move || crate::state::load(&p))
@@ -288,15 +298,27 @@ impl StateKeeper {
                 tracing::info!(path = %path.display(), "no state file yet: learning each pool's season from now on");
                 return keeper;
             }
-            Err(e) => {
+            // Contents that cannot be used: kept aside for whoever wants them.
+            Err(
+                e @ (crate::state::StateError::Parse { .. }
+                | crate::state::StateError::Format { .. }
+                | crate::state::StateError::TooLarge { .. }),
+            ) => {
                 match crate::state::set_aside(path) {
                     Ok(aside) => {
                         tracing::warn!(error = %e, aside = %aside.display(), "not resuming the state file: set aside; learning each pool's season afresh")
                     }
                     Err(e2) => {
-                        tracing::warn!(error = %e, aside_error = %e2, "not resuming the state file, and it could not be set aside: the next save replaces it; learning each pool's season afresh")
+                        tracing::error!(error = %e, aside_error = %e2, "not resuming the state file, and it could not be set aside: not saving over it");
+                        keeper.disabled = true;
                     }
                 }
+                return keeper;
+            }
+            // Not a file it can read (a directory, a FIFO, no permission): left alone.
+            Err(e) => {
+                tracing::error!(error = %e, "cannot use the state file: seasons are neither resumed nor kept");
+                keeper.disabled = true;
                 return keeper;
             }
         };
@@ -306,7 +328,9 @@ impl StateKeeper {
             return keeper;
         };
         let mut resumed: Vec<(String, Pool)> = Vec::new();
-        for saved in state.pools {
+        for mut saved in state.pools {
+            // Saved by a clock ahead of this one: aged from now, not from the future.
+            saved.saved_unix = saved.saved_unix.min(now);
             let age = now - saved.saved_unix;
             if !(age.is_finite() && age <= crate::state::max_age_s(saved.season.period_s)) {
                 tracing::info!(model = %saved.model, pool = %saved.pool, age_s = age, "state file: the season is too old to resume; dropping it");
@@ -343,6 +367,10 @@ impl StateKeeper {
             }
         }
         keeper
+            .carried
+            .sort_by(|a, b| b.saved_unix.total_cmp(&a.saved_unix));
+        keeper.carried.truncate(MAX_CARRIED);
+        keeper
     }
 
     /// What each pool learnt, and what is carried.
@@ -371,24 +399,29 @@ impl StateKeeper {
 
     /// Starts a save when one is due and none is in flight.
     fn save_if_due(&mut self, models: &[ModelLoop]) {
-        if self
-            .saved_at
-            .is_some_and(|s| s.elapsed().as_secs_f64() < crate::state::SAVE_EVERY_S)
+        if self.disabled
+            || self
+                .saved_at
+                .is_some_and(|s| s.elapsed().as_secs_f64() < crate::state::SAVE_EVERY_S)
         {
             return;
         }
-        if let Some(h) = &self.in_flight {
-            if !h.is_finished() {
-                if !self.failing {
-                    self.failing = true;
-                    tracing::warn!(path = %self.path.display(), "the last state file save has not finished (a slow disk?): skipping this one");
+        if let Some(mut h) = self.in_flight.take() {
+            // A finished task's result, unless the task budget defers it: then, as
+            // when it is still running, the next tick asks again.
+            match futures_util::FutureExt::now_or_never(&mut h) {
+                Some(r) => {
+                    self.slow_logged = false;
+                    self.heard(Some(r));
                 }
-                return;
-            }
-            if let Some(h) = self.in_flight.take() {
-                // Finished: its result is ready without waiting.
-                let r = futures_util::FutureExt::now_or_never(h);
-                self.heard(r);
+                None => {
+                    if !self.slow_logged && !h.is_finished() {
+                        self.slow_logged = true;
+                        tracing::warn!(path = %self.path.display(), "the last state file save has not finished (a slow disk?): skipping saves until it does");
+                    }
+                    self.in_flight = Some(h);
+                    return;
+                }
             }
         }
         self.saved_at = Some(Instant::now());
@@ -404,6 +437,9 @@ impl StateKeeper {
     /// Waits (a few seconds at most) for the save in flight, then saves once more.
     async fn last_save(mut self, models: &[ModelLoop]) {
         const WAIT: Duration = Duration::from_secs(5);
+        if self.disabled {
+            return;
+        }
         if let Some(h) = self.in_flight.take() {
             match tokio::time::timeout(WAIT, h).await {
                 Ok(r) => self.heard(Some(r)),

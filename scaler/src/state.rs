@@ -6,8 +6,9 @@
 //! The file is written whole to a temporary file beside it, synced, and renamed over
 //! it, so a crash mid-write leaves the previous state, never half of one. It is read
 //! once at start, bounded in size before it is parsed; one that cannot be used is
-//! reported by name and the scaler starts learning afresh (a state file never keeps a
-//! scaler from starting).
+//! reported by name and set aside, and the scaler starts learning afresh (a state
+//! file never keeps a scaler from starting: one held by another scaler past
+//! [`LOCK_WAIT_S`] is done without).
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -184,6 +185,29 @@ pub fn set_aside(path: &Path) -> Result<PathBuf, StateError> {
     Ok(aside)
 }
 
+/// How long a starting scaler waits for another to let go of its state file: a pod
+/// replaced outside a rollout starts while the old one still drains (up to its
+/// grace period), and both mount the same claim.
+pub const LOCK_WAIT_S: f64 = 90.0;
+
+/// [`lock`], retried every second for up to `wait` while another scaler holds it.
+pub fn lock_waiting(path: &Path, wait: std::time::Duration) -> Result<std::fs::File, StateError> {
+    let until = std::time::Instant::now() + wait;
+    let mut said = false;
+    loop {
+        match lock(path) {
+            Err(e @ StateError::InUse { .. }) if std::time::Instant::now() < until => {
+                if !said {
+                    said = true;
+                    tracing::warn!(error = %e, wait_s = wait.as_secs_f64(), "waiting for the other scaler to let go of the state file");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(250).min(wait));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Holds `<path>.lock` for as long as the returned file is kept: one scaler per state
 /// file. [`StateError::InUse`] when another holds it; any other error means the
 /// filesystem cannot lock (some network filesystems), which the caller may accept.
@@ -333,6 +357,28 @@ mod tests {
         assert!(e.to_string().contains("another scaler"), "{e}");
         drop(held);
         lock(&path).expect("free again once the holder is gone");
+    }
+
+    #[test]
+    fn a_starting_scaler_waits_for_the_old_one_to_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        let held = lock(&path).unwrap();
+        let letting_go = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(held);
+        });
+        lock_waiting(&path, std::time::Duration::from_secs(10)).expect("free within the wait");
+        letting_go.join().unwrap();
+        // Held past the wait: InUse, after waiting for it.
+        let _held = lock(&path.with_extension("b")).unwrap();
+        let t0 = std::time::Instant::now();
+        let e = lock_waiting(
+            &path.with_extension("b"),
+            std::time::Duration::from_millis(400),
+        );
+        assert!(matches!(e, Err(StateError::InUse { .. })), "{e:?}");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(400));
     }
 
     #[test]

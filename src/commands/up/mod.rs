@@ -367,7 +367,10 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 break c;
             }
             if scaler_task.is_finished() {
-                bail!("the scaler did not start");
+                match scaler_task.await {
+                    Ok(Err(e)) => bail!("the scaler did not start: {e}"),
+                    _ => bail!("the scaler did not start"),
+                }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
@@ -435,7 +438,10 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         let _ = scaler_task.await;
         let _ = agent_task.await;
         anyhow::Ok(fatal)
-    })?;
+    });
+    // A scaler state file save stuck on a hung disk must not hold the exit forever.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    let fatal = fatal?;
     match fatal {
         Some(why) => {
             eprintln!(
