@@ -362,6 +362,13 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
     let values = json!({"scaler": {"state": {"persistence": {"enabled": true}}}});
     scaler_disruption(values, 216, "the restart", |c| {
         let victim = c.pods_of(SCALER)[0].name.clone();
+        // Killed once it has saved a bucket under way (saves are 30 s apart).
+        let file = c
+            .claim_dir("rel-preheat-scaler-state")
+            .join("scaler-state.json");
+        wait_for("a saved bucket under way", 90, || {
+            std::fs::read_to_string(&file).is_ok_and(|s| s.contains("\"filling\":{"))
+        });
         kill_the_scaler(c);
         let now = c
             .pods_of(SCALER)

@@ -711,6 +711,11 @@ impl Cluster {
         Some(n)
     }
 
+    /// The host directory behind a PersistentVolumeClaim.
+    pub fn claim_dir(&self, claim: &str) -> PathBuf {
+        self.dir.path().join("claims").join(claim)
+    }
+
     /// The logs of a pod's container (for failure messages).
     pub fn logs(&self, pod: &str) -> String {
         self.logs_tail(pod, "30")
