@@ -260,8 +260,12 @@ struct StateKeeper {
     failing: bool,
     /// Whether a save still running when the next was due was logged.
     slow_logged: bool,
-    /// The path is not a file this scaler can replace (a directory, a FIFO): no saves.
+    /// The path is not a file this scaler can replace (a directory, a FIFO), or
+    /// another scaler holds it: no saves.
     disabled: bool,
+    /// The lock on the state file, held for the keeper's life (`None`: the
+    /// filesystem cannot lock).
+    _lock: Option<std::fs::File>,
 }
 
 /// Seasons carried for a rollback, newest first, at most: the file stays far below
@@ -282,7 +286,32 @@ impl StateKeeper {
             failing: false,
             slow_logged: false,
             disabled: false,
+            _lock: None,
         };
+        // One scaler per state file: two would overwrite each other's seasons (two
+        // `preheat up` on one cache dir, a shared claim). A pod replaced outside a
+        // rollout starts while the old one drains: wait for it (the listeners are up,
+        // KEDA is told "no decision yet" and keeps the pools), then go without the file
+        // rather than not at all.
+        let p = path.to_path_buf();
+        let wait = Duration::from_secs_f64(crate::state::LOCK_WAIT_S);
+        let locked = tokio::task::spawn_blocking(move || crate::state::lock_waiting(&p, wait))
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()));
+        match locked {
+            Ok(Ok(f)) => keeper._lock = Some(f),
+            Ok(Err(e @ crate::state::StateError::InUse { .. })) => {
+                tracing::error!(error = %e, "running without the state file: this scaler's seasons are neither resumed nor kept");
+                keeper.disabled = true;
+                return keeper;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot lock the state file: not checking for another scaler using it");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot lock the state file: not checking for another scaler using it");
+            }
+        }
         let p = path.to_path_buf();
         let loaded = tokio::task::spawn_blocking(move || crate::state::load(&p))
             .await

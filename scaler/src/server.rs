@@ -57,35 +57,6 @@ pub async fn run_with(
         // Read the PEM files before binding, so a bad file fails the start.
         tls_config(t)?;
     }
-    // One scaler per state file, held until this returns: two would overwrite each
-    // other's seasons (two `preheat up` on one cache dir, a shared claim). A pod
-    // replaced outside a rollout starts while the old one drains: wait for it; if it
-    // never lets go, run without the file rather than not at all.
-    let mut cfg = cfg;
-    let _state_lock = match cfg.state_file.clone() {
-        Some(p) => {
-            let wait = std::time::Duration::from_secs_f64(crate::state::LOCK_WAIT_S);
-            let locked =
-                tokio::task::spawn_blocking(move || crate::state::lock_waiting(&p, wait)).await;
-            match locked {
-                Ok(Ok(f)) => Some(f),
-                Ok(Err(e @ crate::state::StateError::InUse { .. })) => {
-                    tracing::error!(error = %e, "running without the state file: this scaler's seasons are neither resumed nor kept");
-                    cfg.state_file = None;
-                    None
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "cannot lock the state file: not checking for another scaler using it");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot lock the state file: not checking for another scaler using it");
-                    None
-                }
-            }
-        }
-        None => None,
-    };
     // Fail at start, not at the first tick, when the cluster cannot be reached.
     let kube = if Controller::needs_kube(&cfg) {
         Some(crate::kube::client(cfg.kubernetes.api_url.as_deref()).await?)
