@@ -208,7 +208,9 @@ impl Controller {
             })
             .collect();
         let mut keeper = match &self.cfg.state_file {
-            Some(path) => Some(StateKeeper::resume(path, &mut models).await),
+            Some(path) => {
+                Some(StateKeeper::resume(path, &mut models, Arc::clone(&self.store)).await)
+            }
             None => None,
         };
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
@@ -252,10 +254,12 @@ impl Controller {
 /// [`SAVE_EVERY_S`]: crate::state::SAVE_EVERY_S
 /// [`max_age_s`]: crate::state::max_age_s
 struct StateKeeper {
+    /// Where the last successful save is published (`/metrics`).
+    store: Arc<DecisionStore>,
     path: std::path::PathBuf,
     carried: Vec<crate::state::SavedPool>,
     saved_at: Option<Instant>,
-    in_flight: Option<tokio::task::JoinHandle<Result<(), crate::state::StateError>>>,
+    in_flight: Option<tokio::task::JoinHandle<Result<f64, crate::state::StateError>>>,
     /// Whether the last save failed (a failure is logged when it starts and ends).
     failing: bool,
     /// Whether a save still running when the next was due was logged.
@@ -277,8 +281,13 @@ impl StateKeeper {
     /// period and bucket still match and that is not too old. A file that cannot be
     /// read is set aside (`.rejected`) and each season learnt afresh; nothing here
     /// stops the scaler.
-    async fn resume(path: &std::path::Path, models: &mut [ModelLoop]) -> Self {
+    async fn resume(
+        path: &std::path::Path,
+        models: &mut [ModelLoop],
+        store: Arc<DecisionStore>,
+    ) -> Self {
         let mut keeper = StateKeeper {
+            store,
             path: path.to_path_buf(),
             carried: Vec::new(),
             saved_at: None,
@@ -428,30 +437,36 @@ impl StateKeeper {
 
     /// Starts a save when one is due and none is in flight.
     fn save_if_due(&mut self, models: &[ModelLoop]) {
-        if self.disabled
-            || self
-                .saved_at
-                .is_some_and(|s| s.elapsed().as_secs_f64() < crate::state::SAVE_EVERY_S)
-        {
+        if self.disabled {
             return;
         }
+        // A save that finished is heard at the next tick (its time goes to /metrics),
+        // unless the task budget defers its result: then at a later one.
         if let Some(mut h) = self.in_flight.take() {
-            // A finished task's result, unless the task budget defers it: then, as
-            // when it is still running, the next tick asks again.
-            match futures_util::FutureExt::now_or_never(&mut h) {
+            match h
+                .is_finished()
+                .then(|| futures_util::FutureExt::now_or_never(&mut h))
+                .flatten()
+            {
                 Some(r) => {
                     self.slow_logged = false;
                     self.heard(Some(r));
                 }
-                None => {
-                    if !self.slow_logged && !h.is_finished() {
-                        self.slow_logged = true;
-                        tracing::warn!(path = %self.path.display(), "the last state file save has not finished (a slow disk?): skipping saves until it does");
-                    }
-                    self.in_flight = Some(h);
-                    return;
-                }
+                None => self.in_flight = Some(h),
             }
+        }
+        if self
+            .saved_at
+            .is_some_and(|s| s.elapsed().as_secs_f64() < crate::state::SAVE_EVERY_S)
+        {
+            return;
+        }
+        if let Some(h) = &self.in_flight {
+            if !self.slow_logged && !h.is_finished() {
+                self.slow_logged = true;
+                tracing::warn!(path = %self.path.display(), "the last state file save has not finished (a slow disk?): skipping saves until it does");
+            }
+            return;
         }
         self.saved_at = Some(Instant::now());
         let Some(state) = self.state(models) else {
@@ -459,7 +474,7 @@ impl StateKeeper {
         };
         let p = self.path.clone();
         self.in_flight = Some(tokio::task::spawn_blocking(move || {
-            crate::state::save(&p, &state)
+            crate::state::save(&p, &state).map(|()| state.saved_unix)
         }));
     }
 
@@ -482,7 +497,9 @@ impl StateKeeper {
             return;
         };
         let p = self.path.clone();
-        let h = tokio::task::spawn_blocking(move || crate::state::save(&p, &state));
+        let h = tokio::task::spawn_blocking(move || {
+            crate::state::save(&p, &state).map(|()| state.saved_unix)
+        });
         match tokio::time::timeout(WAIT, h).await {
             Ok(r) => self.heard(Some(r)),
             Err(_) => {
@@ -493,7 +510,7 @@ impl StateKeeper {
 
     fn heard(
         &mut self,
-        r: Option<Result<Result<(), crate::state::StateError>, tokio::task::JoinError>>,
+        r: Option<Result<Result<f64, crate::state::StateError>, tokio::task::JoinError>>,
     ) {
         let r = match r {
             Some(Ok(r)) => r,
@@ -503,12 +520,15 @@ impl StateKeeper {
             }),
             None => return,
         };
+        if let Ok(unix) = r {
+            self.store.set_state_saved(unix);
+        }
         match r {
-            Ok(()) if self.failing => {
+            Ok(_) if self.failing => {
                 self.failing = false;
                 tracing::info!(path = %self.path.display(), "state file saved again");
             }
-            Ok(()) => {}
+            Ok(_) => {}
             Err(e) if !self.failing => {
                 self.failing = true;
                 tracing::warn!(error = %e, "saving the state file failed: a restart now would lose what was learnt since the last save; retrying every 30 s");

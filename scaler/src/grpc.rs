@@ -101,6 +101,8 @@ pub struct DecisionStore {
     status: RwLock<HashMap<(String, Pool), PoolStatus>>,
     version: watch::Sender<u64>,
     closed: std::sync::atomic::AtomicBool,
+    /// Unix time of the state file's last successful save.
+    state_saved: RwLock<Option<f64>>,
 }
 
 impl DecisionStore {
@@ -114,6 +116,7 @@ impl DecisionStore {
             status: RwLock::new(HashMap::new()),
             version: watch::channel(0).0,
             closed: false.into(),
+            state_saved: RwLock::new(None),
         })
     }
 
@@ -159,6 +162,17 @@ impl DecisionStore {
     }
 
     /// Records what the last tick saw of a pool (KEDA never reads this; `/metrics` does).
+    /// Records a successful save of the state file, made at Unix time `unix`.
+    pub fn set_state_saved(&self, unix: f64) {
+        *self.state_saved.write().unwrap_or_else(|e| e.into_inner()) = Some(unix);
+    }
+
+    /// When the state file was last saved; `None` before the first save, or without one.
+    #[must_use]
+    pub fn state_saved(&self) -> Option<f64> {
+        *self.state_saved.read().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn set_status(&self, model: &str, pool: Pool, s: PoolStatus) {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.insert((model.to_owned(), pool), s);

@@ -217,7 +217,16 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
             &|p| some(p.load.map(|l| l.needed)),
         ),
     ];
-    for e in families.into_iter().filter_map(Result::err) {
+    // Per scaler, not per pool.
+    let saved = store.state_saved().map(|unix| -> prometheus::Result<()> {
+        let g = prometheus::Gauge::with_opts(prometheus::Opts::new(
+            own::STATE_SAVED,
+            "Unix time of the state file's last successful save",
+        ))?;
+        g.set(unix);
+        registry.register(Box::new(g))
+    });
+    for e in families.into_iter().chain(saved).filter_map(Result::err) {
         // Only a malformed name or label could fail, and those are constants here.
         tracing::error!(error = %e, "a scaler metric family could not be built");
     }
@@ -270,10 +279,17 @@ mod tests {
                 ..PoolStatus::default()
             },
         );
+        store.set_state_saved(1.8e9);
         let text = metrics(&store, &["m".into()]);
         let samples: Vec<_> = crate::signals::text_format::samples(&text)
             .collect::<Result<_, _>>()
             .expect("valid exposition");
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.name == crate::signals::names::own::STATE_SAVED && s.value == 1.8e9),
+            "{text}"
+        );
         let value = |name: &str, labels: &[(&str, &str)]| {
             samples
                 .iter()

@@ -58,6 +58,9 @@ pub mod own {
     pub const LEAD: &str = "preheat:scaler_lead_seconds";
     /// Replicas the load needs before limits, rounding and damping.
     pub const NEEDED: &str = "preheat:scaler_needed_replicas";
+    /// Unix time of the state file's last successful save, per scaler (no labels;
+    /// absent without a state file): alert when `time() -` it passes a few minutes.
+    pub const STATE_SAVED: &str = "preheat:scaler_state_saved_timestamp_seconds";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -73,5 +76,6 @@ pub mod own {
         LOAD,
         LEAD,
         NEEDED,
+        STATE_SAVED,
     ];
 }
