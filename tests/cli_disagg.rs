@@ -134,9 +134,38 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
     let serve = format!("http://127.0.0.1:{sport}");
     let refj: Value =
         serde_json::from_slice(&std::fs::read(tiny.join("reference.json")).unwrap()).unwrap();
+    let registered = rt().block_on(async {
+        let c = reqwest::Client::new();
+        let t0 = Instant::now();
+        loop {
+            let w = workers(&c, &gwi).await;
+            if w.len() == 3 || t0.elapsed() > Duration::from_secs(60) {
+                break w;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    if registered.len() != 3 {
+        // Seen once in CI and never since: say which worker was missing and why.
+        let mut why = String::new();
+        for (name, p) in [
+            ("prefill a", &mut prefill_a),
+            ("prefill b", &mut prefill_b),
+            ("decode", &mut decode),
+        ] {
+            let status = p.0.try_wait();
+            let _ = p.0.kill();
+            let _ = p.0.wait();
+            let mut err = String::new();
+            if let Some(mut e) = p.0.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            why.push_str(&format!("--- {name} ({status:?}):\n{err}\n"));
+        }
+        panic!("timed out waiting for three workers; registered: {registered:?}\n{why}");
+    }
     rt().block_on(async {
         let c = reqwest::Client::new();
-        wait_for("three workers", 60, async || workers(&c, &gwi).await.len() == 3).await;
         // Prefill workers are named to a decode worker once it was told about them.
         wait_for("both prefill workers announced", 10, async || {
             workers(&c, &gwi).await.iter().any(|w| w["prefill_peers"] == 2)

@@ -110,8 +110,8 @@ fn install_with(extra: Value, subnet: u8, before: Vec<Value>) -> Option<Run> {
     harness::pack(&harness::synth_tiny(model.path(), "tiny", 0), 4);
     // The network must exist before the store can bind its host address: the cluster
     // comes up empty, then gets the chart rendered with the store's URL.
-    let host = format!("10.{subnet}.0.1");
     let c = Cluster::install(tag, 2, subnet);
+    let host = format!("{}.1", c.prefix);
     let store = preheat_testkit::serve_files_on(model.path(), &host);
     let values = emulator::values(tag, &format!("{store}/tiny.phpack"), extra);
     let objects = emulator::render(&values);

@@ -89,15 +89,89 @@ fn docker(args: &[&str]) -> std::process::Output {
         .expect("run docker")
 }
 
-fn docker_ok(args: &[&str]) -> String {
-    let out = docker(args);
-    assert!(
-        out.status.success(),
-        "docker {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+/// Creates the bridge network `net` on `10.<subnet>.0.0/24`, or, when something else
+/// on this Docker engine (another job's network) already holds that range, on the
+/// first free `10.x.y.0/24` from 10.200.0.0 up; returns its `10.x.y` prefix.
+fn create_network(net: &str, subnet: u8) -> String {
+    let preferred = format!("10.{subnet}.0");
+    let mut taken: Vec<(u32, u32)> = Vec::new();
+    for attempt in 0..8 {
+        let prefix = if attempt == 0 {
+            preferred.clone()
+        } else {
+            taken.extend(docker_subnets());
+            free_prefix(&taken, subnet)
+                .unwrap_or_else(|| panic!("no free 10.x.y.0/24 for {net} (taken: {taken:?})"))
+        };
+        let cidr = format!("{prefix}.0/24");
+        let out = docker(&["network", "create", "--subnet", &cidr, net]);
+        if out.status.success() {
+            if attempt > 0 {
+                eprintln!("{net}: {preferred}.0/24 was taken on this Docker engine; using {cidr}");
+            }
+            return prefix;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("overlaps"),
+            "docker network create --subnet {cidr} {net}: {err}"
+        );
+        // Taken between our listing and our create (or by a range docker does not
+        // list): skip it on the next pass.
+        taken.extend(parse_cidr(&cidr));
+    }
+    panic!("docker network create {net}: every subnet tried overlapped another network");
+}
+
+/// The IPv4 ranges of every network on this Docker engine, as (base, mask).
+fn docker_subnets() -> Vec<(u32, u32)> {
+    let ids = docker(&["network", "ls", "-q"]);
+    let ids: Vec<String> = String::from_utf8_lossy(&ids.stdout)
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    if ids.is_empty() {
+        return Vec::new();
+    }
+    let mut args = vec![
+        "network",
+        "inspect",
+        "--format",
+        "{{range .IPAM.Config}}{{.Subnet}} {{end}}",
+    ];
+    args.extend(ids.iter().map(String::as_str));
+    let out = docker(&args);
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(parse_cidr)
+        .collect()
+}
+
+/// `a.b.c.d/n` as (base, mask); `None` for IPv6 or anything malformed.
+fn parse_cidr(cidr: &str) -> Option<(u32, u32)> {
+    let (addr, len) = cidr.split_once('/')?;
+    let addr: std::net::Ipv4Addr = addr.parse().ok()?;
+    let len: u32 = len.parse().ok().filter(|l| *l <= 32)?;
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    Some((u32::from(addr) & mask, mask))
+}
+
+/// The first `10.x.y` (x from 200, starting at this test's slot) whose /24 overlaps
+/// none of `taken`.
+fn free_prefix(taken: &[(u32, u32)], subnet: u8) -> Option<String> {
+    let start = u32::from(subnet.max(200));
+    (start..=254)
+        .chain(200..start)
+        .flat_map(|x| (1..=255u32).map(move |y| (x, y)))
+        .find(|&(x, y)| {
+            let base = (10 << 24) | (x << 16) | (y << 8);
+            let mask = u32::MAX << 8;
+            // Two ranges overlap when either contains the other's base.
+            taken
+                .iter()
+                .all(|&(b, m)| base & m != b && b & mask != base)
+        })
+        .map(|(x, y)| format!("10.{x}.{y}"))
 }
 
 fn labels_of(v: &Value) -> BTreeMap<String, String> {
@@ -131,7 +205,6 @@ impl Cluster {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let net = format!("preheat-cluster-{}-{subnet}", std::process::id());
-        let prefix = format!("10.{subnet}.0");
         // What an earlier run left on this subnet (a killed test process).
         let nets = docker(&["network", "ls", "--format", "{{.Name}}"]);
         for old in String::from_utf8_lossy(&nets.stdout).lines() {
@@ -140,13 +213,7 @@ impl Cluster {
                 let _ = docker(&["network", "rm", old]);
             }
         }
-        docker_ok(&[
-            "network",
-            "create",
-            "--subnet",
-            &format!("10.{subnet}.0.0/24"),
-            &net,
-        ]);
+        let prefix = create_network(&net, subnet);
         let state = Shared::default();
         let host = format!("{prefix}.1");
         let api_url = rt.block_on(super::api::serve(Arc::clone(&state), &host));
