@@ -221,7 +221,7 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
     let saved = store.state_saved().map(|unix| -> prometheus::Result<()> {
         let g = prometheus::Gauge::with_opts(prometheus::Opts::new(
             own::STATE_SAVED,
-            "Unix time of the state file's last successful save",
+            "Unix time of the state file's last successful save (0: none yet)",
         ))?;
         g.set(unix);
         registry.register(Box::new(g))

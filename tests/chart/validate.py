@@ -64,6 +64,87 @@ def check_rules(variant, name, rule):
         out = subprocess.run([promtool, "check", "rules", f.name], capture_output=True, text=True)
         if out.returncode != 0:
             fail(variant, f"{name}: promtool check rules: {out.stdout}{out.stderr}")
+        alerts = {r.get("alert") for g in rule["spec"]["groups"] for r in g.get("rules", [])}
+        if "PreheatScalerStateNotSaved" in alerts:
+            test_state_alert(variant, name, promtool, f.name, rule)
+
+
+def test_state_alert(variant, name, promtool, rules_file, rule):
+    """The state-file alert, evaluated by promtool: quiet while a save lands each
+    30 s, firing once saves stop for two minutes plus its `for`, and for a scaler
+    that never saved (the gauge stays 0)."""
+    ns = rule["metadata"].get("namespace") or "llm"
+    series = "preheat:scaler_state_saved_timestamp_seconds"
+    # A save every 30 s for ten minutes, then none: time() − last save passes 120 s
+    # after 12 min, so with one-minute evaluations it fires at 13 min plus its `for`
+    # (the shipped 10m: at 23 min) and not a minute before.
+    held = rule_for(rule, "PreheatScalerStateNotSaved")
+    m = re.fullmatch(r"(\d+)m", held or "")
+    if not m:
+        fail(variant, f"{name}: PreheatScalerStateNotSaved for: {held!r}, not whole minutes")
+        return
+    held = int(m.group(1))
+    saving = " ".join(str(30 * i) for i in range(21)) + f" 600x{4 * (held + 20)}"
+    summary = lambda age: {
+        "summary": f"preheat's scaler has not saved its state file for {age}: a restart would relearn each pool's season"
+    }
+    never = f"0x{4 * (held + 20)}"
+    test = {
+        "rule_files": [rules_file],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "30s",
+                "input_series": [
+                    {"series": f'{series}{{namespace="{ns}",pod="a"}}', "values": saving},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "10m", "alertname": "PreheatScalerStateNotSaved", "exp_alerts": []},
+                    {"eval_time": f"{12 + held - 1}m", "alertname": "PreheatScalerStateNotSaved", "exp_alerts": []},
+                    {
+                        "eval_time": f"{13 + held}m",
+                        "alertname": "PreheatScalerStateNotSaved",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning", "namespace": ns},
+                                "exp_annotations": summary(f"{13 + held - 10}m 0s"),
+                            }
+                        ],
+                    },
+                ],
+            },
+            {
+                "interval": "30s",
+                "input_series": [{"series": f'{series}{{namespace="{ns}",pod="b"}}', "values": never}],
+                "alert_rule_test": [
+                    {
+                        "eval_time": f"{3 + held + 2}m",
+                        "alertname": "PreheatScalerStateNotSaved",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning", "namespace": ns},
+                                "exp_annotations": summary(f"{3 + held + 2}m 0s"),
+                            }
+                        ],
+                    },
+                ],
+            },
+        ],
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=os.path.dirname(rules_file)) as t:
+        yaml.safe_dump(test, t)
+        t.flush()
+        out = subprocess.run([promtool, "test", "rules", t.name], capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(variant, f"{name}: promtool test rules (PreheatScalerStateNotSaved): {out.stdout}{out.stderr}")
+
+
+def rule_for(rule, alert):
+    for g in rule["spec"]["groups"]:
+        for r in g.get("rules", []):
+            if r.get("alert") == alert:
+                return r.get("for")
+    return None
 
 
 DASHBOARD = os.path.join(CHART, "dashboards", "preheat.json")

@@ -78,6 +78,10 @@ impl StateKeeper {
             disabled: false,
             _lock: None,
         };
+        // Published as 0 ("never") until the first save lands, so an alert on its age
+        // also fires for a scaler that could never save (a read-only volume, a lock
+        // another scaler kept), not only for one that stopped.
+        keeper.store.set_state_saved(0.0);
         // One scaler per state file: two would overwrite each other's seasons (two
         // `preheat up` on one cache dir, a shared claim). A pod replaced outside a
         // rollout starts while the old one drains: wait for it (the listeners are up,

@@ -59,7 +59,8 @@ pub mod own {
     /// Replicas the load needs before limits, rounding and damping.
     pub const NEEDED: &str = "preheat:scaler_needed_replicas";
     /// Unix time of the state file's last successful save, per scaler (no labels;
-    /// absent without a state file): alert when `time() -` it passes a few minutes.
+    /// 0 until the first; absent without a state file): the chart's
+    /// `PreheatScalerStateNotSaved` alerts when `time() -` it passes two minutes.
     pub const STATE_SAVED: &str = "preheat:scaler_state_saved_timestamp_seconds";
 
     /// Every name above.

@@ -536,3 +536,39 @@ async fn a_corrupt_state_file_is_reported_and_replaced_and_never_stops_the_scale
         last.saved_unix
     );
 }
+
+#[tokio::test]
+async fn a_scaler_that_has_not_saved_its_state_publishes_zero_for_the_alert() {
+    // Another scaler holds the state file's lock: this one waits for it (up to 90 s)
+    // and saves nothing meanwhile. Its last save reads 0 ("never"), so the chart's
+    // alert on the save's age fires for a scaler that cannot save, not only for one
+    // that stopped.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scaler-state.json");
+    let _held = preheat_scaler::state::lock(&path).unwrap();
+    let scaler = at_zero_with_state(&path).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", scaler.http_port))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let saved = preheat_scaler::signals::text_format::samples(&m)
+            .filter_map(Result::ok)
+            .find(|s| s.name == preheat_scaler::signals::names::own::STATE_SAVED)
+            .map(|s| s.value);
+        if let Some(v) = saved {
+            assert_eq!(v, 0.0, "nothing was saved:\n{m}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {} on /metrics:\n{m}",
+            preheat_scaler::signals::names::own::STATE_SAVED
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!path.exists(), "saved under another scaler's lock");
+}
