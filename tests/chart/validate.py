@@ -336,6 +336,10 @@ def check_scaler_state(variant, merged, by_kind):
             fail(variant, f"scaler: the state volume is not the claim {want}")
         if (want in claims) == bool(persistence["existingClaim"]):
             fail(variant, f"scaler: claim {want} rendered {want in claims}, existingClaim {persistence['existingClaim']!r}")
+        for c in by_kind.get("PersistentVolumeClaim", []):
+            kept = (c["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") == "keep"
+            if c["metadata"]["name"] == want and kept != bool(persistence["keep"]):
+                fail(variant, f"scaler: claim {want} kept on uninstall {kept}, persistence.keep {persistence['keep']}")
         if pod.get("securityContext", {}).get("fsGroup") != 65532:
             fail(variant, "scaler: the claim is not writable by the scaler's group (fsGroup)")
     elif "emptyDir" not in v or claims:
