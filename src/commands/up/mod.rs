@@ -328,10 +328,13 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|p| (MODEL.to_owned(), p.pool, Arc::clone(&p.endpoints)))
             .collect();
-        let scaler_task = tokio::spawn(preheat_scaler::server::run_with(
+        // The scaler stops first, on its own signal: its last state save then holds
+        // the load as it was, not the workers' drain down to nothing.
+        let (scaler_stop_tx, scaler_stop_rx) = tokio::sync::watch::channel(false);
+        let mut scaler_task = tokio::spawn(preheat_scaler::server::run_with(
             cfg,
             profile,
-            stopped(stop_rx.clone()),
+            stopped(scaler_stop_rx),
             shared,
         ));
         println!("preheat up: model {} ({})", MODEL, snap.display());
@@ -422,7 +425,12 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 p.parked = parked;
             }
         }
-        println!("stopping: draining workers");
+        println!("stopping: the scaler (saving its state), then draining workers");
+        let _ = scaler_stop_tx.send(true);
+        // Bounded: the scaler waits at most 15 s for its control loop's last save.
+        if tokio::time::timeout(Duration::from_secs(20), &mut scaler_task).await.is_err() {
+            tracing::warn!("the scaler did not stop within 20 s; draining the workers anyway");
+        }
         let mut all: Vec<Child> = Vec::new();
         for p in &mut pools {
             all.extend(p.replicas.drain(..).map(|r| r.child));
@@ -435,7 +443,9 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         }
         let _ = stop_tx.send(true);
         let _ = gw_task.await;
-        let _ = scaler_task.await;
+        if !scaler_task.is_finished() {
+            scaler_task.abort();
+        }
         let _ = agent_task.await;
         anyhow::Ok(fatal)
     });
