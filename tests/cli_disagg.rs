@@ -115,7 +115,7 @@ fn rt() -> tokio::runtime::Runtime {
 #[test]
 fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
     // Workers register on the gateway's internal port (behind the cluster token).
-    let (_gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::piped());
+    let (mut gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::piped());
     let (mut prefill_a, pa_port) = worker("prefill", "llama-tiny", &gwi);
     let (mut prefill_b, pb_port) = worker("prefill", "llama-tiny", &gwi);
     let (mut decode, dport) = worker("decode", "llama-tiny", &gwi);
@@ -149,6 +149,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         // Seen once in CI and never since: say which worker was missing and why.
         let mut why = String::new();
         for (name, p) in [
+            ("gateway", &mut gateway),
             ("prefill a", &mut prefill_a),
             ("prefill b", &mut prefill_b),
             ("decode", &mut decode),

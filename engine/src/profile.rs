@@ -10,18 +10,29 @@ use crate::backend::{Backend, ForwardBatch, SeqSlice};
 /// Tokens per KV block the measurements lay out their block tables for.
 pub const BLOCK: usize = 16;
 
-/// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each.
+/// Tokens each sequence of [`decode_rate`] is prefilled with before its timed steps.
+const DECODE_PROMPT: usize = 8;
+
+/// KV blocks each sequence of [`decode_rate`] holds for `steps` steps: the backend
+/// needs `batch ×` this many.
+#[must_use]
+pub fn decode_blocks_per_seq(steps: usize) -> usize {
+    (DECODE_PROMPT + steps).div_ceil(BLOCK)
+}
+
+/// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each, on
+/// blocks `0..batch × decode_blocks_per_seq(steps)`.
 pub fn decode_rate<B: Backend + ?Sized>(
     be: &mut B,
     batch: usize,
     steps: usize,
 ) -> Result<(f64, Duration)> {
-    let per_seq_blocks = 2;
+    let per_seq_blocks = decode_blocks_per_seq(steps);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())
         .collect();
     let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
-    let prompt = 8usize;
+    let prompt = DECODE_PROMPT;
     let tokens: Vec<u32> = (0..batch * prompt).map(|i| (i % 200) as u32 + 1).collect();
     let positions: Vec<u32> = (0..batch * prompt).map(|i| (i % prompt) as u32).collect();
     let seq_of: Vec<u32> = (0..batch * prompt).map(|i| (i / prompt) as u32).collect();
@@ -127,6 +138,59 @@ mod tests {
         fn import_kv(&mut self, _: &[BlockId], _: &[u8]) -> Result<()> {
             Ok(())
         }
+    }
+
+    /// A backend that refuses a position its sequence's block table does not cover,
+    /// as every real one does (`check_batch`).
+    struct Covering {
+        steps: usize,
+    }
+
+    impl Backend for Covering {
+        fn name(&self) -> &'static str {
+            "covering"
+        }
+        fn config(&self) -> &ModelConfig {
+            unreachable!("the measurement only runs forward passes")
+        }
+        fn kv_layout(&self) -> KvLayout {
+            unreachable!("the measurement only runs forward passes")
+        }
+        fn forward(&mut self, b: &ForwardBatch<'_>) -> Result<Vec<f32>> {
+            for (p, s) in b.positions.iter().zip(b.seq_of) {
+                let table = b.seqs[*s as usize].block_table;
+                if table.len() < *p as usize / BLOCK + 1 {
+                    return Err(crate::EngineError::Internal(format!(
+                        "block table too short for position {p}"
+                    )));
+                }
+            }
+            self.steps += 1;
+            Ok(Vec::new())
+        }
+        fn weights_fingerprint(&self) -> u64 {
+            0
+        }
+        fn export_kv(&self, _: &[BlockId], _: &mut Vec<u8>) -> Result<()> {
+            Ok(())
+        }
+        fn import_kv(&mut self, _: &[BlockId], _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn regression_engine_profile_failed_past_24_decode_steps() {
+        // Each sequence had two blocks (32 positions) whatever `--steps` asked:
+        // `engine profile --steps 32` stopped with "internal error: block table too
+        // short for position 32".
+        for steps in [1, 24, 25, 32, 100, 1000] {
+            let mut be = Covering { steps: 0 };
+            decode_rate(&mut be, 3, steps).unwrap_or_else(|e| panic!("{steps} steps: {e}"));
+            assert_eq!(be.steps, steps + 1, "the prefill, then every step");
+        }
+        assert_eq!(decode_blocks_per_seq(24), 2);
+        assert_eq!(decode_blocks_per_seq(25), 3);
     }
 
     #[test]

@@ -303,6 +303,11 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Most decode steps `engine profile` times per batch size: each step grows every
+/// sequence's KV by a token, and the measurement stays well inside small models'
+/// context.
+const MAX_PROFILE_STEPS: usize = 1024;
+
 /// Measures the replica and writes a `preheat_scaler::profile::Profile`.
 pub(crate) fn profile(
     model: &std::path::Path,
@@ -321,8 +326,10 @@ pub(crate) fn profile(
     if batches.is_empty() || batches.contains(&0) {
         errs.push("--batches must be positive".to_owned());
     }
-    if steps == 0 {
-        errs.push("--steps must be > 0".to_owned());
+    if steps == 0 || steps > MAX_PROFILE_STEPS {
+        errs.push(format!(
+            "--steps {steps} must be in 1..={MAX_PROFILE_STEPS}"
+        ));
     }
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
@@ -335,7 +342,7 @@ pub(crate) fn profile(
     let max_batch = *batches.iter().max().unwrap_or(&1);
     let num_blocks = ((kv_mib << 20) / block_bytes.max(1))
         .max(max_len.div_ceil(16))
-        .max(2 * max_batch);
+        .max(max_batch * preheat_engine::profile::decode_blocks_per_seq(steps));
     let mut be = CpuBackend::new(std::sync::Arc::clone(&snap), num_blocks, 16)?;
     let load = t0.elapsed().as_secs_f64();
     let mut prefill = Vec::new();

@@ -72,7 +72,7 @@ def check_rules(variant, name, rule):
 def test_state_alert(variant, name, promtool, rules_file, rule):
     """The state-file alert, evaluated by promtool: quiet while a save lands each
     30 s, firing once saves stop for two minutes plus its `for`, and for a scaler
-    that never saved (the gauge stays 0)."""
+    that never saved (the gauge stays 0), each scaler pod on its own."""
     ns = rule["metadata"].get("namespace") or "llm"
     series = "preheat:scaler_state_saved_timestamp_seconds"
     # A save every 30 s for ten minutes, then none: time() − last save passes 120 s
@@ -85,10 +85,12 @@ def test_state_alert(variant, name, promtool, rules_file, rule):
         return
     held = int(m.group(1))
     saving = " ".join(str(30 * i) for i in range(21)) + f" 600x{4 * (held + 20)}"
-    summary = lambda age: {
-        "summary": f"preheat's scaler has not saved its state file for {age}: a restart would relearn each pool's season"
+    summary = lambda pod, what: {
+        "summary": f"preheat's scaler {pod} {what}: a restart would relearn each pool's season"
     }
-    never = f"0x{4 * (held + 20)}"
+    # "Never" is 0 on a real clock, 1.7e9 s ago; promtool's clock starts at 0, so the
+    # gauge sits as far below it instead.
+    never = f"-2000000000x{4 * (held + 20)}"
     test = {
         "rule_files": [rules_file],
         "evaluation_interval": "1m",
@@ -100,14 +102,14 @@ def test_state_alert(variant, name, promtool, rules_file, rule):
                 ],
                 "alert_rule_test": [
                     {"eval_time": "10m", "alertname": "PreheatScalerStateNotSaved", "exp_alerts": []},
-                    {"eval_time": f"{12 + held - 1}m", "alertname": "PreheatScalerStateNotSaved", "exp_alerts": []},
+                    {"eval_time": f"{12 + held}m", "alertname": "PreheatScalerStateNotSaved", "exp_alerts": []},
                     {
                         "eval_time": f"{13 + held}m",
                         "alertname": "PreheatScalerStateNotSaved",
                         "exp_alerts": [
                             {
-                                "exp_labels": {"severity": "warning", "namespace": ns},
-                                "exp_annotations": summary(f"{13 + held - 10}m 0s"),
+                                "exp_labels": {"severity": "warning", "namespace": ns, "pod": "a"},
+                                "exp_annotations": summary("a", f"has not saved its state file for {13 + held - 10}m 0s"),
                             }
                         ],
                     },
@@ -122,8 +124,8 @@ def test_state_alert(variant, name, promtool, rules_file, rule):
                         "alertname": "PreheatScalerStateNotSaved",
                         "exp_alerts": [
                             {
-                                "exp_labels": {"severity": "warning", "namespace": ns},
-                                "exp_annotations": summary(f"{3 + held + 2}m 0s"),
+                                "exp_labels": {"severity": "warning", "namespace": ns, "pod": "b"},
+                                "exp_annotations": summary("b", "has never saved its state file"),
                             }
                         ],
                     },
@@ -402,6 +404,10 @@ def check_variant(variant, values, defaults, schema, dump):
                 json.dump(o, f)
     if merged["prometheusRule"]["enabled"] != bool(by_kind.get("PrometheusRule")):
         fail(variant, "prometheusRule.enabled does not match the rendered PrometheusRules")
+    for o in by_kind.get("PrometheusRule", []):
+        state_alert = rule_for(o, "PreheatScalerStateNotSaved") is not None
+        if state_alert != bool(merged["scaler"]["state"]["enabled"]):
+            fail(variant, f"PreheatScalerStateNotSaved rendered {state_alert}, scaler.state.enabled {merged['scaler']['state']['enabled']}")
     names = lambda kind: {o["metadata"]["name"] for o in by_kind.get(kind, [])}
     deployments = names("Deployment")
     services = names("Service")

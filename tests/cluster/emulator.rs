@@ -68,7 +68,8 @@ pub struct Cluster {
     pub state: Shared,
     pub dir: tempfile::TempDir,
     pub net: String,
-    /// `10.N.0` prefix of the private network; the host is `.1`.
+    /// `10.x.y` prefix of the private network (`10.<slot>.0` unless that was taken);
+    /// the host is `.1`.
     pub prefix: String,
     pub nodes: Vec<String>,
     pub api_url: String,
@@ -205,10 +206,18 @@ impl Cluster {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let net = format!("preheat-cluster-{}-{subnet}", std::process::id());
-        // What an earlier run left on this subnet (a killed test process).
+        // What an earlier run left on this slot (a killed test process): only a dead
+        // process's, never a concurrent run's on a shared Docker engine.
         let nets = docker(&["network", "ls", "--format", "{{.Name}}"]);
         for old in String::from_utf8_lossy(&nets.stdout).lines() {
-            if old.starts_with("preheat-cluster-") && old.ends_with(&format!("-{subnet}")) {
+            let owner = old
+                .strip_prefix("preheat-cluster-")
+                .and_then(|r| r.strip_suffix(&format!("-{subnet}")))
+                .and_then(|pid| pid.parse::<u32>().ok());
+            let dead = owner.is_some_and(|pid| {
+                pid == std::process::id() || !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            });
+            if dead {
                 remove_containers(old);
                 let _ = docker(&["network", "rm", old]);
             }

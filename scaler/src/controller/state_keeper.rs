@@ -241,6 +241,11 @@ impl StateKeeper {
         }
         self.saved_at = Some(Instant::now());
         let Some(state) = self.state(models) else {
+            // Nothing to keep (no pool learns a season): the file is as current as it
+            // can be, and the alert on the save's age must not fire for ever.
+            if let Some(now) = unix_now() {
+                self.store.set_state_saved(now);
+            }
             return;
         };
         let p = self.path.clone();

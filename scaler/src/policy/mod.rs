@@ -592,8 +592,9 @@ impl PreheatPolicy {
                 // then is theirs, drained over their start-up and half the SLO, the
                 // start-up counted as at least half the actuation: replicas asked for
                 // come no sooner than HPA's sync brings them, and a shorter drain
-                // bought more of them the shorter the start-up (a 1 s start drained
-                // with 5× the replicas of a 15 s one, for no more requests served).
+                // bought more of them the shorter the start-up (with a 2 s SLO, a 1 s
+                // start drained with 8× the replicas of a 15 s one, for no more
+                // requests served).
                 // Spare at the planning utilisation, against the most load seen or expected.
                 let load = rate.max(s.prompt_rate_recent * uncached).max(ahead);
                 let spare = (s.endpoints_ok as f64 * per_replica * FORECAST_UTIL - load).max(0.0);

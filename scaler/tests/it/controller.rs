@@ -344,6 +344,11 @@ async fn a_restarted_scaler_reads_its_season_back_from_prometheus() {
 /// A scaler of one model whose prefill pool is at zero and whose decode pool has one
 /// idle replica, reading no Prometheus, keeping its state in `state`.
 async fn at_zero_with_state(state: &std::path::Path) -> Running {
+    at_zero_with_state_and(state, "").await
+}
+
+/// [`at_zero_with_state`], with `extra` (`, key: value`) in both pools' configs.
+async fn at_zero_with_state_and(state: &std::path::Path, extra: &str) -> Running {
     let d0 = Arc::new(Mutex::new(Some(engine_text(0))));
     let gw = Arc::new(Mutex::new(Some(
         "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 0\n"
@@ -355,7 +360,7 @@ async fn at_zero_with_state(state: &std::path::Path) -> Running {
         "window_s=2".into(),
         format!("state_file={}", state.display()),
         format!(
-            "models=[{{name: llama, gateway: [{ug}], prefill: {{default_lead_s: 300}}, decode: {{endpoints: [{u0}]}}}}]"
+            "models=[{{name: llama, gateway: [{ug}], prefill: {{default_lead_s: 300{extra}}}, decode: {{endpoints: [{u0}]{extra}}}}}]"
         ),
     ])
     .await
@@ -547,6 +552,29 @@ async fn a_scaler_that_has_not_saved_its_state_publishes_zero_for_the_alert() {
     let path = dir.path().join("scaler-state.json");
     let _held = preheat_scaler::state::lock(&path).unwrap();
     let scaler = at_zero_with_state(&path).await;
+    assert_eq!(
+        state_saved(&scaler, |_| true).await,
+        0.0,
+        "nothing was saved"
+    );
+    assert!(!path.exists(), "saved under another scaler's lock");
+}
+
+#[tokio::test]
+async fn a_scaler_with_no_season_to_keep_is_never_reported_as_not_saving() {
+    // Seasons off: nothing to save, so no file, but the alert on the last save's age
+    // must not fire for ever: the time of each save that had nothing to write.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scaler-state.json");
+    let before = unix_now();
+    let scaler = at_zero_with_state_and(&path, ", season_period_s: 0").await;
+    let t = state_saved(&scaler, |v| v > 0.0).await;
+    assert!(t >= before - 1.0, "{t} < {before}");
+    assert!(!path.exists(), "no season, no file");
+}
+
+/// The scaler's last save on its /metrics once `ok` accepts it (10 s at most).
+async fn state_saved(scaler: &Running, ok: impl Fn(f64) -> bool) -> f64 {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", scaler.http_port))
@@ -559,16 +587,14 @@ async fn a_scaler_that_has_not_saved_its_state_publishes_zero_for_the_alert() {
             .filter_map(Result::ok)
             .find(|s| s.name == preheat_scaler::signals::names::own::STATE_SAVED)
             .map(|s| s.value);
-        if let Some(v) = saved {
-            assert_eq!(v, 0.0, "nothing was saved:\n{m}");
-            break;
+        if let Some(v) = saved.filter(|v| ok(*v)) {
+            return v;
         }
         assert!(
             Instant::now() < deadline,
-            "no {} on /metrics:\n{m}",
+            "no {} as wanted on /metrics:\n{m}",
             preheat_scaler::signals::names::own::STATE_SAVED
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(!path.exists(), "saved under another scaler's lock");
 }

@@ -130,6 +130,19 @@ fn engine_throughput(
 }
 
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<std::process::ExitCode> {
+    let mut errs = Vec::new();
+    for (flag, v, max) in [
+        ("--steps", args.steps, 1024),
+        ("--prefill-len", args.prefill_len, 8192),
+        ("--gen-tokens", args.gen_tokens, 1024),
+    ] {
+        if v == 0 || v > max {
+            errs.push(format!("{flag} {v} must be in 1..={max}"));
+        }
+    }
+    if !errs.is_empty() {
+        anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
+    }
     std::fs::create_dir_all(&args.dir)?;
     let path = args.dir.join(format!("{}.preheat", args.preset));
     if Snapshot::open(&path).is_err() {
@@ -143,7 +156,10 @@ pub fn run(args: &BenchEngineArgs) -> anyhow::Result<std::process::ExitCode> {
     let threads = rayon::current_num_threads();
     tracing::info!("measuring memcpy bandwidth");
     let bw = memcpy_bandwidth(1 << 30, 5);
-    let num_blocks = 64 * 2 + 64;
+    let num_blocks = (64 * 2 + 64)
+        .max(32 * preheat_engine::profile::decode_blocks_per_seq(args.steps.div_ceil(2)))
+        .max(preheat_engine::profile::decode_blocks_per_seq(args.steps))
+        .max(args.prefill_len.div_ceil(BLOCK));
     let mut be = CpuBackend::new(Arc::clone(&snap), num_blocks, BLOCK)?;
     let bytes_per_step = be.weight_bytes_per_step() as f64;
     tracing::info!("decode, batch 1");

@@ -428,8 +428,11 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
         println!("stopping: the scaler (saving its state), then draining workers");
         let _ = scaler_stop_tx.send(true);
         // Bounded: the scaler waits at most 15 s for its control loop's last save.
-        if tokio::time::timeout(Duration::from_secs(20), &mut scaler_task).await.is_err() {
-            tracing::warn!("the scaler did not stop within 20 s; draining the workers anyway");
+        match tokio::time::timeout(Duration::from_secs(20), &mut scaler_task).await {
+            Err(_) => tracing::warn!("the scaler did not stop within 20 s; draining the workers anyway"),
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the scaler stopped with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the scaler's task failed"),
+            Ok(Ok(Ok(_))) => {}
         }
         let mut all: Vec<Child> = Vec::new();
         for p in &mut pools {
