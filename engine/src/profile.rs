@@ -103,7 +103,8 @@ mod tests {
     use preheat_snapshot::ModelConfig;
 
     /// A backend whose first forward pass is slow, as a real one is while it faults
-    /// its weights in and sizes its buffers; later passes take `warm`.
+    /// its weights in and sizes its buffers; later passes take `warm`. It checks
+    /// block tables as a real one does.
     struct ColdFirst {
         calls: usize,
         cold: Duration,
@@ -120,7 +121,16 @@ mod tests {
         fn kv_layout(&self) -> KvLayout {
             unreachable!("the measurement only runs forward passes")
         }
-        fn forward(&mut self, _: &ForwardBatch<'_>) -> Result<Vec<f32>> {
+        fn forward(&mut self, b: &ForwardBatch<'_>) -> Result<Vec<f32>> {
+            // Refuses a position its sequence's block table does not cover, as every
+            // real backend does (`check_batch`).
+            for (p, s) in b.positions.iter().zip(b.seq_of) {
+                if b.seqs[*s as usize].block_table.len() < *p as usize / BLOCK + 1 {
+                    return Err(crate::EngineError::Internal(format!(
+                        "block table too short for position {p}"
+                    )));
+                }
+            }
             self.calls += 1;
             std::thread::sleep(if self.calls == 1 {
                 self.cold
@@ -140,54 +150,19 @@ mod tests {
         }
     }
 
-    /// A backend that refuses a position its sequence's block table does not cover,
-    /// as every real one does (`check_batch`).
-    struct Covering {
-        steps: usize,
-    }
-
-    impl Backend for Covering {
-        fn name(&self) -> &'static str {
-            "covering"
-        }
-        fn config(&self) -> &ModelConfig {
-            unreachable!("the measurement only runs forward passes")
-        }
-        fn kv_layout(&self) -> KvLayout {
-            unreachable!("the measurement only runs forward passes")
-        }
-        fn forward(&mut self, b: &ForwardBatch<'_>) -> Result<Vec<f32>> {
-            for (p, s) in b.positions.iter().zip(b.seq_of) {
-                let table = b.seqs[*s as usize].block_table;
-                if table.len() < *p as usize / BLOCK + 1 {
-                    return Err(crate::EngineError::Internal(format!(
-                        "block table too short for position {p}"
-                    )));
-                }
-            }
-            self.steps += 1;
-            Ok(Vec::new())
-        }
-        fn weights_fingerprint(&self) -> u64 {
-            0
-        }
-        fn export_kv(&self, _: &[BlockId], _: &mut Vec<u8>) -> Result<()> {
-            Ok(())
-        }
-        fn import_kv(&mut self, _: &[BlockId], _: &[u8]) -> Result<()> {
-            Ok(())
-        }
-    }
-
     #[test]
     fn regression_engine_profile_failed_past_24_decode_steps() {
         // Each sequence had two blocks (32 positions) whatever `--steps` asked:
         // `engine profile --steps 32` stopped with "internal error: block table too
         // short for position 32".
         for steps in [1, 24, 25, 32, 100, 1000] {
-            let mut be = Covering { steps: 0 };
+            let mut be = ColdFirst {
+                calls: 0,
+                cold: Duration::ZERO,
+                warm: Duration::ZERO,
+            };
             decode_rate(&mut be, 3, steps).unwrap_or_else(|e| panic!("{steps} steps: {e}"));
-            assert_eq!(be.steps, steps + 1, "the prefill, then every step");
+            assert_eq!(be.calls, steps + 1, "the prefill, then every step");
         }
         assert_eq!(decode_blocks_per_seq(24), 2);
         assert_eq!(decode_blocks_per_seq(25), 3);

@@ -510,24 +510,7 @@ async fn a_corrupt_state_file_is_reported_and_replaced_and_never_stops_the_scale
     assert_eq!(st.pools.len(), 2, "{st:?}");
     // The save is on the scaler's /metrics (from the tick after it), for an alert on
     // saves that stopped.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", scaler.http_port))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let saved = preheat_scaler::signals::text_format::samples(&m)
-            .filter_map(Result::ok)
-            .find(|s| s.name == preheat_scaler::signals::names::own::STATE_SAVED)
-            .map(|s| s.value);
-        if saved.is_some_and(|t| t >= before - 1.0) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no save on /metrics:\n{m}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    state_saved(&scaler, |t| t >= before - 1.0).await;
     // The half file was set aside, not overwritten.
     let aside = std::fs::read_to_string(dir.path().join("scaler-state.json.rejected")).unwrap();
     assert!(aside.ends_with("\"saved_unix\": 17"), "{aside}");
