@@ -13,6 +13,10 @@ pub const BLOCK: usize = 16;
 /// Tokens each sequence of [`decode_rate`] is prefilled with before its timed steps.
 const DECODE_PROMPT: usize = 8;
 
+/// Most steps [`decode_rate`] runs: each grows every sequence's KV by a token (and
+/// its block table with it), and a measurement needs far fewer.
+pub const MAX_DECODE_STEPS: usize = 1024;
+
 /// KV blocks each sequence of [`decode_rate`] holds for `steps` steps: the backend
 /// needs `batch ×` this many.
 #[must_use]
@@ -27,6 +31,12 @@ pub fn decode_rate<B: Backend + ?Sized>(
     batch: usize,
     steps: usize,
 ) -> Result<(f64, Duration)> {
+    if steps == 0 || steps > MAX_DECODE_STEPS {
+        return Err(crate::EngineError::InvalidRequest {
+            message: format!("decode steps {steps} must be in 1..={MAX_DECODE_STEPS}"),
+            param: Some("steps".into()),
+        });
+    }
     let per_seq_blocks = decode_blocks_per_seq(steps);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())
@@ -155,7 +165,7 @@ mod tests {
         // Each sequence had two blocks (32 positions) whatever `--steps` asked:
         // `engine profile --steps 32` stopped with "internal error: block table too
         // short for position 32".
-        for steps in [1, 24, 25, 32, 100, 1000] {
+        for steps in [1, 24, 25, 32, 100, MAX_DECODE_STEPS] {
             let mut be = ColdFirst {
                 calls: 0,
                 cold: Duration::ZERO,
@@ -164,6 +174,13 @@ mod tests {
             decode_rate(&mut be, 3, steps).unwrap_or_else(|e| panic!("{steps} steps: {e}"));
             assert_eq!(be.calls, steps + 1, "the prefill, then every step");
         }
+        let mut be = ColdFirst {
+            calls: 0,
+            cold: Duration::ZERO,
+            warm: Duration::ZERO,
+        };
+        assert!(decode_rate(&mut be, 1, MAX_DECODE_STEPS + 1).is_err());
+        assert_eq!(be.calls, 0, "refused before any pass");
         assert_eq!(decode_blocks_per_seq(24), 2);
         assert_eq!(decode_blocks_per_seq(25), 3);
     }

@@ -303,11 +303,6 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Most decode steps `engine profile` times per batch size: each step grows every
-/// sequence's KV by a token, and the measurement stays well inside small models'
-/// context.
-const MAX_PROFILE_STEPS: usize = 1024;
-
 /// Measures the replica and writes a `preheat_scaler::profile::Profile`.
 pub(crate) fn profile(
     model: &std::path::Path,
@@ -326,10 +321,9 @@ pub(crate) fn profile(
     if batches.is_empty() || batches.contains(&0) {
         errs.push("--batches must be positive".to_owned());
     }
-    if steps == 0 || steps > MAX_PROFILE_STEPS {
-        errs.push(format!(
-            "--steps {steps} must be in 1..={MAX_PROFILE_STEPS}"
-        ));
+    let max_steps = preheat_engine::profile::MAX_DECODE_STEPS;
+    if steps == 0 || steps > max_steps {
+        errs.push(format!("--steps {steps} must be in 1..={max_steps}"));
     }
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));

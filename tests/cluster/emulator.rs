@@ -1075,3 +1075,26 @@ fn base64_decode(b64: &str) -> Vec<u8> {
     assert!(out.status.success(), "not base64: {b64}");
     out.stdout
 }
+
+#[test]
+fn a_subnet_another_network_holds_falls_back_to_a_free_one() {
+    // CI's Docker engine once held a range over 10.214.0.0/24 ("Pool overlaps with
+    // other one on this address space"): the slot's range is skipped, and so is any
+    // other that a listed network covers or sits inside.
+    let taken: Vec<(u32, u32)> = [
+        "10.214.0.0/16",
+        "10.215.1.0/24",
+        "10.215.2.128/25",
+        "fd00::/64",
+    ]
+    .iter()
+    .filter_map(|c| parse_cidr(c))
+    .collect();
+    assert_eq!(taken.len(), 3, "IPv6 is not an IPv4 range");
+    assert_eq!(free_prefix(&taken, 214).as_deref(), Some("10.215.3"));
+    assert_eq!(free_prefix(&[], 214).as_deref(), Some("10.214.1"));
+    // A /8 over everything leaves nothing to pick.
+    assert_eq!(free_prefix(&[parse_cidr("10.0.0.0/8").unwrap()], 214), None);
+    assert_eq!(parse_cidr("10.1.2.3/24"), parse_cidr("10.1.2.0/24"));
+    assert_eq!(parse_cidr("10.1.2.0/33"), None);
+}

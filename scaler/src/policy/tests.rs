@@ -90,7 +90,7 @@ fn regression_a_shorter_start_up_drained_a_backlog_with_more_replicas() {
     // start-up plus half the SLO, so a 1 s start asked for 64 replicas (the maximum)
     // where a 15 s start asked for 13: replicas HPA's sync brings no sooner, held for
     // a stabilisation window, for no more requests served (Azure ×4 at 2 s starts:
-    // +0.45% GPU-s at equal attainment, 1 s: +1.0%; BENCHMARKS.md #15).
+    // +0.45% GPU-s at equal attainment, 1 s: +0.9%; BENCHMARKS.md #15).
     let desired = |lead: f64| {
         let mut p = policy(Pool::Prefill);
         let mut o = obs(4, |s| {

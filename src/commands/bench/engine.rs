@@ -132,7 +132,11 @@ fn engine_throughput(
 pub fn run(args: &BenchEngineArgs) -> anyhow::Result<std::process::ExitCode> {
     let mut errs = Vec::new();
     for (flag, v, max) in [
-        ("--steps", args.steps, 1024),
+        (
+            "--steps",
+            args.steps,
+            preheat_engine::profile::MAX_DECODE_STEPS,
+        ),
         ("--prefill-len", args.prefill_len, 8192),
         ("--gen-tokens", args.gen_tokens, 1024),
     ] {
