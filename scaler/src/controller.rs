@@ -531,6 +531,7 @@ impl Tick<'_> {
                 current,
                 held_requests: held,
                 measured_startup_s: startup,
+                mean_prompt_len: signals.mean_prompt_len(),
                 signals,
                 unix_time: unix_now(),
                 ..Observation::default()

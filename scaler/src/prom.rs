@@ -292,6 +292,9 @@ impl PromSource {
             any_of(names::PROMPT_TOKENS, |n| {
                 format!("sum(irate({n}{{{sel}}}[{r}s]))")
             }),
+            any_of(names::TTFT, |n| {
+                format!("sum(rate({n}_count{{{sel}}}[{w}s]))")
+            }),
         ]
     }
 
@@ -333,6 +336,7 @@ impl PromSource {
             // irate: the last two samples, a scrape apart.
             recent_span_s: self.scrape_s as f64,
             generation_rate: n(7),
+            first_token_rate: n(12),
             prefix_hit_rate: if queries > 0.0 {
                 (n(9) / queries).clamp(0.0, 1.0)
             } else {

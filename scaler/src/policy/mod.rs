@@ -658,10 +658,21 @@ impl PreheatPolicy {
                 // Sequences each generating at most one token per ITL: a replica serves
                 // `batch / itl` tokens/s, which also sizes a pool the season wakes at zero.
                 let by_batch = (seqs * growth).max(seasonal * itl) / batch;
-                let seq_tokens = o.mean_seq_tokens.unwrap_or(self.cfg.default_prompt_len);
                 // The usage is a mean over the endpoints that answered, which include
                 // promoted standbys beside the pool's own replicas.
                 let serving = (s.endpoints_ok as f64).max(o.current as f64);
+                // Tokens a running sequence holds: as measured, else from the usage the
+                // engines report, else the configured default (an engine without a KV
+                // gauge).
+                let seq_tokens = o
+                    .mean_seq_tokens
+                    .or_else(|| {
+                        (s.running > 0.0 && s.kv_usage > 0.0).then(|| {
+                            s.kv_usage * s.endpoints_ok.max(1) as f64 * self.profile.kv_tokens
+                                / s.running
+                        })
+                    })
+                    .unwrap_or(self.cfg.default_prompt_len);
                 let kv_now =
                     (s.kv_usage * serving * self.profile.kv_tokens).max(s.running * seq_tokens);
                 let by_kv = kv_now * growth / (0.85 * self.profile.kv_tokens);
@@ -678,6 +689,19 @@ impl PreheatPolicy {
                     lead_s: lead,
                     needed: n,
                 });
+                tracing::trace!(
+                    t,
+                    seqs,
+                    rate = s.generation_rate,
+                    seasonal,
+                    growth,
+                    batch,
+                    by_batch,
+                    by_kv,
+                    itl_p90 = s.itl_p90,
+                    n,
+                    "decode need"
+                );
                 n
             }
         }

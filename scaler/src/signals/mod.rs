@@ -36,6 +36,9 @@ pub struct PoolSignals {
     /// Seconds `prompt_rate_recent` was measured over (a scrape interval).
     pub recent_span_s: f64,
     pub generation_rate: f64,
+    /// First tokens per second (TTFT observations; one per prefilled request), over
+    /// the same window as `prompt_rate`.
+    pub first_token_rate: f64,
     /// Fraction of prompt tokens served from the prefix cache over the window.
     pub prefix_hit_rate: f64,
     pub ttft_p50: Option<f64>,
@@ -55,6 +58,14 @@ impl PoolSignals {
     #[must_use]
     pub fn is_blind(&self) -> bool {
         self.endpoints_ok == 0 && self.endpoints_failed > 0
+    }
+
+    /// Mean prompt length over the window: prompt tokens per first token. `None`
+    /// without a whole request in the window.
+    #[must_use]
+    pub fn mean_prompt_len(&self) -> Option<f64> {
+        let len = self.prompt_rate / self.first_token_rate;
+        (self.first_token_rate > 0.0 && len.is_finite() && len >= 1.0).then_some(len)
     }
 }
 
@@ -117,6 +128,7 @@ impl PoolWindows {
             s.prompt_rate_recent += w.last_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.recent_span_s = s.recent_span_s.max(w.mean_spacing().unwrap_or(0.0));
             s.generation_rate += w.rate(|r| r.generation_tokens).unwrap_or(0.0);
+            s.first_token_rate += w.rate(first_tokens).unwrap_or(0.0);
             queries += w.rate(|r| r.prefix_queries).unwrap_or(0.0);
             hits += w.rate(|r| r.prefix_hits).unwrap_or(0.0);
             ttft = merge(ttft, w.delta_buckets(|r| r.ttft.as_ref()));
@@ -136,6 +148,15 @@ impl PoolWindows {
         s.itl_hist = itl;
         s
     }
+}
+
+/// TTFT observations so far (the histogram's `+Inf` bucket).
+fn first_tokens(r: &Reading) -> Option<f64> {
+    r.ttft
+        .as_ref()?
+        .last()
+        .filter(|b| b.0 == f64::INFINITY)
+        .map(|b| b.1)
 }
 
 #[cfg(test)]
@@ -158,5 +179,35 @@ mod tests {
         assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 2.0, 0.5));
         // No endpoints at all (pool at zero) is not blind: it is genuinely empty.
         assert!(!w.tick(2.0, vec![], &[]).is_blind());
+    }
+
+    #[test]
+    fn the_mean_prompt_length_is_prompt_tokens_per_first_token() {
+        let at = |prompt: f64, firsts: f64| Reading {
+            prompt_tokens: Some(prompt),
+            ttft: Some(vec![(1.0, firsts), (f64::INFINITY, firsts)]),
+            ..Reading::default()
+        };
+        let mut w = PoolWindows::new(3.0);
+        let s = w.tick(
+            0.0,
+            vec![("a".into(), at(0.0, 0.0)), ("b".into(), at(0.0, 0.0))],
+            &[],
+        );
+        assert_eq!(s.mean_prompt_len(), None);
+        // 3 prompts of 500 and 1 of 2,500 tokens over two endpoints in 2 s.
+        let s = w.tick(
+            2.0,
+            vec![
+                ("a".into(), at(1_500.0, 3.0)),
+                ("b".into(), at(2_500.0, 1.0)),
+            ],
+            &[],
+        );
+        assert_eq!(s.first_token_rate, 2.0);
+        assert_eq!(s.mean_prompt_len(), Some(1_000.0));
+        // No request in the (3 s) window: unknown, not zero.
+        let s = w.tick(6.0, vec![("a".into(), at(1_500.0, 3.0))], &[]);
+        assert_eq!(s.mean_prompt_len(), None);
     }
 }

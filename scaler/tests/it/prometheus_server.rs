@@ -142,6 +142,10 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     let near = |x: f64, want: f64| (x / want - 1.0).abs() < 0.3;
     assert!(near(signals.prompt_rate, 30_000.0), "{signals:?}");
     assert!(near(signals.generation_rate, 7_500.0), "{signals:?}");
+    // One request a tick each: prompts of 1,000 and 2,000 tokens, 1,500 on average.
+    assert!(near(signals.first_token_rate, 20.0), "{signals:?}");
+    let len = signals.mean_prompt_len().unwrap();
+    assert!((len - 1_500.0).abs() < 50.0, "{signals:?}");
     assert!(
         signals.prompt_rate_peak >= signals.prompt_rate * 0.7,
         "{signals:?}"
