@@ -48,6 +48,10 @@ pub struct Load {
     pub running: f64,
     pub waiting: f64,
     pub kv_usage: f64,
+    /// KV blocks the worker holds in all (0: not reported). Lets a router count the
+    /// blocks its own requests reserve between two reports as usage.
+    #[serde(default)]
+    pub kv_blocks: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -99,6 +99,7 @@ mod tests {
             running,
             waiting: 0.0,
             kv_usage: kv,
+            kv_blocks: 0,
         }
     }
 

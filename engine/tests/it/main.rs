@@ -6,6 +6,7 @@ mod choices;
 mod cuda_gpu;
 mod cuda_nvrtc;
 mod disagg_worker;
+mod gateway_routing;
 mod reference;
 mod regressions;
 mod server;

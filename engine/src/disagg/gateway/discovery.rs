@@ -32,8 +32,7 @@ impl Gateway {
             status.blocks.truncate(MAX_PEER_BLOCKS);
             let mut g = self.lock();
             if let Some(e) = g.workers.get_mut(url.as_str()) {
-                e.load = status.load.clone();
-                e.last_seen = Instant::now();
+                e.report(status.load.clone());
                 if role == WorkerRole::Prefill {
                     g.prefix
                         .0

@@ -6,6 +6,7 @@
 mod announce;
 mod discovery;
 mod front;
+mod in_flight;
 mod requests;
 mod routes;
 
@@ -22,6 +23,7 @@ use futures_util::StreamExt;
 use prometheus::IntGauge;
 
 use self::front::GatewayFront;
+use self::in_flight::{InFlight, InFlightCounts};
 use self::routes::{deregister, heartbeat, register, unannounceable, workers};
 use super::protocol::{
     GenerateBody, Heartbeat, Load, ModelInfo, Registration, WireError, WireEvent, WorkerRole,
@@ -128,7 +130,10 @@ impl Default for GatewayOptions {
 #[derive(Debug)]
 struct Entry {
     reg: Registration,
+    /// The worker's last report.
     load: Load,
+    /// This gateway's requests there, which routing adds to `load`.
+    in_flight: InFlightCounts,
     last_seen: Instant,
     /// Decode workers: the prefill addresses last announced to them, and when that
     /// announcement was sent. Only these are named to them in a request.
@@ -140,9 +145,22 @@ impl Entry {
         Entry {
             reg,
             load,
+            in_flight: InFlightCounts::default(),
             last_seen: Instant::now(),
             told: None,
         }
+    }
+
+    /// A load report (heartbeat or poll) arrived.
+    fn report(&mut self, load: Load) {
+        self.load = load;
+        self.in_flight.reported();
+        self.last_seen = Instant::now();
+    }
+
+    /// What routing reads: the report, with this gateway's requests since counted.
+    fn routing_load(&self) -> Load {
+        self.in_flight.load(&self.load)
     }
 
     /// Where a decode worker pulls this prefill worker's K/V from (its KV port, else
@@ -216,12 +234,14 @@ impl std::fmt::Debug for Gateway {
     }
 }
 
-#[derive(Clone, Debug)]
+/// A worker chosen for one request, counted in its load until dropped.
+#[derive(Debug)]
 struct Picked {
     id: String,
     url: String,
     /// Where a decode worker pulls K/V from (the KV transport, else the URL).
     kv: String,
+    _in_flight: InFlight,
 }
 
 impl Gateway {

@@ -6,11 +6,14 @@ use super::*;
 
 impl Gateway {
     /// A worker of `role`; a prefill worker only among those announced to the decode
-    /// worker `for_decode` (it pulls from no other).
+    /// worker `for_decode` (it pulls from no other). Counted in that worker's load
+    /// (with `blocks` reserved there) until the [`Picked`] drops: chosen and counted
+    /// under one lock, so concurrent requests see each other.
     pub(super) fn pick(
         &self,
         role: WorkerRole,
         hashes: &[u64],
+        blocks: usize,
         exclude: &[String],
         for_decode: Option<&str>,
     ) -> Option<Picked> {
@@ -27,13 +30,15 @@ impl Gateway {
                     || (self.can_serve_kv(e) && told.contains(&e.kv_address()))
             })
             .collect();
+        let loads: Vec<Load> = cands.iter().map(|e| e.routing_load()).collect();
         let i = match role {
-            WorkerRole::Decode => pick_decode(&cands.iter().map(|e| &e.load).collect::<Vec<_>>())?,
+            WorkerRole::Decode => pick_decode(&loads.iter().collect::<Vec<_>>())?,
             WorkerRole::Prefill => {
                 let empty = crate::disagg::router::PrefixMemory::default();
                 let pairs: Vec<_> = cands
                     .iter()
-                    .map(|e| (&e.load, g.prefix.0.get(&e.reg.id).unwrap_or(&empty)))
+                    .zip(&loads)
+                    .map(|(e, l)| (l, g.prefix.0.get(&e.reg.id).unwrap_or(&empty)))
                     .collect();
                 pick_prefill(&pairs, hashes, 4.0)?
             }
@@ -43,17 +48,18 @@ impl Gateway {
             id: e.reg.id.clone(),
             url: e.reg.url.clone(),
             kv: e.kv_address(),
+            _in_flight: e.in_flight.start(blocks),
         })
     }
 
     /// Waits for a decode worker (held at the gateway while the pool is at zero), up
     /// to the hold time, or until the workers are known not to start.
-    pub(super) async fn wait_decode(&self, exclude: &[String]) -> Result<Picked> {
+    pub(super) async fn wait_decode(&self, blocks: usize, exclude: &[String]) -> Result<Picked> {
         let outage = |why: String| EngineError::NoWorkers {
             message: format!("no decode worker can be had: {why}"),
             retry_after_secs: 30,
         };
-        if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude, None) {
+        if let Some(p) = self.pick(WorkerRole::Decode, &[], blocks, exclude, None) {
             return Ok(p);
         }
         if let Some(why) = self.opts.outage.reason() {
@@ -63,7 +69,7 @@ impl Gateway {
         let deadline = Instant::now() + self.opts.hold_timeout;
         let got = loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            if let Some(p) = self.pick(WorkerRole::Decode, &[], exclude, None) {
+            if let Some(p) = self.pick(WorkerRole::Decode, &[], blocks, exclude, None) {
                 break Ok(p);
             }
             if let Some(why) = self.opts.outage.reason() {
@@ -94,12 +100,14 @@ impl Gateway {
         };
         let bs = self.lock().block_size.max(1);
         let hashes = block_hashes(&req.prompt, bs);
+        // What the decode worker reserves before the K/V flows.
+        let blocks = req.prompt.len().div_ceil(bs);
         let mut excluded: Vec<String> = Vec::new();
         // Decode workers that turned the request away before starting it (draining).
         let mut refused: Vec<String> = Vec::new();
         // Two tries on prefill workers, then prefill on the decode worker itself.
         for attempt in 0..3 {
-            let decode = match self.wait_decode(&refused).await {
+            let decode = match self.wait_decode(blocks, &refused).await {
                 Ok(d) => d,
                 Err(e) => return fail(e),
             };
@@ -107,8 +115,8 @@ impl Gateway {
             if disagg {
                 self.await_announcement(&decode.id).await;
             }
-            let prefill = if disagg {
-                self.pick(WorkerRole::Prefill, &hashes, &excluded, Some(&decode.id))
+            let mut prefill = if disagg {
+                self.pick(WorkerRole::Prefill, &hashes, 0, &excluded, Some(&decode.id))
             } else {
                 None
             };
@@ -187,11 +195,12 @@ impl Gateway {
                 }
                 return fail(w.into_engine());
             }
-            if let Some(p) = &prefill {
+            // The K/V has been pulled: the prefill worker is done with this request.
+            if let Some(p) = prefill.take() {
                 self.lock()
                     .prefix
                     .0
-                    .entry(p.id.clone())
+                    .entry(p.id)
                     .or_default()
                     .remember(&hashes);
             }

@@ -91,8 +91,7 @@ pub(super) async fn heartbeat(
     let mut g = gw.lock();
     match g.workers.get_mut(&h.id) {
         Some(e) => {
-            e.load = h.load;
-            e.last_seen = Instant::now();
+            e.report(h.load);
             if e.reg.role == WorkerRole::Prefill {
                 g.prefix.0.entry(h.id).or_default().replace(&h.blocks);
             }
@@ -123,7 +122,7 @@ pub(super) async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::
         .workers
         .values()
         .map(|e| {
-            let mut w = serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load});
+            let mut w = serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load, "in_flight": e.in_flight.requests()});
             if e.reg.role == WorkerRole::Decode {
                 // How many prefill workers it was told it may pull from.
                 w["prefill_peers"] = e.told_now().len().into();

@@ -331,6 +331,7 @@ fn load_of(e: &Engine) -> Load {
         running: e.metrics.running.get() as f64,
         waiting: e.metrics.waiting.get() as f64,
         kv_usage: e.metrics.kv_usage.get(),
+        kv_blocks: e.kv_layout().num_blocks as u64,
     }
 }
 
