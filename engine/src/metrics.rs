@@ -217,7 +217,11 @@ impl EngineMetrics {
                 PREFILL_QUEUE_TOKENS,
                 "Prompt tokens queued and not yet prefilled"
             ),
-            prompt_tokens: reg!(IntCounter, PROMPT_TOKENS, "Prefilled prompt tokens"),
+            prompt_tokens: reg!(
+                IntCounter,
+                PROMPT_TOKENS,
+                "Prompt tokens of prefilled requests, prefix-cache hits included"
+            ),
             generation_tokens: reg!(IntCounter, GENERATION_TOKENS, "Generated tokens"),
             prefix_queries: reg!(
                 IntCounter,

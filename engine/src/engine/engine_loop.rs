@@ -262,11 +262,12 @@ impl EngineLoop {
                 self.metrics
                     .queue_time
                     .observe((now - l.arrival).as_secs_f64());
-            }
-            if w.start < s.prompt_len {
-                self.metrics
-                    .prompt_tokens
-                    .inc_by((w.len.min(s.prompt_len - w.start)) as u64);
+                // The whole prompt, once per request, as vLLM counts it: prefix hits
+                // are in `prefix_cache_hits_total`, and readers take their share from
+                // there (the scaler's prefill rate, its mean prompt length). Counting
+                // only computed tokens discounted the hits twice; recomputation after
+                // preemption is not a new prompt.
+                self.metrics.prompt_tokens.inc_by(s.prompt_len as u64);
             }
         }
         let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();

@@ -24,8 +24,8 @@ fn counter(metrics: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// A worker of `role` registering with `gateway`; it reports its load only once a
-/// minute, so every request of the test is routed on the first report.
+/// A worker of `role` registering with `gateway` and reporting its load every second,
+/// as in the field.
 fn start_worker(
     role: WorkerRole,
     listener: tokio::net::TcpListener,
@@ -45,7 +45,7 @@ fn start_worker(
         role,
         gateway: Some(gateway.to_owned()),
         advertise: url.to_owned(),
-        heartbeat: Duration::from_secs(60),
+        heartbeat: Duration::from_secs(1),
         transfer_timeout: Duration::from_secs(10),
         kv_listener: None,
     };
@@ -55,11 +55,10 @@ fn start_worker(
     }))
 }
 
-/// Two prefill and two decode workers whose load reports are stale (they report once a
-/// minute; in the field, once a second): eight requests sent at once must not all go to
-/// the pair that looked emptiest at the last report. The gateway routed on the
-/// reports alone, so every request between two heartbeats went to one decode worker
-/// and one prefill worker while the others idled.
+/// Two prefill and two decode workers reporting their load every second: eight requests
+/// sent at once must not all go to the pair that looked emptiest at the last report.
+/// The gateway routed on the reports alone, so every request between two heartbeats
+/// went to one decode worker and one prefill worker while the others idled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
     let model = preheat_testkit::model_fixture("llama-tiny");
@@ -92,7 +91,8 @@ async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
         urls.push((role, url));
     }
     let c = reqwest::Client::new();
-    // All four registered, and both decode workers told of both prefill workers.
+    // All four registered and reporting (decode workers with their KV size), and both
+    // decode workers told of both prefill workers.
     let t0 = Instant::now();
     loop {
         let ok = match c
@@ -104,10 +104,9 @@ async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
                 let v: Value = r.json().await.unwrap_or_default();
                 let list = v["workers"].as_array().cloned().unwrap_or_default();
                 list.len() == 4
-                    && list
-                        .iter()
-                        .filter(|w| w["role"] == "decode")
-                        .all(|w| w["prefill_peers"] == 2)
+                    && list.iter().filter(|w| w["role"] == "decode").all(|w| {
+                        w["prefill_peers"] == 2 && w["load"]["kv_blocks"].as_u64() > Some(0)
+                    })
             }
             Err(_) => false,
         };

@@ -70,3 +70,34 @@ async fn regression_prompt_longer_than_the_token_budget_killed_the_engine() {
         );
     }
 }
+
+/// `vllm:prompt_tokens_total` counted only the prompt tokens computed, leaving out
+/// prefix-cache hits: the scaler, which takes the hit share out of the prompt rate as it
+/// must for vLLM (whose counter holds whole prompts), discounted the hits twice and
+/// under-sized prefill by the hit rate on preheat engines, and the mean prompt length it
+/// derives (prompt tokens per first token) came out short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_prompt_tokens_left_out_prefix_cache_hits() {
+    let s =
+        super::server::Server::start(preheat_testkit::model_fixture("llama-tiny"), |_| {}).await;
+    let prompt: Vec<u32> = (1..=48).collect();
+    for _ in 0..2 {
+        let (st, r) = s
+            .post(
+                "/v1/completions",
+                serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}),
+            )
+            .await;
+        assert_eq!(st, 200, "{r}");
+    }
+    let hits = s.metric("vllm:prefix_cache_hits_total").await;
+    assert!(
+        hits >= 32.0,
+        "the second prompt came from the cache: {hits}"
+    );
+    assert_eq!(
+        s.metric("vllm:prompt_tokens_total").await,
+        96.0,
+        "two whole prompts of 48 tokens"
+    );
+}

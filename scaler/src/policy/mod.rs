@@ -661,20 +661,17 @@ impl PreheatPolicy {
                 // The usage is a mean over the endpoints that answered, which include
                 // promoted standbys beside the pool's own replicas.
                 let serving = (s.endpoints_ok as f64).max(o.current as f64);
-                // Tokens a running sequence holds: as measured, else from the usage the
-                // engines report, else the configured default (an engine without a KV
-                // gauge).
-                let seq_tokens = o
-                    .mean_seq_tokens
-                    .or_else(|| {
-                        (s.running > 0.0 && s.kv_usage > 0.0).then(|| {
-                            s.kv_usage * s.endpoints_ok.max(1) as f64 * self.profile.kv_tokens
-                                / s.running
-                        })
-                    })
-                    .unwrap_or(self.cfg.default_prompt_len);
-                let kv_now =
-                    (s.kv_usage * serving * self.profile.kv_tokens).max(s.running * seq_tokens);
+                // KV in use as the engines report it, at least the running sequences at
+                // their measured length (the simulator knows it). The default length
+                // stands in only where no engine reports KV usage: counted for every
+                // running sequence, it made a 240-token sequence a third of a small
+                // replica's cache.
+                let reported = s.kv_usage * serving * self.profile.kv_tokens;
+                let kv_now = match o.mean_seq_tokens {
+                    Some(per_seq) => reported.max(s.running * per_seq),
+                    None if s.kv_usage <= 0.0 => s.running * self.cfg.default_prompt_len,
+                    None => reported,
+                };
                 let by_kv = kv_now * growth / (0.85 * self.profile.kv_tokens);
                 let mut n = by_batch.max(by_kv);
                 if let Some(p90) = s.itl_p90

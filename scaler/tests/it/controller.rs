@@ -681,11 +681,12 @@ async fn regression_the_scaler_sized_every_prompt_and_sequence_at_2048_tokens() 
     );
     // The same forecast either way. A replica prefills 16k tokens/s of 2k prompts,
     // planned at 85%, and 7k tokens/s of 32k prompts, planned at the 41% that keeps a
-    // 4.7 s prefill's queueing within an 8 s target (2 s per 8,192 tokens): 4.7 times
-    // the replicas, less rounding up.
+    // 4.7 s prefill's queueing within an 8 s target (2 s per 8,192 tokens): about 4.7
+    // times the replicas (4.3 seen), where one length for both gave the same number.
+    // Rounding up and the early ticks' noisy rates keep the bound loose.
     let ratio = pl as f64 / ps as f64;
     assert!(
-        ps > 0 && (3.5..=6.0).contains(&ratio),
+        ps > 0 && (2.0..=8.0).contains(&ratio),
         "32k-token prompts got {pl} prefill replicas and 2k-token prompts {ps} for the same tokens/s"
     );
 }

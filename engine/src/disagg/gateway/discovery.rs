@@ -21,18 +21,24 @@ impl Gateway {
         }
         refused.retain(|u, at| listed.iter().any(|(_, l)| l == u) && at.elapsed() < REFUSED_RETRY);
         let probes = listed.iter().map(|(role, url)| async move {
+            let asked = self
+                .lock()
+                .workers
+                .get(url.as_str())
+                .map(|e| e.in_flight.snapshot());
             let status = self.read_status(url).await;
-            (*role, url, status)
+            (*role, url, status, asked)
         });
         let mut to_admit = Vec::new();
-        for (role, url, status) in futures_util::future::join_all(probes).await {
+        for (role, url, status, asked) in futures_util::future::join_all(probes).await {
             let Ok(mut status) = status else {
                 continue; // unanswered: the reaper drops it once it stays silent
             };
             status.blocks.truncate(MAX_PEER_BLOCKS);
             let mut g = self.lock();
             if let Some(e) = g.workers.get_mut(url.as_str()) {
-                e.report(status.load.clone());
+                // Admitted while the poll was out: nothing of ours was there then.
+                e.report(status.load.clone(), asked.unwrap_or_default());
                 if role == WorkerRole::Prefill {
                     g.prefix
                         .0

@@ -28,15 +28,29 @@ struct Counts {
 #[derive(Clone, Debug, Default)]
 pub(super) struct InFlightCounts(Arc<Counts>);
 
+/// This gateway's requests and blocks at one worker at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Snapshot {
+    requests: i64,
+    blocks: i64,
+}
+
 impl InFlightCounts {
-    /// A report arrived: what it counts of this gateway's requests is what was in
-    /// flight now.
-    pub(super) fn reported(&self) {
+    /// What is in flight now, to pair with a report asked for now.
+    pub(super) fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            requests: self.0.requests.load(Ordering::Relaxed),
+            blocks: self.0.blocks.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A report arrived, taken when this gateway had `then` in flight there (a
+    /// heartbeat: now; a polled load: when the poll was sent, since one slow peer holds
+    /// up every poll's answer).
+    pub(super) fn reported(&self, then: Snapshot) {
         let c = &self.0;
-        c.requests_at_report
-            .store(c.requests.load(Ordering::Relaxed), Ordering::Relaxed);
-        c.blocks_at_report
-            .store(c.blocks.load(Ordering::Relaxed), Ordering::Relaxed);
+        c.requests_at_report.store(then.requests, Ordering::Relaxed);
+        c.blocks_at_report.store(then.blocks, Ordering::Relaxed);
     }
 
     /// A request sent to the worker, reserving `blocks` there, until the guard drops.
@@ -134,7 +148,7 @@ mod tests {
         let c = InFlightCounts::default();
         let _mine = c.start(5);
         // The worker saw this gateway's one request and three of others'.
-        c.reported();
+        c.reported(c.snapshot());
         let l = c.load(&report(3.0, 1.0, 0.25));
         assert_eq!(l.running, 4.0);
         assert!((l.kv_usage - 0.25).abs() < 1e-9);
@@ -150,10 +164,26 @@ mod tests {
         let c = InFlightCounts::default();
         let _a = c.start(4);
         let _b = c.start(4);
-        c.reported();
+        c.reported(c.snapshot());
         let l = c.load(&report(0.0, 0.0, 0.0));
         assert_eq!(l.running, 2.0, "never below this gateway's own requests");
         assert!((l.kv_usage - 0.08).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_report_counts_what_was_in_flight_when_it_was_asked_for() {
+        let c = InFlightCounts::default();
+        let a = c.start(1);
+        let asked = c.snapshot();
+        // While the poll was out, `a` ended and `b` started; the worker saw only `a`.
+        drop(a);
+        let _b = c.start(1);
+        c.reported(asked);
+        assert_eq!(
+            c.load(&report(1.0, 0.0, 0.0)).running,
+            1.0,
+            "b, and no one else's"
+        );
     }
 
     #[test]

@@ -151,10 +151,10 @@ impl Entry {
         }
     }
 
-    /// A load report (heartbeat or poll) arrived.
-    fn report(&mut self, load: Load) {
+    /// A load report arrived, taken when this gateway had `then` in flight there.
+    fn report(&mut self, load: Load, then: in_flight::Snapshot) {
         self.load = load;
-        self.in_flight.reported();
+        self.in_flight.reported(then);
         self.last_seen = Instant::now();
     }
 
@@ -205,6 +205,9 @@ pub struct Gateway {
     /// Sequence of this gateway's announcements (a late, older one is ignored).
     announcements: std::sync::atomic::AtomicU64,
     refusal_log: LogEvery,
+    /// Turns the candidates' order each pick, so equally loaded workers share requests
+    /// instead of the first in the map's order taking them all.
+    rotation: std::sync::atomic::AtomicUsize,
 }
 
 /// Lets a repeated message through at most once per period.
@@ -441,6 +444,7 @@ pub async fn run(
             period: Duration::from_secs(30),
             last: Mutex::new(None),
         },
+        rotation: std::sync::atomic::AtomicUsize::new(0),
     });
     if let Some(info) = opts.model.clone() {
         gw.install_front(info)?;

@@ -21,7 +21,7 @@ impl Gateway {
         let told = for_decode
             .and_then(|d| g.workers.get(d))
             .map_or(&[][..], Entry::told_now);
-        let cands: Vec<&Entry> = g
+        let mut cands: Vec<&Entry> = g
             .workers
             .values()
             .filter(|e| e.reg.role == role && !exclude.contains(&e.reg.id))
@@ -30,6 +30,14 @@ impl Gateway {
                     || (self.can_serve_kv(e) && told.contains(&e.kv_address()))
             })
             .collect();
+        if cands.is_empty() {
+            return None;
+        }
+        let turn = self
+            .rotation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let first = turn % cands.len();
+        cands.rotate_left(first);
         let loads: Vec<Load> = cands.iter().map(|e| e.routing_load()).collect();
         let i = match role {
             WorkerRole::Decode => pick_decode(&loads.iter().collect::<Vec<_>>())?,

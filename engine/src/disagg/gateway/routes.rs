@@ -91,7 +91,8 @@ pub(super) async fn heartbeat(
     let mut g = gw.lock();
     match g.workers.get_mut(&h.id) {
         Some(e) => {
-            e.report(h.load);
+            let now = e.in_flight.snapshot();
+            e.report(h.load, now);
             if e.reg.role == WorkerRole::Prefill {
                 g.prefix.0.entry(h.id).or_default().replace(&h.blocks);
             }
