@@ -62,6 +62,9 @@ pub(crate) struct Live {
     last_token: Option<Instant>,
     stopped_by_string: bool,
     prefill_only: Option<String>,
+    /// The prompt's length until it is counted in `prompt_tokens_total`, with its first
+    /// token; `None` for K/V resumed from a prefill worker, which counted it there.
+    uncounted_prompt: Option<usize>,
     /// What the penalties read of the sequence, kept as tokens are appended.
     penalties: penalties::State,
     /// Where the output stands in its grammar (structured outputs).
@@ -139,6 +142,7 @@ impl EngineLoop {
                         last_token: None,
                         stopped_by_string: false,
                         prefill_only,
+                        uncounted_prompt: Some(req.prompt.len()),
                         penalties,
                         constraint,
                     },
@@ -262,12 +266,6 @@ impl EngineLoop {
                 self.metrics
                     .queue_time
                     .observe((now - l.arrival).as_secs_f64());
-                // The whole prompt, once per request, as vLLM counts it: prefix hits
-                // are in `prefix_cache_hits_total`, and readers take their share from
-                // there (the scaler's prefill rate, its mean prompt length). Counting
-                // only computed tokens discounted the hits twice; recomputation after
-                // preemption is not a new prompt.
-                self.metrics.prompt_tokens.inc_by(s.prompt_len as u64);
             }
         }
         let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
@@ -366,6 +364,7 @@ impl EngineLoop {
         }
         self.metrics
             .observe_ttft(live.arrival.elapsed().as_secs_f64());
+        self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
         self.metrics.generation_tokens.inc();
         let header = KvHeader {
             version: transfer::FORMAT_VERSION,
@@ -444,6 +443,7 @@ impl EngineLoop {
                 last_token: None,
                 stopped_by_string: false,
                 prefill_only: None,
+                uncounted_prompt: None,
                 constraint,
             },
         );
@@ -469,6 +469,14 @@ impl EngineLoop {
                 .metrics
                 .observe_ttft((now - live.arrival).as_secs_f64()),
             Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+        }
+        // The whole prompt, once, with its first token, as vLLM counts it: prefix hits
+        // are in `prefix_cache_hits_total` and readers take their share from there (the
+        // scaler's prefill rate, and its mean length: prompt tokens per first token).
+        // Counting computed tokens discounted the hits twice; counting at schedule time
+        // counted prompts that never got a first token.
+        if let Some(n) = live.uncounted_prompt.take() {
+            self.metrics.prompt_tokens.inc_by(n as u64);
         }
         live.last_token = Some(now);
         self.metrics.generation_tokens.inc();
