@@ -14,11 +14,7 @@ use preheat_engine::disagg::worker::{self, WorkerOptions};
 use preheat_engine::metrics::Role;
 use preheat_engine::sampling::SamplingParams;
 
-async fn listen() -> (tokio::net::TcpListener, String) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    (l, url)
-}
+use super::server::{listen, scrape};
 
 fn kv_usage(metrics: &str) -> f64 {
     metrics
@@ -194,14 +190,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         assert_eq!(r.status(), 200);
         let lines = r.text().await.unwrap();
         assert!(lines.contains("\"finished\""), "{lines}");
-        let m = c
-            .get(format!("{decode}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = scrape(&c, &decode).await;
         if kv_usage(&m) == 0.0 {
             break;
         }
@@ -348,14 +337,7 @@ async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
         let r = generate(None).await.unwrap();
         assert_eq!(r.status(), 200);
         assert!(r.text().await.unwrap().contains("\"finished\""));
-        let m = c
-            .get(format!("{decode}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = scrape(&c, &decode).await;
         if kv_usage(&m) == 0.0 {
             break;
         }

@@ -9,20 +9,7 @@ use preheat_engine::disagg::worker::{self, WorkerOptions};
 use preheat_engine::metrics::Role;
 use serde_json::Value;
 
-async fn listen() -> (tokio::net::TcpListener, String) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    (l, url)
-}
-
-/// The sum of a counter's samples in a Prometheus text page.
-fn counter(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
+use super::server::{listen, metric_sum, scrape};
 
 /// A worker of `role` registering with `gateway` and reporting its load every second,
 /// as in the field.
@@ -137,18 +124,11 @@ async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
     futures_util::future::join_all(sends).await;
     let mut served = Vec::new();
     for (role, url) in &urls {
-        let m = c
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = scrape(&c, url).await;
         let n = match role {
-            // Prompt tokens computed there (64 a request).
-            WorkerRole::Prefill => counter(&m, "vllm:prompt_tokens_total") / 64.0,
-            WorkerRole::Decode => counter(&m, "vllm:request_success_total"),
+            // Prompts prefilled there, 64 tokens each.
+            WorkerRole::Prefill => metric_sum(&m, "vllm:prompt_tokens_total") / 64.0,
+            WorkerRole::Decode => metric_sum(&m, "vllm:request_success_total"),
         };
         served.push((*role, n));
     }

@@ -13,6 +13,28 @@ pub(crate) fn reference(name: &str) -> Value {
     serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap()).unwrap()
 }
 
+/// A listener on a free loopback port, and its base URL.
+pub(crate) async fn listen() -> (tokio::net::TcpListener, String) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    (l, url)
+}
+
+/// `base`'s `/metrics` page.
+pub(crate) async fn scrape(client: &reqwest::Client, base: &str) -> String {
+    let r = client.get(format!("{base}/metrics")).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
+/// The sum of a metric's samples (every label set) in a Prometheus text page; 0 when
+/// absent.
+pub(crate) fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub(crate) struct Server {
     pub(crate) base: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -89,22 +111,11 @@ impl Server {
     }
 
     pub(crate) async fn metrics_text(&self) -> String {
-        let r = self
-            .client
-            .get(format!("{}/metrics", self.base))
-            .send()
-            .await
-            .unwrap();
-        r.text().await.unwrap()
+        scrape(&self.client, &self.base).await
     }
 
     pub(crate) async fn metric(&self, name: &str) -> f64 {
-        self.metrics_text()
-            .await
-            .lines()
-            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_sum(&self.metrics_text().await, name)
     }
 
     pub(crate) async fn stop(mut self) {

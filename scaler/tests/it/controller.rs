@@ -42,9 +42,17 @@ fn engine_text(running: u32) -> String {
 /// The pool's desired replicas as KEDA reads them (`GetMetrics`); -1 before the
 /// scaler's first decision (it says Unavailable then).
 async fn desired(c: &mut ExternalScalerClient<tonic::transport::Channel>, pool: &str) -> i64 {
+    desired_for(c, sref(pool)).await
+}
+
+/// The same for the ScaledObject `r`.
+async fn desired_for(
+    c: &mut ExternalScalerClient<tonic::transport::Channel>,
+    r: ScaledObjectRef,
+) -> i64 {
     match c
         .get_metrics(GetMetricsRequest {
-            scaled_object_ref: Some(sref(pool)),
+            scaled_object_ref: Some(r),
             metric_name: String::new(),
         })
         .await
@@ -588,24 +596,15 @@ async fn desired_of(
     model: &str,
     pool: &str,
 ) -> i64 {
-    let r = c
-        .get_metrics(GetMetricsRequest {
-            scaled_object_ref: Some(ScaledObjectRef {
-                name: format!("{model}-{pool}"),
-                namespace: "default".into(),
-                scaler_metadata: [("model", model), ("pool", pool)]
-                    .into_iter()
-                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                    .collect(),
-            }),
-            metric_name: String::new(),
-        })
-        .await;
-    match r {
-        Ok(r) => r.into_inner().metric_values[0].metric_value,
-        Err(s) if s.code() == tonic::Code::Unavailable => -1,
-        Err(s) => panic!("{s}"),
-    }
+    let r = ScaledObjectRef {
+        name: format!("{model}-{pool}"),
+        namespace: "default".into(),
+        scaler_metadata: [("model", model), ("pool", pool)]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+    };
+    desired_for(c, r).await
 }
 
 /// A prefill endpoint whose counters grow in real time: `rate` prompt tokens/s in
