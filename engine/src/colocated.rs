@@ -244,6 +244,7 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
             block_size: opts.block_size,
             num_blocks,
             scheduler: opts.scheduler,
+            threads: None,
         },
         metrics,
     )?;

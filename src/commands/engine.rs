@@ -339,21 +339,26 @@ pub(crate) fn profile(
         .max(max_batch * preheat_engine::profile::decode_blocks_per_seq(steps));
     let mut be = CpuBackend::new(std::sync::Arc::clone(&snap), num_blocks, 16)?;
     let load = t0.elapsed().as_secs_f64();
-    let mut prefill = Vec::new();
-    for &len in lengths {
-        let len = len.min(c.max_position_embeddings as usize);
-        let tps = preheat_engine::profile::prefill_rate(&mut be, len)?;
-        tracing::info!(len, tokens_per_s = tps, "prefill");
-        prefill.push((len as f64, tps));
-    }
+    // Measured where an engine runs its kernels: inside their pool.
+    let pool = preheat_engine::backend::cpu::compute_pool(None)?;
+    let (mut prefill, mut itl) = pool.install(|| -> anyhow::Result<_> {
+        let mut prefill = Vec::new();
+        for &len in lengths {
+            let len = len.min(c.max_position_embeddings as usize);
+            let tps = preheat_engine::profile::prefill_rate(&mut be, len)?;
+            tracing::info!(len, tokens_per_s = tps, "prefill");
+            prefill.push((len as f64, tps));
+        }
+        let mut itl = Vec::new();
+        for &b in batches {
+            let (_, step) = preheat_engine::profile::decode_rate(&mut be, b, steps)?;
+            tracing::info!(batch = b, itl_s = step.as_secs_f64(), "decode");
+            itl.push((b as f64, step.as_secs_f64()));
+        }
+        Ok((prefill, itl))
+    })?;
     prefill.sort_by(|a, b| a.0.total_cmp(&b.0));
     prefill.dedup_by(|a, b| a.0 == b.0);
-    let mut itl = Vec::new();
-    for &b in batches {
-        let (_, step) = preheat_engine::profile::decode_rate(&mut be, b, steps)?;
-        tracing::info!(batch = b, itl_s = step.as_secs_f64(), "decode");
-        itl.push((b as f64, step.as_secs_f64()));
-    }
     itl.sort_by(|a, b| a.0.total_cmp(&b.0));
     itl.dedup_by(|a, b| a.0 == b.0);
     let defaults = preheat_scaler::profile::Profile::default();

@@ -29,6 +29,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     pub num_blocks: usize,
     pub scheduler: SchedulerConfig,
+    /// Threads the model's kernels run on, the engine loop's own among them (`None`:
+    /// rayon's default, `RAYON_NUM_THREADS` or one per core).
+    pub threads: Option<usize>,
 }
 
 /// A handle to the running engine; cheap to clone.
@@ -191,6 +194,10 @@ impl Engine {
             cached: Arc::clone(&cached),
             cached_at: Instant::now(),
         };
+        // The loop runs inside its kernels' pool (see `compute_pool`); this thread only
+        // waits for it.
+        let pool = crate::backend::cpu::compute_pool(cfg.threads)
+            .map_err(|e| EngineError::Internal(format!("starting the compute threads: {e}")))?;
         std::thread::Builder::new()
             .name("preheat-engine".into())
             .spawn({
@@ -198,8 +205,9 @@ impl Engine {
                 move || {
                     // A panic here is a bug; make it visible instead of leaving a live
                     // process whose engine answers nothing.
-                    let r =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run(rx)));
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        pool.install(|| worker.run(rx));
+                    }));
                     if r.is_err() {
                         dead.store(true, Ordering::SeqCst);
                         tracing::error!("the engine thread panicked; this engine is dead");

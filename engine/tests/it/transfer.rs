@@ -29,6 +29,7 @@ fn engine(name: &str, num_blocks: usize, role: Role) -> Engine {
             block_size: 16,
             num_blocks,
             scheduler: SchedulerConfig::default(),
+            threads: None,
         },
         Arc::new(EngineMetrics::new(name, role)),
     )

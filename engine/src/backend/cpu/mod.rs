@@ -3,6 +3,7 @@
 
 pub mod matmul;
 pub mod ops;
+mod pool;
 
 use std::sync::Arc;
 
@@ -10,6 +11,7 @@ use preheat_snapshot::{ModelConfig, Snapshot};
 use rayon::prelude::*;
 
 use self::matmul::{axpy, dot, linear};
+pub use self::pool::compute_pool;
 use preheat_snapshot::tensors::{self, LayerTensors, Named};
 
 use super::weights::Weight;
