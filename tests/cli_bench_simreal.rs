@@ -84,6 +84,12 @@ fn simreal_measures_up_and_predicts_it_within_tolerance() {
     }
     assert_eq!(r["measured_attainment"], 1.0, "{r}");
     assert_eq!(r["predicted_attainment"], 1.0, "{r}");
+    // Far below the host's capacity, 5% of it either way changes nothing.
+    assert_eq!(
+        r["predicted_attainment_band"],
+        serde_json::json!([1.0, 1.0]),
+        "{r}"
+    );
     assert_eq!(r["within_tolerance"], true, "{r}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.contains("measured") && plot.contains("predicted"));
