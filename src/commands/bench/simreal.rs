@@ -77,6 +77,17 @@ pub struct PoolComparison {
     pub predicted_max: u32,
 }
 
+/// A request that missed its SLO for real: where an attainment gap is.
+#[derive(Clone, Debug, Serialize)]
+pub struct Missed {
+    pub sent_at: f64,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub ttft: Option<f64>,
+    pub itl: Option<f64>,
+    pub ok: bool,
+}
+
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub requests: usize,
@@ -110,6 +121,8 @@ pub struct Report {
     pub measured_itl: (Option<f64>, Option<f64>),
     pub predicted_itl: (f64, f64),
     pub pools: Vec<PoolComparison>,
+    /// The requests that missed their SLO for real, in the order sent.
+    pub missed: Vec<Missed>,
     pub replica_s_tolerance: f64,
     pub attainment_tolerance_points: f64,
     pub within_tolerance: bool,
@@ -648,12 +661,23 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         attainment_with(1.0 + HOST_SLOTS_SENSITIVITY)?,
     );
 
-    let ok = m
+    let missed: Vec<Missed> = m
         .outcomes
         .iter()
         .zip(&planned)
-        .filter(|(o, p)| attained(o, counted(p, o).0, &setup.prefill, &setup.decode))
-        .count();
+        .filter_map(|(o, p)| {
+            let (prompt_tokens, completion_tokens) = counted(p, o);
+            (!attained(o, prompt_tokens, &setup.prefill, &setup.decode)).then(|| Missed {
+                sent_at: o.sent_at,
+                prompt_tokens,
+                completion_tokens,
+                ttft: o.ttft,
+                itl: o.itl,
+                ok: o.ok,
+            })
+        })
+        .collect();
+    let ok = m.outcomes.len() - missed.len();
     let n = m.outcomes.len().max(1);
     let measured_attainment = ok as f64 / n as f64;
     let pools = vec![
@@ -710,6 +734,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         measured_itl,
         predicted_itl: (predicted.itl_p50, predicted.itl_p99),
         pools,
+        missed,
         replica_s_tolerance: REPLICA_SECONDS_TOLERANCE,
         attainment_tolerance_points: ATTAINMENT_TOLERANCE_POINTS,
         within_tolerance,
