@@ -667,7 +667,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         .zip(&planned)
         .filter_map(|(o, p)| {
             let (prompt_tokens, completion_tokens) = counted(p, o);
-            (!attained(o, prompt_tokens, &setup.prefill, &setup.decode)).then(|| Missed {
+            (!attained(o, prompt_tokens, &setup.prefill, &setup.decode)).then_some(Missed {
                 sent_at: o.sent_at,
                 prompt_tokens,
                 completion_tokens,
