@@ -90,6 +90,7 @@ fn simreal_measures_up_and_predicts_it_within_tolerance() {
         serde_json::json!([1.0, 1.0]),
         "{r}"
     );
+    assert_eq!(r["missed"], serde_json::json!([]), "{r}");
     assert_eq!(r["within_tolerance"], true, "{r}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.contains("measured") && plot.contains("predicted"));

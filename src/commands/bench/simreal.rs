@@ -652,9 +652,10 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
     let trace = trace_of(&planned, &m.outcomes);
     tracing::info!("simulating the same run");
     let predicted = preheat_sim::run_policy("preheat", &cfg, &trace)?;
-    let mut attainment_with = |f: f64| -> anyhow::Result<f64> {
-        cfg.shared_host = Some(slots * f);
-        Ok(preheat_sim::run_policy("preheat", &cfg, &trace)?.slo_attainment)
+    let attainment_with = |f: f64| -> anyhow::Result<f64> {
+        let mut c = cfg.clone();
+        c.shared_host = Some(slots * f);
+        Ok(preheat_sim::run_policy("preheat", &c, &trace)?.slo_attainment)
     };
     let predicted_attainment_band = (
         attainment_with(1.0 - HOST_SLOTS_SENSITIVITY)?,
