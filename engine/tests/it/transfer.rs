@@ -163,14 +163,16 @@ async fn refusals_leak_nothing() {
     let tiny = engine("llama-tiny", 2, Role::Decode);
     let e = tiny.resume(msg.clone()).unwrap_err().to_string();
     assert!(e.contains("exceed"), "{e}");
-    // Room in total but not now: back-pressure (Overloaded), nothing held.
+    // Room in total but not now: back-pressure (Overloaded), nothing held. The room is
+    // taken by a reservation, not a running sequence, which could finish first.
     let small = engine("llama-tiny", 6, Role::Decode);
     let long = prefill(&p, prompt.clone(), 30).await;
-    let busy = small.resume(long).unwrap();
+    let held = small.reserve(4).await.unwrap();
     let e = tokens(small.resume(msg.clone()).unwrap())
         .await
         .unwrap_err();
     assert!(matches!(e, EngineError::Overloaded { .. }), "{e}");
+    let busy = small.resume_into(held, long).unwrap();
     assert_eq!(tokens(busy).await.unwrap().len(), 30);
     wait_kv_empty(&small).await;
     // Another model: refused at the door.
