@@ -92,6 +92,11 @@ pub struct ForwardBatch<'a> {
 /// A model on some device, with its KV cache.
 pub trait Backend: Send {
     fn name(&self) -> &'static str;
+    /// Whether its compute runs as rayon kernels on this host's cores (the engine then
+    /// gives it a pool of compute threads; otherwise the loop's own thread is enough).
+    fn uses_cpu_threads(&self) -> bool {
+        false
+    }
     fn config(&self) -> &ModelConfig;
     fn kv_layout(&self) -> KvLayout;
     /// Runs the model: writes every token's K/V into its slot, then returns the logits

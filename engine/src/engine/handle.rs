@@ -163,6 +163,12 @@ impl Engine {
         metrics: Arc<EngineMetrics>,
     ) -> Result<Self> {
         let layout = backend.kv_layout();
+        // A GPU backend runs no CPU kernels: no idle compute thread per core for it.
+        let threads = if backend.uses_cpu_threads() {
+            cfg.threads
+        } else {
+            Some(1)
+        };
         if layout.block_size != cfg.block_size || layout.num_blocks != cfg.num_blocks {
             return Err(EngineError::Internal(
                 "backend KV layout differs from the engine config".into(),
@@ -196,7 +202,7 @@ impl Engine {
         };
         // The loop runs inside its kernels' pool (see `compute_pool`); this thread only
         // waits for it.
-        let pool = crate::backend::cpu::compute_pool(cfg.threads)
+        let pool = crate::backend::cpu::compute_pool(threads)
             .map_err(|e| EngineError::Internal(format!("starting the compute threads: {e}")))?;
         std::thread::Builder::new()
             .name("preheat-engine".into())

@@ -163,6 +163,9 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+    fn uses_cpu_threads(&self) -> bool {
+        true
+    }
 
     fn config(&self) -> &ModelConfig {
         &self.config
