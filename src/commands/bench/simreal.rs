@@ -78,7 +78,7 @@ pub struct PoolComparison {
 }
 
 /// A request that missed its SLO for real: where an attainment gap is.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Debug, Serialize)]
 pub struct Missed {
     pub sent_at: f64,
     pub prompt_tokens: u32,
