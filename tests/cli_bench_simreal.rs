@@ -91,6 +91,9 @@ fn simreal_measures_up_and_predicts_it_within_tolerance() {
         "{r}"
     );
     assert_eq!(r["missed"], serde_json::json!([]), "{r}");
+    // Every prompt reaches the gateway's threshold: all go through the prefill pool.
+    assert_eq!(r["disagg_min_tokens"], 32, "{r}");
+    assert_eq!(r["prefilled_on_decode"], 0, "{r}");
     assert_eq!(r["within_tolerance"], true, "{r}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.contains("measured") && plot.contains("predicted"));

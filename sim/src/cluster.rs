@@ -2,7 +2,9 @@
 //! the profile's prefill rate for that prompt length, skipping the prefix it holds in
 //! its cache; a decode replica runs continuous batching: every running sequence gets
 //! one token per step, a step lasting the profile's ITL at the current batch size, and
-//! a sequence holds its prompt + output tokens of KV from admission to completion.
+//! a sequence holds its prompt + output tokens of KV from admission to completion. A
+//! prompt too short for the prefill pool is computed on its decode replica, in one of
+//! its steps, which takes that much longer for every sequence in it.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -407,6 +409,9 @@ pub struct DecodeReplica {
     /// every replica at every event, and the batch seldom changes between them. One
     /// replica only ever sees its simulation's profile.
     itl_at: std::cell::Cell<(usize, f64)>,
+    /// Prompts computed here, by the step count at whose boundary each one's first
+    /// token comes (a handful at a time: a plain list).
+    firsts: Vec<(u64, usize)>,
 }
 
 impl DecodeReplica {
@@ -422,6 +427,7 @@ impl DecodeReplica {
             busy_s: 0.0,
             slow: 1.0,
             itl_at: std::cell::Cell::new((usize::MAX, 0.0)),
+            firsts: Vec::new(),
         }
     }
 
@@ -432,7 +438,8 @@ impl DecodeReplica {
         if slow == self.slow {
             return;
         }
-        if !self.seqs.is_empty() && t > self.clock {
+        // A clock ahead of `t` is a prompt's compute still to come: it stretches too.
+        if !self.seqs.is_empty() && t != self.clock {
             self.clock = t - (t - self.clock) * slow / self.slow;
         }
         self.slow = slow;
@@ -473,9 +480,41 @@ impl DecodeReplica {
         });
     }
 
-    /// Steps until the next sequence completes.
+    /// Admits a sequence whose prompt (`prefill_s` of compute at full speed) is
+    /// computed here rather than on the prefill pool, as the gateway does with prompts
+    /// shorter than its `--disagg-min-tokens`. The prompt joins the next step, which
+    /// takes that much longer for every sequence in it, and its first token comes at
+    /// that step's end; on an idle replica the step is the prompt alone. `seq.remaining`
+    /// counts the tokens after the first.
+    pub fn admit_prefilling(&mut self, t: f64, seq: Seq, prefill_s: f64) {
+        let first_step = if self.seqs.is_empty() {
+            self.clock = self.clock.max(t);
+            self.steps
+        } else {
+            self.steps + 2
+        };
+        let compute = prefill_s * self.slow;
+        self.clock += compute;
+        self.busy_s += compute;
+        self.kv_used += seq.kv_tokens;
+        self.firsts.push((first_step, seq.req));
+        self.seqs.push(Running {
+            end_step: first_step + u64::from(seq.remaining),
+            req: seq.req,
+            kv_tokens: seq.kv_tokens,
+        });
+    }
+
+    /// Steps until the next sequence completes or a prompt computed here gives its
+    /// first token.
     fn steps_to_next(&self) -> Option<u64> {
-        self.seqs.peek().map(|s| s.end_step - self.steps)
+        let first = self.firsts.iter().map(|f| f.0).min();
+        let end = self.seqs.peek().map(|s| s.end_step);
+        let next = match (first, end) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(next - self.steps)
     }
 
     /// Seconds one step takes now.
@@ -504,31 +543,49 @@ impl DecodeReplica {
         }
     }
 
-    /// Runs whole steps up to `t`, stopping at the first completion so the caller can
-    /// admit at that boundary; returns `(request, completion time)` of finished ones.
-    pub fn advance(&mut self, t: f64, profile: &Profile, done: &mut Vec<(usize, f64)>) {
+    /// Runs whole steps up to `t`, stopping at the first event so the caller can admit
+    /// at that boundary; returns `(request, time)` of first tokens of prompts computed
+    /// here and of finished sequences.
+    pub fn advance(
+        &mut self,
+        t: f64,
+        profile: &Profile,
+        first: &mut Vec<(usize, f64)>,
+        done: &mut Vec<(usize, f64)>,
+    ) {
         let Some(min) = self.steps_to_next() else {
             self.clock = self.clock.max(t);
             return;
         };
         let itl = self.step_s(profile);
-        // The completion `next_event` reports is reached at that very time, computed
-        // the same way: dividing back rounds below it once the clock is large.
-        let k = if t >= self.clock + min as f64 * itl {
+        // The event `next_event` reports is reached at that very time, computed the
+        // same way: dividing back rounds below it once the clock is large.
+        let due = self.clock + min as f64 * itl;
+        let k = if t >= due {
             min
         } else {
-            // Whole steps done by `t`: the cast truncates toward zero and saturates
-            // below at 0, which is floor-then-clamp for these values without a libm
-            // call (this runs for every replica at every event).
-            ((((t - self.clock) / itl) + 1e-9) as u64).min(min)
+            // Whole steps done by `t`, short of the event: the cast truncates toward
+            // zero and saturates below at 0, which is floor-then-clamp for these
+            // values without a libm call (this runs for every replica at every event).
+            ((((t - self.clock) / itl) + 1e-9) as u64).min(min.saturating_sub(1))
         };
-        // A sequence admitted with nothing to generate (min 0) finishes without a step.
-        if k == 0 && min > 0 {
-            return;
-        }
         self.clock += k as f64 * itl;
         self.busy_s += k as f64 * itl;
         self.steps += k;
+        // Short of the event (a sequence admitted with nothing to generate is due at
+        // once, without a step; a prompt computed here, once its compute is done).
+        if k < min || t < due {
+            return;
+        }
+        let steps = self.steps;
+        let clock = self.clock;
+        self.firsts.retain(|&(at, req)| {
+            let due = at <= steps;
+            if due {
+                first.push((req, clock));
+            }
+            !due
+        });
         let mut freed = 0.0;
         while let Some(s) = self.seqs.peek()
             && s.end_step <= self.steps
@@ -584,13 +641,13 @@ mod tests {
         let itl2 = p.itl(2.0);
         assert!((r.next_event(0.0, &p) - 10.0 * itl2).abs() < 1e-9);
         let mut done = Vec::new();
-        r.advance(1.0, &p, &mut done);
+        r.advance(1.0, &p, &mut Vec::new(), &mut done);
         assert_eq!(done.len(), 1);
         assert_eq!(done[0].0, 0);
         assert!((done[0].1 - 10.0 * itl2).abs() < 1e-9);
         assert_eq!(r.kv_used, 100.0);
         // The survivor continues alone, at batch-1 ITL.
-        r.advance(1.0, &p, &mut done);
+        r.advance(1.0, &p, &mut Vec::new(), &mut done);
         assert_eq!(done.len(), 2);
         assert!((done[1].1 - (10.0 * itl2 + 10.0 * p.itl(1.0))).abs() < 1e-9);
     }
@@ -611,11 +668,11 @@ mod tests {
         // Two and a half steps done at full speed, the rest at half.
         let t = 2.5 * itl;
         let mut done = Vec::new();
-        d.advance(t, &p, &mut done);
+        d.advance(t, &p, &mut Vec::new(), &mut done);
         d.set_speed(t, 0.5);
         let end = d.next_event(t, &p);
         assert!((end - (t + 7.5 * 2.0 * itl)).abs() < 1e-12, "{end}");
-        d.advance(end, &p, &mut done);
+        d.advance(end, &p, &mut Vec::new(), &mut done);
         assert_eq!(done.len(), 1);
         assert!((done[0].1 - end).abs() < 1e-12);
 
@@ -629,6 +686,58 @@ mod tests {
         r.set_speed(0.25, 0.5);
         assert_eq!(r.next_event(0.25), 0.25 + 0.75 * 2.0);
         assert_eq!(r.step(1.75, None), Some(3));
+    }
+
+    #[test]
+    fn a_prompt_computed_on_decode_gives_its_first_token_when_its_step_ends() {
+        let p = Profile::default();
+        let (itl1, itl2) = (p.itl(1.0), p.itl(2.0));
+        let seq = |req, remaining| Seq {
+            req,
+            remaining,
+            kv_tokens: 10.0,
+        };
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        // Idle: the step is the prompt alone, then a token a step.
+        let mut r = DecodeReplica::new(0.0);
+        r.admit_prefilling(1.0, seq(0, 3), 0.1);
+        r.advance(r.next_event(1.0, &p), &p, &mut first, &mut done);
+        assert_eq!(first, vec![(0, 1.1)]);
+        r.advance(r.next_event(1.1, &p), &p, &mut first, &mut done);
+        assert_eq!(done.len(), 1);
+        assert!((done[0].1 - (1.1 + 3.0 * itl1)).abs() < 1e-12, "{done:?}");
+        assert!((r.busy_s - (0.1 + 3.0 * itl1)).abs() < 1e-12);
+
+        // Busy: the prompt joins the step after the one under way, which is longer by
+        // its compute for the sequence already running too.
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        let mut r = DecodeReplica::new(0.0);
+        r.admit(0.0, seq(0, 10));
+        let t = 2.5 * itl1;
+        r.advance(t, &p, &mut first, &mut done);
+        r.admit_prefilling(t, seq(1, 2), 0.1);
+        let at = r.next_event(t, &p);
+        assert!((at - (2.0 * itl1 + 0.1 + 2.0 * itl2)).abs() < 1e-12, "{at}");
+        // Nothing is handed out before its time.
+        r.advance(at - 1e-6, &p, &mut first, &mut done);
+        assert!(first.is_empty());
+        r.advance(at, &p, &mut first, &mut done);
+        assert_eq!(first, vec![(1, at)]);
+        while !r.is_empty() {
+            let at = r.next_event(at, &p);
+            r.advance(at, &p, &mut first, &mut done);
+        }
+        let b_done = 2.0 * itl1 + 0.1 + 4.0 * itl2;
+        assert_eq!(done[0].0, 1);
+        assert!((done[0].1 - b_done).abs() < 1e-12);
+        assert_eq!(done[1].0, 0);
+        assert!((done[1].1 - (b_done + 4.0 * itl1)).abs() < 1e-12);
+
+        // The compute still to come runs at the replica's speed.
+        let mut r = DecodeReplica::new(0.0);
+        r.admit_prefilling(0.0, seq(2, 1), 0.2);
+        r.set_speed(0.1, 0.5);
+        assert!((r.next_event(0.1, &p) - 0.3).abs() < 1e-12);
     }
 
     #[test]
@@ -675,7 +784,7 @@ mod tests {
             while !r.is_empty() {
                 let at = r.next_event(start, &p);
                 let before = done.len();
-                r.advance(at, &p, &mut done);
+                r.advance(at, &p, &mut Vec::new(), &mut done);
                 assert!(
                     done.len() > before,
                     "clock {start}: no completion at its own event {at}"
@@ -691,7 +800,7 @@ mod tests {
         };
         r.admit(5.0, seq);
         let mut done = Vec::new();
-        r.advance(r.next_event(5.0, &p), &p, &mut done);
+        r.advance(r.next_event(5.0, &p), &p, &mut Vec::new(), &mut done);
         assert_eq!(done, vec![(7, 5.0)]);
     }
 }

@@ -69,6 +69,11 @@ pub struct SimConfig {
     /// this many tokens per batch, at the profile's rate for the batch's length (the
     /// bundled engine's scheduler budget). `None`: one prompt at a time.
     pub prefill_batch_tokens: Option<f64>,
+    /// Prompts shorter than this many tokens skip the prefill pool: the decode replica
+    /// that takes the request computes the prompt in one of its steps, as the bundled
+    /// gateway does below its `--disagg-min-tokens`. `None`: every prompt is prefilled
+    /// on the prefill pool.
+    pub local_prefill_below: Option<u32>,
 }
 
 impl SimConfig {
@@ -88,6 +93,7 @@ impl SimConfig {
             warm_start: true,
             shared_host: None,
             prefill_batch_tokens: None,
+            local_prefill_below: None,
         }
     }
 
@@ -112,6 +118,11 @@ impl SimConfig {
             .decode_itl_s
             .last()
             .map_or(1, |p| p.0.max(1.0) as usize)
+    }
+
+    /// Whether the decode replica serving this request computes its prompt.
+    pub(crate) fn prefills_on_decode(&self, r: &TraceRequest) -> bool {
+        self.local_prefill_below.is_some_and(|n| r.input_tokens < n)
     }
 
     /// Whether a request's first token came within its TTFT target.

@@ -99,6 +99,7 @@ pub(crate) struct Sim<'a> {
     pub(crate) max_batch: usize,
     pub(crate) cache_blocks: usize,
     pub(crate) done_buf: Vec<(usize, f64)>,
+    pub(crate) first_buf: Vec<(usize, f64)>,
     pub(crate) prefix_index: PrefixIndex,
 }
 
@@ -161,6 +162,7 @@ impl<'a> Sim<'a> {
             max_batch: cfg.max_batch(),
             cache_blocks,
             done_buf: Vec::new(),
+            first_buf: Vec::new(),
             prefix_index: PrefixIndex::default(),
         }
     }
@@ -233,15 +235,21 @@ impl<'a> Sim<'a> {
         let t = self.t;
         // Decode first: completions free room for sequences prefilled now.
         let mut done = std::mem::take(&mut self.done_buf);
+        let mut first = std::mem::take(&mut self.first_buf);
         for r in &mut self.decode {
             if r.is_ready(t) {
-                r.advance(t, &self.cfg.profile, &mut done);
+                r.advance(t, &self.cfg.profile, &mut first, &mut done);
             }
+        }
+        // First tokens before completions: a one-token request gives both at once.
+        for (req, at) in first.drain(..) {
+            self.record_first_token(req, at);
         }
         for (req, at) in done.drain(..) {
             self.finish(req, at);
         }
         self.done_buf = done;
+        self.first_buf = first;
         // Prefill completions and newly ready replicas.
         for i in 0..self.prefill.len() {
             if !self.prefill[i].is_ready(t) {
@@ -264,7 +272,11 @@ impl<'a> Sim<'a> {
             self.now.arrived += 1.0;
             self.now.prompt_tokens += f64::from(r.input_tokens);
             self.now.output_tokens += f64::from(r.output_tokens);
-            self.held.push_back(i);
+            if self.cfg.prefills_on_decode(r) {
+                self.decode_wait.push_back(i);
+            } else {
+                self.held.push_back(i);
+            }
             for pool in POOLS {
                 let current = self.current(pool);
                 if current == 0 && self.ctl[pool].scaler.wakes_on_arrival() {
@@ -312,17 +324,22 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// A prompt computed on the prefill pool gave its first token: the request goes
+    /// on to decode, or is done.
     fn first_token(&mut self, req: usize, t: f64) {
-        let r = &self.trace[req];
-        self.reqs[req].first_token = t;
-        self.now.generated += 1.0;
-        let ttft = t - r.t;
-        self.recent_ttft.push_back((t, ttft));
-        if r.output_tokens <= 1 {
+        self.record_first_token(req, t);
+        if self.trace[req].output_tokens <= 1 {
             self.finish(req, t);
         } else {
             self.decode_wait.push_back(req);
         }
+    }
+
+    fn record_first_token(&mut self, req: usize, t: f64) {
+        let r = &self.trace[req];
+        self.reqs[req].first_token = t;
+        self.now.generated += 1.0;
+        self.recent_ttft.push_back((t, t - r.t));
     }
 
     fn finish(&mut self, req: usize, at: f64) {
@@ -420,14 +437,18 @@ impl<'a> Sim<'a> {
                 .map(|(i, _)| i);
             let Some(i) = best else { break };
             self.decode_wait.pop_front();
-            self.decode[i].admit(
-                t,
-                Seq {
-                    req,
-                    remaining: r.output_tokens - 1,
-                    kv_tokens: kv,
-                },
-            );
+            let seq = Seq {
+                req,
+                remaining: r.output_tokens.saturating_sub(1),
+                kv_tokens: kv,
+            };
+            if self.cfg.prefills_on_decode(r) {
+                let len = f64::from(r.input_tokens.max(1));
+                let prefill_s = len / self.cfg.profile.prefill_rate(len);
+                self.decode[i].admit_prefilling(t, seq, prefill_s);
+            } else {
+                self.decode[i].admit(t, seq);
+            }
         }
     }
 

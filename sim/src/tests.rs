@@ -541,3 +541,44 @@ fn an_idle_start_opens_at_the_policies_minimum() {
     assert_eq!(idle.unfinished, 0);
     assert!(idle.timeline.iter().any(|s| s.1 > 0 && s.2 > 0));
 }
+
+#[test]
+fn short_prompts_prefilled_on_decode_need_no_prefill_replica_and_slow_its_steps() {
+    let mut c = cfg();
+    let short = steady(0.0, 5, 1.0, 16, 4);
+    // Through the prefill pool, nothing moves without a prefill replica.
+    assert_eq!(run_fixed(&c, &short, 0, 1).unfinished, 5);
+    c.local_prefill_below = Some(32);
+    let local = run_fixed(&c, &short, 0, 1);
+    assert_eq!(local.unfinished, 0);
+    let prefill_s = 16.0 / c.profile.prefill_rate(16.0);
+    assert!(
+        (local.ttft_p99 - prefill_s).abs() < 1e-9,
+        "{}",
+        local.ttft_p99
+    );
+    // A prompt at the threshold still goes to the prefill pool.
+    assert_eq!(
+        run_fixed(&c, &steady(0.0, 2, 1.0, 32, 4), 0, 1).unfinished,
+        2
+    );
+
+    // A long request decoding when a short prompt joins its replica: one of its steps
+    // is longer by the short prompt's compute. A one-token answer through the prefill
+    // pool never reaches decode; computed on decode, it counts in the batch for the
+    // step under way (from its admission) and its own.
+    let mut trace = steady(0.0, 1, 0.0, 2048, 51);
+    trace.extend(steady(0.5, 1, 0.0, 16, 1));
+    c.local_prefill_below = None;
+    let apart = run_fixed(&c, &trace, 1, 1);
+    c.local_prefill_below = Some(32);
+    let joined = run_fixed(&c, &trace, 1, 1);
+    let batch_two = c.profile.itl(2.0) - c.profile.itl(1.0);
+    let expected = (prefill_s + 2.0 * batch_two) / 50.0;
+    assert!(
+        (joined.itl_p99 - apart.itl_p99 - expected).abs() < 1e-9,
+        "{} vs {} (+{expected})",
+        joined.itl_p99,
+        apart.itl_p99
+    );
+}

@@ -109,6 +109,10 @@ pub struct Report {
     /// shared host).
     pub stack_cores: f64,
     pub host_slots: f64,
+    /// Requests with prompts shorter than the gateway's `--disagg-min-tokens`, whose
+    /// decode workers computed them (and so does the simulation).
+    pub prefilled_on_decode: usize,
+    pub disagg_min_tokens: u32,
     pub measured_attainment: f64,
     pub predicted_attainment: f64,
     /// Predicted attainment with `HOST_SLOTS_SENSITIVITY` fewer and more worker slots.
@@ -649,7 +653,16 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
     cfg.shared_host = Some(slots);
     // `up`'s workers batch queued prompts up to their default token budget.
     cfg.prefill_batch_tokens = Some(preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64);
+    // `up`'s gateway has decode workers compute prompts shorter than its default
+    // `--disagg-min-tokens` themselves.
+    let below = preheat_engine::disagg::gateway::GatewayOptions::default().disagg_min_tokens;
+    let disagg_min_tokens = u32::try_from(below).unwrap_or(u32::MAX);
+    cfg.local_prefill_below = Some(disagg_min_tokens);
     let trace = trace_of(&planned, &m.outcomes);
+    let prefilled_on_decode = trace
+        .iter()
+        .filter(|r| r.input_tokens < disagg_min_tokens)
+        .count();
     tracing::info!("simulating the same run");
     let predicted = preheat_sim::run_policy("preheat", &cfg, &trace)?;
     let attainment_with = |f: f64| -> anyhow::Result<f64> {
@@ -726,6 +739,8 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         sim_start_measured: start_s.is_some(),
         stack_cores,
         host_slots: slots,
+        prefilled_on_decode,
+        disagg_min_tokens,
         measured_attainment,
         predicted_attainment: predicted.slo_attainment,
         predicted_attainment_band,
@@ -766,6 +781,11 @@ fn print_text(r: &Report) -> anyhow::Result<()> {
         "host: the stack besides its workers used {:.2} cores; {:.2} worker slots left",
         r.stack_cores,
         r.host_slots
+    );
+    outln!(
+        "prompts computed on decode workers (shorter than {} tokens): {}",
+        r.disagg_min_tokens,
+        r.prefilled_on_decode
     );
     outln!(
         "starts measured: {} (simulated with {:.2} s to start{}, {:.3} s to promote)",
