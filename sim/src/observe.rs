@@ -41,9 +41,10 @@ impl Sim<'_> {
     pub(crate) fn view(&self, pool: Pool) -> PoolView {
         let t = self.t;
         let oldest = self.history.front().copied().unwrap_or_default();
-        let arrived = self.now.arrived - oldest.arrived;
-        let mean_prompt_len =
-            (arrived > 0.0).then(|| (self.now.prompt_tokens - oldest.prompt_tokens) / arrived);
+        // The prefill pool's prompts (the only pool whose policy reads the length).
+        let arrived = self.now.prefill_arrived - oldest.prefill_arrived;
+        let mean_prompt_len = (arrived > 0.0)
+            .then(|| (self.now.prefill_prompt_tokens - oldest.prefill_prompt_tokens) / arrived);
         let current = self.current(pool);
         let side = match pool {
             Pool::Prefill => self.prefill_side(&oldest),
@@ -91,7 +92,7 @@ impl Sim<'_> {
             waiting: reps.iter().map(|r| r.waiting() as f64).sum(),
             running: reps.iter().map(|r| r.running_prompts() as f64).sum(),
             queued_prompt_tokens: reps.iter().map(|r| r.queued_tokens()).sum(),
-            prompt_rate: self.window_rate(oldest, |c| c.prompt_tokens),
+            prompt_rate: self.window_rate(oldest, |c| c.prefill_prompt_tokens),
             prompt_rate_peak: self.peak_prompt_rate(),
             peak_span_s: self.cfg.interval_s.max(1.0),
             prompt_rate_recent: self.recent_prompt_rate(),
@@ -148,7 +149,8 @@ impl Sim<'_> {
         }
     }
 
-    /// Prompt-token rate over the last scrape interval (`interval_s`).
+    /// The prefill pool's prompt-token rate over the last scrape interval
+    /// (`interval_s`).
     fn recent_prompt_rate(&self) -> f64 {
         let step = self.cfg.interval_s.max(1.0);
         self.history
@@ -156,11 +158,11 @@ impl Sim<'_> {
             .rev()
             .find(|c| self.t - c.t >= step - 1e-9)
             .map_or(0.0, |c| {
-                (self.now.prompt_tokens - c.prompt_tokens) / (self.t - c.t)
+                (self.now.prefill_prompt_tokens - c.prefill_prompt_tokens) / (self.t - c.t)
             })
     }
 
-    /// Highest prompt-token rate between the scaler's scrapes (every `interval_s`)
+    /// The prefill pool's highest prompt-token rate between the scaler's scrapes (every `interval_s`)
     /// within the window, as the real scaler sees it.
     fn peak_prompt_rate(&self) -> f64 {
         let step = self.cfg.interval_s.max(1.0);
@@ -170,7 +172,8 @@ impl Sim<'_> {
             match prev {
                 None => prev = Some(c),
                 Some(p) if c.t - p.t >= step - 1e-9 => {
-                    peak = peak.max((c.prompt_tokens - p.prompt_tokens) / (c.t - p.t));
+                    peak =
+                        peak.max((c.prefill_prompt_tokens - p.prefill_prompt_tokens) / (c.t - p.t));
                     prev = Some(c);
                 }
                 Some(_) => {}

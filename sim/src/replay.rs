@@ -27,6 +27,11 @@ pub(crate) struct Counters {
     pub(crate) t: f64,
     pub(crate) arrived: f64,
     pub(crate) prompt_tokens: f64,
+    /// Of those, the requests and prompt tokens routed to the prefill pool: a prompt a
+    /// decode replica computes counts in the decode pool's metrics, not the prefill
+    /// pool's, so the prefill scaler never sees it.
+    pub(crate) prefill_arrived: f64,
+    pub(crate) prefill_prompt_tokens: f64,
     pub(crate) output_tokens: f64,
     pub(crate) prefix_queries: f64,
     pub(crate) prefix_hits: f64,
@@ -275,6 +280,8 @@ impl<'a> Sim<'a> {
             if self.cfg.prefills_on_decode(r) {
                 self.decode_wait.push_back(i);
             } else {
+                self.now.prefill_arrived += 1.0;
+                self.now.prefill_prompt_tokens += f64::from(r.input_tokens);
                 self.held.push_back(i);
             }
             for pool in POOLS {

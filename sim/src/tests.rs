@@ -582,3 +582,21 @@ fn short_prompts_prefilled_on_decode_need_no_prefill_replica_and_slow_its_steps(
         apart.itl_p99
     );
 }
+
+#[test]
+fn prompts_computed_on_decode_do_not_size_the_prefill_pool() {
+    // The real prefill scaler reads its prompt rate from the prefill workers' metrics;
+    // a prompt a decode worker computed is counted there, not here.
+    let mut c = cfg();
+    c.prefill.min_replicas = 0;
+    c.decode.min_replicas = 0;
+    c.warm_start = false;
+    let short = steady(0.0, 600, 0.1, 16, 20);
+    let through_prefill = run_policy("preheat", &c, &short).unwrap();
+    assert!(through_prefill.max_prefill_replicas > 0);
+    c.local_prefill_below = Some(32);
+    let on_decode = run_policy("preheat", &c, &short).unwrap();
+    assert_eq!(on_decode.unfinished, 0);
+    assert_eq!(on_decode.max_prefill_replicas, 0, "{on_decode:?}");
+    assert!(on_decode.max_decode_replicas > 0);
+}

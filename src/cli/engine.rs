@@ -106,7 +106,7 @@ pub struct GatewayArgs {
     #[arg(long, requires = "discover_namespace")]
     pub kube_api_url: Option<String>,
     /// Prompts shorter than this are prefilled on the decode worker itself.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = preheat_engine::disagg::gateway::DEFAULT_DISAGG_MIN_TOKENS)]
     pub disagg_min_tokens: usize,
     /// Time without a heartbeat before a worker is dropped.
     #[arg(long, alias = "worker-timeout-secs", default_value = "3s", value_parser = duration_arg)]

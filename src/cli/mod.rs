@@ -229,6 +229,11 @@ pub struct SimulateArgs {
     /// Override a config value, as for `scaler run` (repeatable).
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub overrides: Vec<String>,
+    /// Prompts shorter than this many tokens are prefilled on the decode replica that
+    /// serves them, as the gateway does with the same flag; 0 sends every prompt
+    /// through the prefill pool.
+    #[arg(long, default_value_t = preheat_engine::disagg::gateway::DEFAULT_DISAGG_MIN_TOKENS)]
+    pub disagg_min_tokens: usize,
     /// TTFT target (`2`, `2s`, `1500ms`) for prompts up to the reference length; longer
     /// ones scale.
     #[arg(long, value_parser = seconds_arg)]

@@ -82,6 +82,8 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     sim.standbys = a.standbys;
     sim.actuation = a.actuation.into();
     sim.start_unix = a.start_unix as f64;
+    sim.local_prefill_below =
+        (a.disagg_min_tokens > 0).then(|| u32::try_from(a.disagg_min_tokens).unwrap_or(u32::MAX));
     if let Some(i) = interval {
         sim.interval_s = i;
     }

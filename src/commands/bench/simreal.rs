@@ -655,7 +655,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
     cfg.prefill_batch_tokens = Some(preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64);
     // `up`'s gateway has decode workers compute prompts shorter than its default
     // `--disagg-min-tokens` themselves.
-    let below = preheat_engine::disagg::gateway::GatewayOptions::default().disagg_min_tokens;
+    let below = preheat_engine::disagg::gateway::DEFAULT_DISAGG_MIN_TOKENS;
     let disagg_min_tokens = u32::try_from(below).unwrap_or(u32::MAX);
     cfg.local_prefill_below = Some(disagg_min_tokens);
     let trace = trace_of(&planned, &m.outcomes);

@@ -40,6 +40,10 @@ use crate::{EngineError, Result};
 use preheat_edge::{ApiKeys, ClusterToken, WithClusterToken};
 use preheat_snapshot::ModelCard;
 
+/// Prompts shorter than this many tokens are prefilled on the decode worker that serves
+/// them: for a prompt that short, shipping its K/V costs more than computing it there.
+pub const DEFAULT_DISAGG_MIN_TOKENS: usize = 32;
+
 /// Gateway settings.
 #[derive(Clone, Debug)]
 #[must_use]
@@ -50,7 +54,8 @@ pub struct GatewayOptions {
     /// How long a request waits for a decode worker when there is none (scale from
     /// zero) before failing.
     pub hold_timeout: Duration,
-    /// Prompts shorter than this are prefilled on the decode worker itself.
+    /// Prompts shorter than this are prefilled on the decode worker itself
+    /// ([`DEFAULT_DISAGG_MIN_TOKENS`]).
     pub disagg_min_tokens: usize,
     /// Longest silence in a decode worker's stream before it counts as dead.
     pub stream_idle_timeout: Duration,
@@ -114,7 +119,7 @@ impl Default for GatewayOptions {
         GatewayOptions {
             worker_timeout: Duration::from_secs(3),
             hold_timeout: Duration::from_secs(300),
-            disagg_min_tokens: 32,
+            disagg_min_tokens: DEFAULT_DISAGG_MIN_TOKENS,
             stream_idle_timeout: Duration::from_secs(60),
             drain_grace: Duration::from_secs(30),
             model: None,
