@@ -108,10 +108,14 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
             // Per minute: requests the maxima serve in time, and of those, missed.
             let mut tally = vec![(0u32, 0u32); minutes];
             for ((r, met), can) in trace.iter().zip(outcomes).zip(&reachable) {
-                let (can, met) = if pool == 0 {
-                    (can.0, met.0)
-                } else {
-                    (can.1, met.1)
+                // A prompt computed on decode is the decode pool's to serve, first token
+                // included.
+                let on_decode = cfg.prefills_on_decode(r);
+                let (can, met) = match (pool, on_decode) {
+                    (0, true) => continue,
+                    (0, false) => (can.0, met.0),
+                    (_, true) => (can.0 && can.1, met.0 && met.1),
+                    (_, false) => (can.1, met.1),
                 };
                 if can {
                     let t = &mut tally[minute_of(r)];

@@ -438,9 +438,14 @@ impl DecodeReplica {
         if slow == self.slow {
             return;
         }
-        // A clock ahead of `t` is a prompt's compute still to come: it stretches too.
-        if !self.seqs.is_empty() && t != self.clock {
-            self.clock = t - (t - self.clock) * slow / self.slow;
+        // A clock ahead of `t` (only while a prompt computed here awaits its first
+        // token) is that compute still to come: it stretches too.
+        if !self.seqs.is_empty() && (t > self.clock || !self.firsts.is_empty()) {
+            let clock = t - (t - self.clock) * slow / self.slow;
+            if self.clock > t {
+                self.busy_s += clock - self.clock;
+            }
+            self.clock = clock;
         }
         self.slow = slow;
     }
@@ -482,10 +487,14 @@ impl DecodeReplica {
 
     /// Admits a sequence whose prompt (`prefill_s` of compute at full speed) is
     /// computed here rather than on the prefill pool, as the gateway does with prompts
-    /// shorter than its `--disagg-min-tokens`. The prompt joins the next step, which
-    /// takes that much longer for every sequence in it, and its first token comes at
-    /// that step's end; on an idle replica the step is the prompt alone. `seq.remaining`
-    /// counts the tokens after the first.
+    /// shorter than its `--disagg-min-tokens`. Its first token comes at the end of the
+    /// step after the one under way, as the engine's scheduler (decodes first, new
+    /// prompts in the next pass) gives it; on an idle replica the step is the prompt
+    /// alone. The compute is charged from now, to the step under way, for every
+    /// sequence in it: the same time in total, but events due at the end of that step
+    /// (and an earlier prompt's first token still to come) move later by it where the
+    /// engine would delay only the next step. `seq.remaining` counts the tokens after
+    /// the first.
     pub fn admit_prefilling(&mut self, t: f64, seq: Seq, prefill_s: f64) {
         let first_step = if self.seqs.is_empty() {
             self.clock = self.clock.max(t);
@@ -531,7 +540,8 @@ impl DecodeReplica {
         itl * self.slow
     }
 
-    /// When the next sequence completes if nothing else changes.
+    /// When the next sequence completes, or a prompt computed here gives its first
+    /// token, if nothing else changes.
     #[must_use]
     pub fn next_event(&self, t: f64, profile: &Profile) -> f64 {
         if t < self.ready_at {

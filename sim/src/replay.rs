@@ -346,7 +346,11 @@ impl<'a> Sim<'a> {
         let r = &self.trace[req];
         self.reqs[req].first_token = t;
         self.now.generated += 1.0;
-        self.recent_ttft.push_back((t, t - r.t));
+        // The prefill pool's TTFT: a prompt a decode replica computed is in the decode
+        // workers' histogram, which the prefill scaler does not read.
+        if !self.cfg.prefills_on_decode(r) {
+            self.recent_ttft.push_back((t, t - r.t));
+        }
     }
 
     fn finish(&mut self, req: usize, at: f64) {

@@ -133,10 +133,15 @@ fn minute_need(cfg: &SimConfig, minute: &[TraceRequest]) -> (u32, u32) {
     if minute.is_empty() {
         return (1, 1);
     }
-    let n = minute.len() as f64;
-    let tokens: f64 = minute.iter().map(|r| f64::from(r.input_tokens)).sum();
+    // The prefill pool's prompts: those computed on decode never reach it.
+    let (n, tokens) = minute
+        .iter()
+        .filter(|r| !cfg.prefills_on_decode(r))
+        .fold((0.0f64, 0.0f64), |(n, t), r| {
+            (n + 1.0, t + f64::from(r.input_tokens))
+        });
     let out: f64 = minute.iter().map(|r| f64::from(r.output_tokens)).sum();
-    let p = cfg.profile.prefill_rate(tokens / n);
+    let p = cfg.profile.prefill_rate(tokens / n.max(1.0));
     let prefill = (tokens / 60.0 / (0.7 * p)).ceil().max(1.0);
     let batch = cfg.profile.max_batch_at(cfg.decode.slo_itl_s);
     let seqs = out / 60.0 * cfg.profile.itl(batch);
