@@ -412,6 +412,9 @@ pub struct DecodeReplica {
     /// Prompts computed here, by the step count at whose boundary each one's first
     /// token comes (a handful at a time: a plain list).
     firsts: Vec<(u64, usize)>,
+    /// Steps longer than the profile's by a prompt computed in them, (step count at
+    /// its end, seconds at full speed), in step order.
+    longer: Vec<(u64, f64)>,
 }
 
 impl DecodeReplica {
@@ -428,6 +431,7 @@ impl DecodeReplica {
             slow: 1.0,
             itl_at: std::cell::Cell::new((usize::MAX, 0.0)),
             firsts: Vec::new(),
+            longer: Vec::new(),
         }
     }
 
@@ -487,24 +491,32 @@ impl DecodeReplica {
 
     /// Admits a sequence whose prompt (`prefill_s` of compute at full speed) is
     /// computed here rather than on the prefill pool, as the gateway does with prompts
-    /// shorter than its `--disagg-min-tokens`. Its first token comes at the end of the
-    /// step after the one under way, as the engine's scheduler (decodes first, new
-    /// prompts in the next pass) gives it; on an idle replica the step is the prompt
-    /// alone. The compute is charged from now, to the step under way, for every
-    /// sequence in it: the same time in total, but events due at the end of that step
-    /// (and an earlier prompt's first token still to come) move later by it where the
-    /// engine would delay only the next step. `seq.remaining` counts the tokens after
-    /// the first.
+    /// shorter than its `--disagg-min-tokens`. The prompt joins the step after the one
+    /// under way, as the engine's scheduler (decodes first, new prompts in the next
+    /// pass) gives it: that step takes its compute longer for every sequence in it, and
+    /// the prompt's first token comes at its end. On an idle replica the step is the
+    /// prompt alone, from now. `seq.remaining` counts the tokens after the first.
     pub fn admit_prefilling(&mut self, t: f64, seq: Seq, prefill_s: f64) {
         let first_step = if self.seqs.is_empty() {
             self.clock = self.clock.max(t);
+            let compute = prefill_s * self.slow;
+            self.clock += compute;
+            self.busy_s += compute;
             self.steps
         } else {
-            self.steps + 2
+            // A clock ahead of `t` is an idle replica's prompt pass under way, which
+            // ends at the current step count; otherwise a decode step is.
+            let next = if self.clock > t {
+                self.steps + 1
+            } else {
+                self.steps + 2
+            };
+            match self.longer.last_mut() {
+                Some((at, s)) if *at == next => *s += prefill_s,
+                _ => self.longer.push((next, prefill_s)),
+            }
+            next
         };
-        let compute = prefill_s * self.slow;
-        self.clock += compute;
-        self.busy_s += compute;
         self.kv_used += seq.kv_tokens;
         self.firsts.push((first_step, seq.req));
         self.seqs.push(Running {
@@ -540,6 +552,27 @@ impl DecodeReplica {
         itl * self.slow
     }
 
+    /// Seconds, at the current speed, that prompts computed here add to the steps up
+    /// to step count `step` (0.0, and no work, when none are).
+    fn longer_up_to(&self, step: u64) -> f64 {
+        if self.longer.is_empty() {
+            return 0.0;
+        }
+        let s: f64 = self
+            .longer
+            .iter()
+            .take_while(|l| l.0 <= step)
+            .map(|l| l.1)
+            .sum();
+        s * self.slow
+    }
+
+    /// When step count `step` (ahead of the current one) is reached if nothing
+    /// changes, steps lasting `itl`.
+    fn boundary(&self, step: u64, itl: f64) -> f64 {
+        self.clock + (step - self.steps) as f64 * itl + self.longer_up_to(step)
+    }
+
     /// When the next sequence completes, or a prompt computed here gives its first
     /// token, if nothing else changes.
     #[must_use]
@@ -548,7 +581,7 @@ impl DecodeReplica {
             return self.ready_at;
         }
         match self.steps_to_next() {
-            Some(min) => self.clock + min as f64 * self.step_s(profile),
+            Some(min) => self.boundary(self.steps + min, self.step_s(profile)),
             None => f64::INFINITY,
         }
     }
@@ -570,18 +603,30 @@ impl DecodeReplica {
         let itl = self.step_s(profile);
         // The event `next_event` reports is reached at that very time, computed the
         // same way: dividing back rounds below it once the clock is large.
-        let due = self.clock + min as f64 * itl;
+        let due = self.boundary(self.steps + min, itl);
         let k = if t >= due {
             min
         } else {
             // Whole steps done by `t`, short of the event: the cast truncates toward
             // zero and saturates below at 0, which is floor-then-clamp for these
             // values without a libm call (this runs for every replica at every event).
-            ((((t - self.clock) / itl) + 1e-9) as u64).min(min.saturating_sub(1))
+            let mut k = ((((t - self.clock) / itl) + 1e-9) as u64).min(min.saturating_sub(1));
+            // Longer steps on the way: fewer done (a few passes, a prompt being a
+            // few steps' compute).
+            while k > 0 && !self.longer.is_empty() && self.boundary(self.steps + k, itl) > t {
+                k -= 1;
+            }
+            k
         };
-        self.clock += k as f64 * itl;
-        self.busy_s += k as f64 * itl;
+        // As `boundary` sums it, so that the event is reached at its own time; and
+        // with no prompt computed here, exactly the steps' time.
+        let span = k as f64 * itl;
+        let longer = self.longer_up_to(self.steps + k);
+        self.clock = self.clock + span + longer;
+        self.busy_s += span + longer;
         self.steps += k;
+        let steps = self.steps;
+        self.longer.retain(|l| l.0 > steps);
         // Short of the event (a sequence admitted with nothing to generate is due at
         // once, without a step; a prompt computed here, once its compute is done).
         if k < min || t < due {
@@ -742,6 +787,30 @@ mod tests {
         assert!((done[0].1 - b_done).abs() < 1e-12);
         assert_eq!(done[1].0, 0);
         assert!((done[1].1 - (b_done + 4.0 * itl1)).abs() < 1e-12);
+
+        // A second prompt arriving during an idle replica's prompt pass joins the
+        // next pass: the first one's first token is not held back by it.
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        let mut r = DecodeReplica::new(0.0);
+        r.admit_prefilling(1.0, seq(0, 1), 0.1);
+        r.admit_prefilling(1.05, seq(1, 1), 0.1);
+        let at = r.next_event(1.05, &p);
+        assert!((at - 1.1).abs() < 1e-12, "{at}");
+        r.advance(at, &p, &mut first, &mut done);
+        assert_eq!(first, vec![(0, at)]);
+        let second = r.next_event(at, &p);
+        assert!((second - (1.1 + itl2 + 0.1)).abs() < 1e-12, "{second}");
+        // Nothing before its time; then the second's first token, in the step that
+        // gave the first one its second token; then the second's second, alone.
+        r.advance(second - 1e-3, &p, &mut first, &mut done);
+        assert_eq!((first.len(), done.len()), (1, 0));
+        r.advance(second, &p, &mut first, &mut done);
+        assert_eq!((first[1].0, &done[..]), (1, &[(0, second)][..]));
+        let last = r.next_event(second, &p);
+        assert!((last - (second + itl1)).abs() < 1e-12, "{last}");
+        r.advance(last, &p, &mut first, &mut done);
+        assert_eq!(done[1].0, 1);
+        assert!((r.busy_s - (0.1 + itl2 + 0.1 + itl1)).abs() < 1e-12);
 
         // The compute still to come runs at the replica's speed.
         let mut r = DecodeReplica::new(0.0);
