@@ -121,7 +121,8 @@ impl SimConfig {
     }
 
     /// Whether the decode replica serving this request computes its prompt.
-    pub(crate) fn prefills_on_decode(&self, r: &TraceRequest) -> bool {
+    #[must_use]
+    pub fn prefills_on_decode(&self, r: &TraceRequest) -> bool {
         self.local_prefill_below.is_some_and(|n| r.input_tokens < n)
     }
 

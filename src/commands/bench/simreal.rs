@@ -659,10 +659,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
     let disagg_min_tokens = u32::try_from(below).unwrap_or(u32::MAX);
     cfg.local_prefill_below = Some(disagg_min_tokens);
     let trace = trace_of(&planned, &m.outcomes);
-    let prefilled_on_decode = trace
-        .iter()
-        .filter(|r| r.input_tokens < disagg_min_tokens)
-        .count();
+    let prefilled_on_decode = trace.iter().filter(|r| cfg.prefills_on_decode(r)).count();
     tracing::info!("simulating the same run");
     let predicted = preheat_sim::run_policy("preheat", &cfg, &trace)?;
     let attainment_with = |f: f64| -> anyhow::Result<f64> {
