@@ -80,28 +80,39 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
         c.start = StartClass::Hot;
         c.with_startup_s(0.0)
     };
-    let replay = |prefill: &[u32], decode: &[u32]| -> Vec<(bool, bool)> {
-        let sched = |per_minute: &[u32]| {
-            Box::new(Plan {
-                per_minute: per_minute.to_vec(),
-                lead_s: 0.0,
-            })
-        };
-        let sim = Sim::new(&instant, trace, sched(prefill), sched(decode));
-        sim.run_outcomes()
-    };
     let (mp, md) = (
         cfg.prefill.max_replicas.max(1),
         cfg.decode.max_replicas.max(1),
     );
+    let sched = |per_minute: &[u32]| {
+        Box::new(Plan {
+            per_minute: per_minute.to_vec(),
+            lead_s: 0.0,
+        })
+    };
+    let replay = |prefill: &[u32], decode: &[u32]| -> Vec<(bool, bool)> {
+        Sim::new(&instant, trace, sched(prefill), sched(decode)).run_outcomes()
+    };
+    // First tokens with decode plentiful. Without a shared host they do not depend on
+    // decode at all: the prefill pool alone gives them (one decode replica, idle), at
+    // a fraction of the cost. On one, busy decode replicas slow prefill.
+    let replay_prefill = |prefill: &[u32]| -> Vec<(bool, bool)> {
+        if instant.shared_host.is_some() {
+            replay(prefill, &vec![md; minutes])
+        } else {
+            Sim::new(&instant, trace, sched(prefill), sched(&vec![1; minutes]))
+                .prefill_only()
+                .run_outcomes()
+        }
+    };
     let reachable = replay(&vec![mp; minutes], &vec![md; minutes]);
-    // One pool's minutes bisected with the other's schedule fixed at `other`.
+    // One pool's minutes bisected; decode's with prefill's schedule fixed at `other`.
     let bisect = |pool: usize, other: &[u32], max: u32| -> Vec<u32> {
         let (mut lo, mut hi) = (vec![1; minutes], vec![max; minutes]);
         while lo != hi {
             let tried: Vec<u32> = lo.iter().zip(&hi).map(|(l, h)| (l + h) / 2).collect();
             let outcomes = if pool == 0 {
-                replay(&tried, other)
+                replay_prefill(&tried)
             } else {
                 replay(other, &tried)
             };
@@ -139,11 +150,11 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
         }
         hi
     };
-    // Prefill first, with decode plentiful (first tokens do not wait on decode); then
+    // Prefill first, alone (first tokens do not wait on decode); then
     // decode under that prefill plan (what reaches decode, and when, depends on it).
     // Bisected together, a minute's decode looked short whenever a too-small prefill
     // guess released a backlog into it, and kept the replicas it never needed.
-    let prefill = bisect(0, &vec![md; minutes], mp);
+    let prefill = bisect(0, &[], mp);
     let decode = bisect(1, &prefill, md);
     // Without standbys of its own, every start it makes takes the full (hot) time.
     let lead_s = if cfg.start == StartClass::Standby {

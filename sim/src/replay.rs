@@ -106,6 +106,15 @@ pub(crate) struct Sim<'a> {
     pub(crate) done_buf: Vec<(usize, f64)>,
     pub(crate) first_buf: Vec<(usize, f64)>,
     pub(crate) prefix_index: PrefixIndex,
+    /// The attainment below which the run stops as soon as it cannot reach it (the
+    /// fixed-size search asks only whether a size passes), the requests known to have
+    /// missed their SLOs so far, and whether the run stopped for that.
+    fail_below: Option<f64>,
+    missed: usize,
+    hopeless: bool,
+    /// Requests leave at their first token, and prompts computed on decode at their
+    /// arrival: the prefill pool alone is simulated (see [`Sim::prefill_only`]).
+    prefill_only: bool,
 }
 
 impl<'a> Sim<'a> {
@@ -169,6 +178,46 @@ impl<'a> Sim<'a> {
             done_buf: Vec::new(),
             first_buf: Vec::new(),
             prefix_index: PrefixIndex::default(),
+            fail_below: None,
+            missed: 0,
+            hopeless: false,
+            prefill_only: false,
+        }
+    }
+
+    /// Simulates the prefill pool alone: a request leaves at its first token and one
+    /// whose prompt a decode replica would compute leaves on arrival, so no decode
+    /// replica ever runs. Without a shared host nothing in the prefill pool depends on
+    /// decode (routing, prefix caches and queues see only prompts), so the prefill
+    /// pool's first tokens are those of the full run, at a fraction of its cost: what
+    /// `clairvoyant`'s prefill search asks.
+    #[must_use]
+    pub(crate) fn prefill_only(mut self) -> Self {
+        debug_assert!(
+            self.cfg.shared_host.is_none(),
+            "on a shared host decode slows prefill"
+        );
+        self.prefill_only = true;
+        self
+    }
+
+    /// Runs to the end and reports, or returns `None` as soon as so many requests have
+    /// missed their SLOs that the run's attainment cannot reach `target` (the report it
+    /// would give has `slo_attainment < target`).
+    pub(crate) fn run_unless_below(mut self, target: f64) -> Option<PolicyReport> {
+        self.fail_below = Some(target);
+        self.run_to_end();
+        (!self.hopeless).then(|| self.report())
+    }
+
+    /// Counts a request that missed its SLO, and stops a run that can no longer reach
+    /// its `fail_below` target (as the report computes attainment: met over all).
+    fn count_miss(&mut self) {
+        self.missed += 1;
+        if let Some(target) = self.fail_below {
+            let n = self.trace.len().max(1);
+            let best = n.saturating_sub(self.missed) as f64 / n as f64;
+            self.hopeless |= best < target;
         }
     }
 
@@ -204,7 +253,7 @@ impl<'a> Sim<'a> {
             }
             self.advance_clock(next);
             self.process();
-            if self.finished == self.trace.len() {
+            if self.finished == self.trace.len() || self.hopeless {
                 break;
             }
         }
@@ -278,7 +327,11 @@ impl<'a> Sim<'a> {
             self.now.prompt_tokens += f64::from(r.input_tokens);
             self.now.output_tokens += f64::from(r.output_tokens);
             if self.cfg.prefills_on_decode(r) {
-                self.decode_wait.push_back(i);
+                if self.prefill_only {
+                    self.finished += 1;
+                } else {
+                    self.decode_wait.push_back(i);
+                }
             } else {
                 self.now.prefill_arrived += 1.0;
                 self.now.prefill_prompt_tokens += f64::from(r.input_tokens);
@@ -335,7 +388,9 @@ impl<'a> Sim<'a> {
     /// on to decode, or is done.
     fn first_token(&mut self, req: usize, t: f64) {
         self.record_first_token(req, t);
-        if self.trace[req].output_tokens <= 1 {
+        if self.prefill_only {
+            self.finished += 1;
+        } else if self.trace[req].output_tokens <= 1 {
             self.finish(req, t);
         } else {
             self.decode_wait.push_back(req);
@@ -351,6 +406,9 @@ impl<'a> Sim<'a> {
         if !self.cfg.prefills_on_decode(r) {
             self.recent_ttft.push_back((t, t - r.t));
         }
+        if self.fail_below.is_some() && !self.cfg.ttft_met(r, t - r.t) {
+            self.count_miss();
+        }
     }
 
     fn finish(&mut self, req: usize, at: f64) {
@@ -362,6 +420,13 @@ impl<'a> Sim<'a> {
             let itl = (at - st.first_token) / f64::from(r.output_tokens - 1);
             self.recent_itl.push_back((at, itl));
             self.now.generated += f64::from(r.output_tokens - 1);
+        }
+        // A late first token was counted when it came.
+        if self.fail_below.is_some()
+            && self.cfg.ttft_met(r, st.first_token - r.t)
+            && !self.cfg.itl_met(itl_of(r, st.first_token, at))
+        {
+            self.count_miss();
         }
     }
 

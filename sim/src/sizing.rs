@@ -16,58 +16,56 @@ use crate::trace::TraceRequest;
 /// the report of the run at those sizes (the search ran it already).
 pub(crate) fn static_peak(cfg: &SimConfig, trace: &[TraceRequest]) -> (u32, u32, PolicyReport) {
     const TARGET: f64 = 0.99;
-    let runs: RefCell<HashMap<(u32, u32), PolicyReport>> = RefCell::default();
-    let run = |p: u32, d: u32| {
+    // A size's report, or `None` where its run stopped once it could not reach the
+    // target (most candidates fail, and fail early: the search asks only pass or fail).
+    let runs: RefCell<HashMap<(u32, u32), Option<PolicyReport>>> = RefCell::default();
+    let sim = |p: u32, d: u32| Sim::new(cfg, trace, Box::new(Static(p)), Box::new(Static(d)));
+    let passes = |p: u32, d: u32| {
+        let pass =
+            |r: &Option<PolicyReport>| r.as_ref().is_some_and(|r| r.slo_attainment >= TARGET);
         if let Some(r) = runs.borrow().get(&(p, d)) {
-            return r.slo_attainment;
+            return pass(r);
         }
-        let r = Sim::new(cfg, trace, Box::new(Static(p)), Box::new(Static(d))).run();
-        let a = r.slo_attainment;
+        let r = sim(p, d).run_unless_below(TARGET);
+        let ok = pass(&r);
         runs.borrow_mut().insert((p, d), r);
-        a
+        ok
     };
     let (mp, md) = (cfg.prefill.max_replicas, cfg.decode.max_replicas);
     let (gp, gd) = busiest_minute_need(cfg, trace);
     let plenty_d = md.min(16).max(gd);
-    let p = smallest_from(gp, mp, &|p| run(p, plenty_d) >= TARGET);
-    let d = smallest_from(gd, md, &|d| run(p, d) >= TARGET);
+    let p = smallest_from(gp, mp, &|p| passes(p, plenty_d));
+    let d = smallest_from(gd, md, &|d| passes(p, d));
     let (mut p, mut d) = (p, d);
-    while run(p, d) < TARGET && (p < mp || d < md) {
+    while !passes(p, d) && (p < mp || d < md) {
         p = (p + 1).min(mp);
         d = (d + 1).min(md);
     }
-    run(p, d);
+    // At the maxima without reaching the target, the last run stopped early: the
+    // report is of a full run.
     let report = runs
         .borrow_mut()
         .remove(&(p, d))
-        .expect("the sizes found were run");
+        .flatten()
+        .unwrap_or_else(|| sim(p, d).run());
     (p, d, report)
 }
 
 /// The smallest `n` in `1..=max` with `ok(n)` (`max` if none), for `ok` monotone in
-/// `n`, searched outwards from `guess` by doubling steps and then bisected: a good
-/// guess costs two or three replays where bisecting `1..=max` costs `log2(max) + 1`.
+/// `n`. A guess that holds is checked one below (a good guess costs two probes) and
+/// otherwise bisected down from; one that fails is searched upwards by doubling steps
+/// and then bisected. A passing probe is a whole replay and a failing one stops early
+/// ([`Sim::run_unless_below`]), so a far too high guess is halved, not walked down.
 fn smallest_from(guess: u32, max: u32, ok: &dyn Fn(u32) -> bool) -> u32 {
     let max = max.max(1);
     let guess = guess.clamp(1, max);
     // Invariant once bracketed: ok(hi), and lo == 1 or !ok(lo - 1).
     let (mut lo, mut hi);
     if ok(guess) {
-        hi = guess;
-        let mut step = 1;
-        loop {
-            if hi == 1 {
-                return 1;
-            }
-            let probe = hi.saturating_sub(step).max(1);
-            if ok(probe) {
-                hi = probe;
-                step *= 2;
-            } else {
-                lo = probe + 1;
-                break;
-            }
+        if guess == 1 || !ok(guess - 1) {
+            return guess;
         }
+        (lo, hi) = (1, guess - 1);
     } else {
         lo = guess + 1;
         let mut step = 1;
@@ -177,6 +175,33 @@ mod tests {
                 if guess == need {
                     assert!(calls.get() <= 2, "an exact guess costs two probes");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn regression_a_far_too_high_guess_was_walked_down_one_passing_replay_at_a_time() {
+        // The 30x day's busiest minute guessed 64 prefill replicas for a need of 28:
+        // stepping down from the guess passed six whole replays before bisecting.
+        for need in 1..=64 {
+            for guess in need..=64 {
+                let calls = Cell::new(0);
+                let ok = |n: u32| {
+                    calls.set(calls.get() + 1);
+                    n >= need
+                };
+                assert_eq!(
+                    smallest_from(guess, 64, &ok),
+                    need,
+                    "need {need}, guess {guess}"
+                );
+                // The guess, the one below it, then a bisection of 1..guess (it took
+                // 12 probes at need 28).
+                assert!(
+                    calls.get() <= 8,
+                    "need {need}, guess {guess}: {} probes",
+                    calls.get()
+                );
             }
         }
     }

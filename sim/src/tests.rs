@@ -600,3 +600,96 @@ fn prompts_computed_on_decode_do_not_size_the_prefill_pool() {
     assert_eq!(on_decode.max_prefill_replicas, 0, "{on_decode:?}");
     assert!(on_decode.max_decode_replicas > 0);
 }
+
+/// A trace with bursts and lulls, shared prefixes, prompts short enough to be computed
+/// on decode, and long answers: what the fast paths below must not change.
+fn mixed_trace(n: usize) -> Vec<TraceRequest> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |m: u64| {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (x >> 33) % m
+    };
+    let mut t = 0.0;
+    (0..n)
+        .map(|i| {
+            // 20 s bursts at 25 req/s between 20 s lulls at 2 req/s.
+            t += if (i / 500) % 2 == 0 { 0.04 } else { 0.5 };
+            let input = if next(5) == 0 {
+                8 + next(20) as u32
+            } else {
+                512 + next(12_000) as u32
+            };
+            let shared = next(4);
+            let own = u64::from(input / 512);
+            TraceRequest {
+                t,
+                input_tokens: input,
+                output_tokens: 1 + next(400) as u32,
+                blocks: (0..own)
+                    .map(|b| {
+                        if b < 3 {
+                            shared * 10 + b
+                        } else {
+                            1_000 + i as u64 * 64 + b
+                        }
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_prefill_pool_alone_gives_the_first_tokens_of_a_full_run() {
+    let mut c = cfg();
+    c.local_prefill_below = Some(32);
+    let trace = mixed_trace(3000);
+    let mut verdicts = (0, 0);
+    // One decode replica is swamped (sequences wait for room), four are not.
+    for (p, d) in [(1, 1), (3, 1), (3, 4), (6, 2)] {
+        let sim = || Sim::new(&c, &trace, Box::new(Static(p)), Box::new(Static(d)));
+        let full = sim().run_outcomes();
+        let alone = sim().prefill_only().run_outcomes();
+        for (i, r) in trace.iter().enumerate() {
+            if c.prefills_on_decode(r) {
+                continue;
+            }
+            assert_eq!(full[i].0, alone[i].0, "request {i} at {p}/{d}");
+            if full[i].0 {
+                verdicts.0 += 1;
+            } else {
+                verdicts.1 += 1;
+            }
+        }
+    }
+    assert!(verdicts.0 > 0 && verdicts.1 > 0, "{verdicts:?}");
+}
+
+#[test]
+fn a_run_stopped_short_of_its_target_is_one_that_would_have_missed_it() {
+    let mut c = cfg();
+    c.local_prefill_below = Some(32);
+    let trace = mixed_trace(3000);
+    let (mut stopped, mut ran) = (0, 0);
+    for p in 1..=8 {
+        for d in [1, 3] {
+            let full = run_fixed(&c, &trace, p, d);
+            let sim = Sim::new(&c, &trace, Box::new(Static(p)), Box::new(Static(d)));
+            match sim.run_unless_below(0.99) {
+                None => {
+                    stopped += 1;
+                    assert!(full.slo_attainment < 0.99, "{p}/{d}: {full:?}");
+                }
+                Some(r) => {
+                    ran += 1;
+                    assert_eq!(r.slo_attainment.to_bits(), full.slo_attainment.to_bits());
+                    assert_eq!(r.gpu_seconds.to_bits(), full.gpu_seconds.to_bits());
+                    assert_eq!(r.ttft_p99.to_bits(), full.ttft_p99.to_bits());
+                }
+            }
+        }
+    }
+    assert!(stopped > 0 && ran > 0, "stopped {stopped}, ran {ran}");
+}
