@@ -12,9 +12,10 @@
 //! token counts against its minute's prefill, one slow to decode against its decode).
 //! Requests no size meets, not even the pools' maxima, count against no one. A minute
 //! left short leaves a backlog for the next, which then looks short too: the plan errs
-//! towards more replicas, never fewer. Prefill is bisected first (decode plentiful),
-//! then decode under the prefill plan: 2 × ⌈log2(max replicas)⌉ + 1 replays in all,
-//! where a fixed-size run per candidate size took one replay per size.
+//! towards more replicas, never fewer. Prefill is bisected first, its pool simulated
+//! alone (first tokens do not wait on decode), then decode under the prefill plan:
+//! 2 × ⌈log2(max replicas)⌉ + 1 replays in all, where a fixed-size run per candidate
+//! size took one replay per size.
 
 use super::autoscalers::{Autoscaler, PoolView};
 use super::config::{SimConfig, StartClass};
@@ -31,6 +32,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A schedule of replicas per minute, ready the moment they are planned (the
+    /// bisection's own kind).
+    #[cfg(test)]
+    pub(crate) fn per_minute(per_minute: Vec<u32>) -> Self {
+        Plan {
+            per_minute,
+            lead_s: 0.0,
+        }
+    }
+
     fn at(&self, t: f64) -> u32 {
         let minute = |t: f64| (t.max(0.0) / MINUTE) as usize;
         // Replicas for a minute start a start-up before it begins and stay until it

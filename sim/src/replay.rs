@@ -187,15 +187,23 @@ impl<'a> Sim<'a> {
 
     /// Simulates the prefill pool alone: a request leaves at its first token and one
     /// whose prompt a decode replica would compute leaves on arrival, so no decode
-    /// replica ever runs. Without a shared host nothing in the prefill pool depends on
-    /// decode (routing, prefix caches and queues see only prompts), so the prefill
-    /// pool's first tokens are those of the full run, at a fraction of its cost: what
-    /// `clairvoyant`'s prefill search asks.
+    /// replica ever runs. The prefill pool's first tokens are then those of the full
+    /// run, at a fraction of its cost (what `clairvoyant`'s prefill search asks), when
+    /// nothing in the prefill pool depends on decode:
+    /// - no shared host (there busy decode replicas slow prefill);
+    /// - a prefill scaler that does not observe (its window holds decode's signals);
+    /// - no prompt ever held at the gateway: a held prompt is routed at the next event
+    ///   of any kind, decode's included. `clairvoyant`'s schedules keep one replica,
+    ///   ready at once, so every prompt is routed on arrival (checked in debug builds).
     #[must_use]
     pub(crate) fn prefill_only(mut self) -> Self {
         debug_assert!(
             self.cfg.shared_host.is_none(),
             "on a shared host decode slows prefill"
+        );
+        debug_assert!(
+            !self.ctl.prefill.scaler.observes(),
+            "an observing prefill scaler sees decode"
         );
         self.prefill_only = true;
         self
@@ -224,6 +232,13 @@ impl<'a> Sim<'a> {
     pub(crate) fn run(mut self) -> PolicyReport {
         self.run_to_end();
         self.report()
+    }
+
+    /// Runs to the end; each request's first token time (NaN if none came).
+    #[cfg(test)]
+    pub(crate) fn run_first_tokens(mut self) -> Vec<f64> {
+        self.run_to_end();
+        self.reqs.iter().map(|r| r.first_token).collect()
     }
 
     /// Runs to the end; per request, whether its first token came within the TTFT SLO
@@ -260,8 +275,8 @@ impl<'a> Sim<'a> {
     }
 
     fn next_event_time(&self) -> f64 {
-        // Plain comparisons, not `f64::min` (its NaN handling cost a tenth of the event
-        // loop): no replica's next event is NaN.
+        // Plain comparisons, not `f64::min`, whose NaN handling cost a tenth of the event
+        // loop; they skip a NaN just as it does (`next` starts at a whole second).
         let mut next = self.next_second;
         let mut sooner = |at: f64| {
             if at < next {
@@ -351,6 +366,10 @@ impl<'a> Sim<'a> {
             }
         }
         self.route_held();
+        debug_assert!(
+            !self.prefill_only || self.held.is_empty(),
+            "a prompt held while decode is not simulated would be routed at other times"
+        );
         self.admit_decode();
         self.retire_drained();
         if let Some(slots) = self.cfg.shared_host {

@@ -13,7 +13,8 @@ use crate::trace::TraceRequest;
 /// The fewest fixed (prefill, decode) replicas meeting 99% SLO attainment on the whole
 /// trace: prefill sized with decode plentiful, then decode with that prefill, then both
 /// raised together if the pair falls short; the maxima when nothing reaches 99%. With
-/// the report of the run at those sizes (the search ran it already).
+/// the report of the run at those sizes (the search's own, or where the maxima fall
+/// short and their run stopped early, one more run).
 pub(crate) fn static_peak(cfg: &SimConfig, trace: &[TraceRequest]) -> (u32, u32, PolicyReport) {
     const TARGET: f64 = 0.99;
     // A size's report, or `None` where its run stopped once it could not reach the
@@ -54,12 +55,14 @@ pub(crate) fn static_peak(cfg: &SimConfig, trace: &[TraceRequest]) -> (u32, u32,
 /// The smallest `n` in `1..=max` with `ok(n)` (`max` if none), for `ok` monotone in
 /// `n`. A guess that holds is checked one below (a good guess costs two probes) and
 /// otherwise bisected down from; one that fails is searched upwards by doubling steps
-/// and then bisected; one at `max`, capped there, is no guess: `1..=max` is bisected. A passing probe is a whole replay and a failing one stops early
+/// and then bisected; one at `max`, capped there, is no guess: `1..=max` is bisected.
+/// A passing probe is a whole replay and a failing one stops early
 /// ([`Sim::run_unless_below`]), so a far too high guess is halved, not walked down.
 fn smallest_from(guess: u32, max: u32, ok: &dyn Fn(u32) -> bool) -> u32 {
     let max = max.max(1);
     let guess = guess.clamp(1, max);
-    // Invariant once bracketed: ok(hi), and lo == 1 or !ok(lo - 1).
+    // Invariant once bracketed: ok(hi) (or hi == max, unprobed: `max` if none passes),
+    // and lo == 1 or !ok(lo - 1).
     let (mut lo, mut hi);
     if guess == max {
         // A guess at the cap says only "at least this many": nothing to start from.
@@ -183,7 +186,7 @@ mod tests {
     }
 
     #[test]
-    fn regression_a_far_too_high_guess_was_walked_down_one_passing_replay_at_a_time() {
+    fn regression_a_far_too_high_guess_was_walked_down_through_passing_replays() {
         // The 30x day's busiest minute guessed 64 prefill replicas for a need of 28:
         // stepping down from the guess passed six whole replays before bisecting.
         for need in 1..=64 {
