@@ -10,8 +10,9 @@ use crate::backend::{Backend, ForwardBatch, SeqSlice};
 /// Tokens per KV block the measurements lay out their block tables for.
 pub const BLOCK: usize = 16;
 
-/// Tokens each sequence of [`decode_rate`] is prefilled with before its timed steps.
-const DECODE_PROMPT: usize = 8;
+/// Tokens each sequence of [`decode_rate`] is prefilled with before its timed steps:
+/// its ITL is that of short contexts ([`decode_rate_at`] times longer ones).
+pub const DECODE_PROMPT: usize = 8;
 
 /// Most steps [`decode_rate`] runs: each grows every sequence's KV by a token (and
 /// its block table with it), and a measurement needs far fewer.
@@ -24,6 +25,14 @@ pub fn decode_blocks_per_seq(steps: usize) -> usize {
     (DECODE_PROMPT + steps).div_ceil(BLOCK)
 }
 
+/// KV blocks [`decode_rate_at`] uses for `batch` sequences of a `context`-token prompt:
+/// the prompt's whole blocks once, shared, and the rest per sequence.
+#[must_use]
+pub fn decode_blocks_at(batch: usize, steps: usize, context: usize) -> usize {
+    let shared = context / BLOCK;
+    shared + batch * ((context + steps).div_ceil(BLOCK) - shared)
+}
+
 /// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each, on
 /// blocks `0..batch × decode_blocks_per_seq(steps)`.
 pub fn decode_rate<B: Backend + ?Sized>(
@@ -31,31 +40,71 @@ pub fn decode_rate<B: Backend + ?Sized>(
     batch: usize,
     steps: usize,
 ) -> Result<(f64, Duration)> {
+    decode_rate_at(be, batch, steps, DECODE_PROMPT)
+}
+
+/// As [`decode_rate`], each sequence's prompt `context` tokens long: a step's attention
+/// reads every token of it, so the ITL grows with it. The sequences share the prompt's
+/// whole blocks, prefilled once (as a prefix cache shares them), so the set-up costs
+/// one prompt whatever the batch; each prefills the rest of the prompt and writes its
+/// steps in blocks of its own. On blocks `0..decode_blocks_at(batch, steps, context)`.
+pub fn decode_rate_at<B: Backend + ?Sized>(
+    be: &mut B,
+    batch: usize,
+    steps: usize,
+    context: usize,
+) -> Result<(f64, Duration)> {
+    if context == 0 {
+        return Err(crate::EngineError::InvalidRequest {
+            message: "decode context must be at least one token".into(),
+            param: Some("context".into()),
+        });
+    }
     if steps == 0 || steps > MAX_DECODE_STEPS {
         return Err(crate::EngineError::InvalidRequest {
             message: format!("decode steps {steps} must be in 1..={MAX_DECODE_STEPS}"),
             param: Some("steps".into()),
         });
     }
-    let per_seq_blocks = decode_blocks_per_seq(steps);
+    let prompt = context;
+    let shared = prompt / BLOCK;
+    let own = (prompt + steps).div_ceil(BLOCK) - shared;
     let tables: Vec<Vec<u32>> = (0..batch)
-        .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())
+        .map(|s| {
+            let mine = shared + s * own;
+            (0..shared as u32)
+                .chain(mine as u32..(mine + own) as u32)
+                .collect()
+        })
         .collect();
     let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
-    let prompt = DECODE_PROMPT;
-    let tokens: Vec<u32> = (0..batch * prompt).map(|i| (i % 200) as u32 + 1).collect();
-    let positions: Vec<u32> = (0..batch * prompt).map(|i| (i % prompt) as u32).collect();
-    let seq_of: Vec<u32> = (0..batch * prompt).map(|i| (i / prompt) as u32).collect();
-    let rows: Vec<u32> = (0..batch)
-        .map(|s| (s * prompt + prompt - 1) as u32)
-        .collect();
-    be.forward(&ForwardBatch {
-        tokens: &tokens,
-        positions: &positions,
-        seq_of: &seq_of,
-        seqs: &seqs,
-        logits_rows: &rows,
-    })?;
+    let token = |i: usize| (i % 200) as u32 + 1;
+    // The first sequence's whole prompt, then the others' tails (after the shared
+    // blocks, which the first forward has written).
+    let tail = shared * BLOCK..prompt;
+    for (first, rest) in [(0..1, 0..prompt), (1..batch, tail)] {
+        let rows: Vec<(u32, usize)> = first
+            .flat_map(|s| rest.clone().map(move |i| (s as u32, i)))
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let tokens: Vec<u32> = rows.iter().map(|&(_, i)| token(i)).collect();
+        let positions: Vec<u32> = rows.iter().map(|&(_, i)| i as u32).collect();
+        let seq_of: Vec<u32> = rows.iter().map(|&(s, _)| s).collect();
+        // Each sequence's last prompt token.
+        let last: Vec<u32> = (0..rows.len())
+            .filter(|&r| r + 1 == rows.len() || rows[r + 1].0 != rows[r].0)
+            .map(|r| r as u32)
+            .collect();
+        be.forward(&ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            seq_of: &seq_of,
+            seqs: &seqs,
+            logits_rows: &last,
+        })?;
+    }
     let seq_of: Vec<u32> = (0..batch as u32).collect();
     let rows: Vec<u32> = (0..batch as u32).collect();
     let t0 = Instant::now();

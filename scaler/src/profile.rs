@@ -14,10 +14,24 @@ pub struct Profile {
     pub prefill_tokens_per_s: Vec<(f64, f64)>,
     /// Decode inter-token latency in seconds by running batch size: (batch, seconds).
     pub decode_itl_s: Vec<(f64, f64)>,
+    /// The same, measured again with longer contexts (`None` in profiles that predate
+    /// it, and in the default: the ITL is then taken as independent of context).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_itl_long: Option<ContextItl>,
     /// KV-cache capacity of one decode replica, in tokens.
     pub kv_tokens: f64,
     /// Seconds from "start a replica" to serving, by how warm its node is.
     pub startup_s: Startup,
+}
+
+/// Decode ITL by batch size with every sequence's context `context` tokens long,
+/// against `decode_itl_s` measured at `short_context`: a step's attention reads the
+/// whole context, so between and beyond the two the ITL is taken as linear in it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ContextItl {
+    pub short_context: f64,
+    pub context: f64,
+    pub itl_s: Vec<(f64, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -37,6 +51,7 @@ impl Default for Profile {
             source: "default: 8B bf16 model on one H100-class GPU (public vLLM figures, not measured here)".into(),
             prefill_tokens_per_s: vec![(128.0, 9_000.0), (512.0, 14_000.0), (2048.0, 16_000.0), (8192.0, 12_000.0), (32768.0, 7_000.0)],
             decode_itl_s: vec![(1.0, 0.008), (16.0, 0.011), (64.0, 0.018), (128.0, 0.028), (256.0, 0.048)],
+            decode_itl_long: None,
             kv_tokens: 450_000.0,
             startup_s: Startup { cold: 300.0, staged: 60.0, hot: 20.0, standby: 2.0 },
         }
@@ -86,6 +101,21 @@ impl Profile {
         interp(&self.decode_itl_s, batch)
     }
 
+    /// Inter-token latency at `batch` running sequences whose contexts (prompt and
+    /// tokens generated) average `context` tokens: `itl(batch)` without a long-context
+    /// table, and never below it.
+    #[must_use]
+    pub fn itl_at(&self, batch: f64, context: f64) -> f64 {
+        let short = self.itl(batch);
+        let Some(l) = &self.decode_itl_long else {
+            return short;
+        };
+        let long = interp(&l.itl_s, batch);
+        let span = (l.context - l.short_context).max(f64::EPSILON);
+        let f = ((context - l.short_context) / span).max(0.0);
+        (short + (long - short) * f).max(short)
+    }
+
     /// Largest batch whose ITL stays within `slo`.
     #[must_use]
     pub fn max_batch_at(&self, slo: f64) -> f64 {
@@ -121,6 +151,24 @@ impl Profile {
                 errs.push(format!("{name} holds a non-positive or non-finite value"));
             }
         }
+        if let Some(l) = &self.decode_itl_long {
+            let t = &l.itl_s;
+            if t.is_empty() || t.windows(2).any(|w| w[1].0 <= w[0].0) {
+                errs.push("decode_itl_long.itl_s must be non-empty and ascending".into());
+            }
+            if t.iter()
+                .any(|p| !(p.0.is_finite() && p.1.is_finite() && p.1 > 0.0))
+            {
+                errs.push("decode_itl_long.itl_s holds a non-positive or non-finite value".into());
+            }
+            if !(l.short_context.is_finite()
+                && l.short_context > 0.0
+                && l.context.is_finite()
+                && l.context > l.short_context)
+            {
+                errs.push("decode_itl_long needs 0 < short_context < context".into());
+            }
+        }
         if !(self.kv_tokens.is_finite() && self.kv_tokens > 0.0) {
             errs.push("kv_tokens must be > 0".into());
         }
@@ -138,6 +186,33 @@ impl Profile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_itl_grows_with_the_context_only_where_the_profile_measured_it() {
+        let mut p = Profile::default();
+        // Without the long-context table, the context changes nothing.
+        assert_eq!(p.itl_at(16.0, 5_000.0).to_bits(), p.itl(16.0).to_bits());
+        p.decode_itl_long = Some(ContextItl {
+            short_context: 8.0,
+            context: 256.0,
+            itl_s: vec![(1.0, 0.010), (16.0, 0.015)],
+        });
+        assert!(p.validate().is_ok());
+        // At the short context, the short table; at the long one, the long table;
+        // halfway, halfway; beyond, on the same line; never below the short table.
+        assert!((p.itl_at(16.0, 8.0) - 0.011).abs() < 1e-12);
+        assert!((p.itl_at(16.0, 256.0) - 0.015).abs() < 1e-12);
+        assert!((p.itl_at(16.0, 132.0) - 0.013).abs() < 1e-12);
+        assert!((p.itl_at(16.0, 504.0) - 0.019).abs() < 1e-12);
+        assert!((p.itl_at(16.0, 1.0) - 0.011).abs() < 1e-12);
+        // Old profile files, without the table, still read.
+        let old = r#"{"source":"s","prefill_tokens_per_s":[[16,100]],"decode_itl_s":[[1,0.02]],
+            "kv_tokens":1000,"startup_s":{"cold":1,"staged":1,"hot":1,"standby":1}}"#;
+        let read: Profile = serde_json::from_str(old).unwrap();
+        assert!(read.decode_itl_long.is_none());
+        p.decode_itl_long.as_mut().unwrap().context = 4.0;
+        assert!(p.validate().is_err());
+    }
 
     #[test]
     fn default_profile_is_valid_and_monotone_where_it_matters() {

@@ -405,10 +405,10 @@ pub struct DecodeReplica {
     /// How much longer a step takes than the profile says (above 1 on a host shared
     /// with busy peers).
     slow: f64,
-    /// The profile's ITL at the last batch size asked, (batch, seconds): asked for
-    /// every replica at every event, and the batch seldom changes between them. One
-    /// replica only ever sees its simulation's profile.
-    itl_at: std::cell::Cell<(usize, f64)>,
+    /// The profile's ITL at the last batch size and mean context asked, (batch,
+    /// context's bits, seconds): asked for every replica at every event, and they
+    /// seldom change between them. One replica only ever sees its simulation's profile.
+    itl_at: std::cell::Cell<(usize, u64, f64)>,
     /// Prompts computed here, by the step count at whose boundary each one's first
     /// token comes (a handful at a time: a plain list).
     firsts: Vec<(u64, usize)>,
@@ -429,7 +429,7 @@ impl DecodeReplica {
             clock: ready_at,
             busy_s: 0.0,
             slow: 1.0,
-            itl_at: std::cell::Cell::new((usize::MAX, 0.0)),
+            itl_at: std::cell::Cell::new((usize::MAX, 0, 0.0)),
             firsts: Vec::new(),
             longer: Vec::new(),
         }
@@ -538,15 +538,23 @@ impl DecodeReplica {
         Some(next - self.steps)
     }
 
-    /// Seconds one step takes now.
+    /// Seconds one step takes now: the profile's ITL at this batch and, where the
+    /// profile measured how it grows with the context, at the batch's mean context as
+    /// reserved (prompt and whole answer: above the context a step reads by at most
+    /// half the answer, on average over the sequence's life).
     fn step_s(&self, profile: &Profile) -> f64 {
         let n = self.seqs.len();
-        let (at, itl) = self.itl_at.get();
-        let itl = if at == n {
+        let context = if profile.decode_itl_long.is_some() && n > 0 {
+            self.kv_used / n as f64
+        } else {
+            0.0
+        };
+        let (at, ctx, itl) = self.itl_at.get();
+        let itl = if at == n && ctx == context.to_bits() {
             itl
         } else {
-            let itl = profile.itl(n as f64);
-            self.itl_at.set((n, itl));
+            let itl = profile.itl_at(n as f64, context);
+            self.itl_at.set((n, context.to_bits(), itl));
             itl
         };
         itl * self.slow

@@ -719,3 +719,39 @@ fn a_run_stopped_short_of_its_target_is_one_that_would_have_missed_it() {
     }
     assert!(stopped > 0 && ran > 0, "stopped {stopped}, ran {ran}");
 }
+
+#[test]
+fn decode_steps_slow_with_the_context_where_the_profile_measured_it() {
+    use preheat_scaler::profile::ContextItl;
+    let mut c = cfg();
+    let short = steady(0.0, 4, 0.0, 64, 101);
+    let long = steady(0.0, 4, 0.0, 4096, 101);
+    // Without the long-context table, the context changes no step.
+    let flat = (run_fixed(&c, &short, 4, 1), run_fixed(&c, &long, 4, 1));
+    assert!((flat.0.itl_p50 - flat.1.itl_p50).abs() < 1e-12, "{flat:?}");
+    c.profile.decode_itl_long = Some(ContextItl {
+        short_context: 8.0,
+        context: 2048.0,
+        itl_s: vec![(1.0, 0.016), (16.0, 0.022)],
+    });
+    let (s, l) = (run_fixed(&c, &short, 4, 1), run_fixed(&c, &long, 4, 1));
+    // Four sequences of 4096 + 101 reserved tokens: the line through (8, itl(4)) and
+    // (2048, long(4)), at 4197.
+    let at = |ctx: f64| {
+        let (a, b) = (c.profile.itl(4.0), 0.016 + (0.022 - 0.016) * 3.0 / 15.0);
+        a + (b - a) * (ctx - 8.0) / 2040.0
+    };
+    assert!(
+        (l.itl_p50 - at(4197.0)).abs() < 1e-9,
+        "{} vs {}",
+        l.itl_p50,
+        at(4197.0)
+    );
+    assert!(
+        (s.itl_p50 - at(165.0)).abs() < 1e-9,
+        "{} vs {}",
+        s.itl_p50,
+        at(165.0)
+    );
+    assert!(l.itl_p50 > 1.9 * flat.1.itl_p50);
+}

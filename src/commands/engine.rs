@@ -334,14 +334,22 @@ pub(crate) fn profile(
     let block_bytes = CpuBackend::kv_block_bytes(&c, 16);
     let max_len = *lengths.iter().max().unwrap_or(&16);
     let max_batch = *batches.iter().max().unwrap_or(&1);
+    // Decode is timed again with contexts as long as the longest prompt profiled (a
+    // step's attention reads the whole context), where the model allows it.
+    let short = preheat_engine::profile::DECODE_PROMPT;
+    let long = max_len.min((c.max_position_embeddings as usize).saturating_sub(steps + 1));
+    let long = (long > short).then_some(long);
     let num_blocks = ((kv_mib << 20) / block_bytes.max(1))
         .max(max_len.div_ceil(16))
-        .max(max_batch * preheat_engine::profile::decode_blocks_per_seq(steps));
+        .max(max_batch * preheat_engine::profile::decode_blocks_per_seq(steps))
+        .max(long.map_or(0, |l| {
+            preheat_engine::profile::decode_blocks_at(max_batch, steps, l)
+        }));
     let mut be = CpuBackend::new(std::sync::Arc::clone(&snap), num_blocks, 16)?;
     let load = t0.elapsed().as_secs_f64();
     // Measured where an engine runs its kernels: inside their pool.
     let pool = preheat_engine::backend::cpu::compute_pool(None)?;
-    let (mut prefill, mut itl) = pool.install(|| -> anyhow::Result<_> {
+    let (mut prefill, mut itl, mut itl_long) = pool.install(|| -> anyhow::Result<_> {
         let mut prefill = Vec::new();
         for &len in lengths {
             let len = len.min(c.max_position_embeddings as usize);
@@ -355,12 +363,21 @@ pub(crate) fn profile(
             tracing::info!(batch = b, itl_s = step.as_secs_f64(), "decode");
             itl.push((b as f64, step.as_secs_f64()));
         }
-        Ok((prefill, itl))
+        let mut itl_long = Vec::new();
+        for &b in batches.iter().filter(|_| long.is_some()) {
+            let context = long.unwrap_or(short);
+            let (_, step) = preheat_engine::profile::decode_rate_at(&mut be, b, steps, context)?;
+            tracing::info!(batch = b, context, itl_s = step.as_secs_f64(), "decode");
+            itl_long.push((b as f64, step.as_secs_f64()));
+        }
+        Ok((prefill, itl, itl_long))
     })?;
     prefill.sort_by(|a, b| a.0.total_cmp(&b.0));
     prefill.dedup_by(|a, b| a.0 == b.0);
     itl.sort_by(|a, b| a.0.total_cmp(&b.0));
     itl.dedup_by(|a, b| a.0 == b.0);
+    itl_long.sort_by(|a, b| a.0.total_cmp(&b.0));
+    itl_long.dedup_by(|a, b| a.0 == b.0);
     let defaults = preheat_scaler::profile::Profile::default();
     let mut startup = defaults.startup_s.clone();
     let which = match source {
@@ -383,6 +400,11 @@ pub(crate) fn profile(
         ),
         prefill_tokens_per_s: prefill,
         decode_itl_s: itl,
+        decode_itl_long: long.map(|context| preheat_scaler::profile::ContextItl {
+            short_context: short as f64,
+            context: context as f64,
+            itl_s: itl_long,
+        }),
         kv_tokens: (num_blocks * 16) as f64,
         startup_s: startup,
     };
