@@ -25,12 +25,10 @@ pub fn decode_blocks_per_seq(steps: usize) -> usize {
     (DECODE_PROMPT + steps).div_ceil(BLOCK)
 }
 
-/// KV blocks [`decode_rate_at`] uses for `batch` sequences of a `context`-token prompt:
-/// the prompt's whole blocks once, shared, and the rest per sequence.
+/// KV blocks [`decode_rate_at`] uses for `batch` sequences of a `context`-token prompt.
 #[must_use]
 pub fn decode_blocks_at(batch: usize, steps: usize, context: usize) -> usize {
-    let shared = context / BLOCK;
-    shared + batch * ((context + steps).div_ceil(BLOCK) - shared)
+    batch * (context + steps).div_ceil(BLOCK)
 }
 
 /// Runs `steps` decode steps for `batch` sequences after an 8-token prefill each, on
@@ -44,20 +42,20 @@ pub fn decode_rate<B: Backend + ?Sized>(
 }
 
 /// As [`decode_rate`], each sequence's prompt `context` tokens long: a step's attention
-/// reads every token of it, so the ITL grows with it. The sequences share the prompt's
-/// whole blocks, prefilled once (as a prefix cache shares them), so the set-up costs
-/// one prompt whatever the batch; each prefills the rest of the prompt and writes its
-/// steps in blocks of its own. On blocks `0..decode_blocks_at(batch, steps, context)`.
+/// reads every token of it, so the ITL grows with it. One sequence's prompt is
+/// prefilled and its K/V copied to the others' own blocks, so the set-up costs one
+/// prompt whatever the batch while every sequence still reads K/V of its own, as
+/// unrelated requests do. On blocks `0..decode_blocks_at(batch, steps, context)`.
 pub fn decode_rate_at<B: Backend + ?Sized>(
     be: &mut B,
     batch: usize,
     steps: usize,
     context: usize,
 ) -> Result<(f64, Duration)> {
-    if context == 0 {
+    if context == 0 || batch == 0 {
         return Err(crate::EngineError::InvalidRequest {
-            message: "decode context must be at least one token".into(),
-            param: Some("context".into()),
+            message: format!("decode batch {batch} and context {context} must be positive"),
+            param: Some("batch".into()),
         });
     }
     if steps == 0 || steps > MAX_DECODE_STEPS {
@@ -67,43 +65,25 @@ pub fn decode_rate_at<B: Backend + ?Sized>(
         });
     }
     let prompt = context;
-    let shared = prompt / BLOCK;
-    let own = (prompt + steps).div_ceil(BLOCK) - shared;
+    let per_seq = decode_blocks_at(1, steps, prompt);
     let tables: Vec<Vec<u32>> = (0..batch)
-        .map(|s| {
-            let mine = shared + s * own;
-            (0..shared as u32)
-                .chain(mine as u32..(mine + own) as u32)
-                .collect()
-        })
+        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
     let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
-    let token = |i: usize| (i % 200) as u32 + 1;
-    // The first sequence's whole prompt, then the others' tails (after the shared
-    // blocks, which the first forward has written).
-    let tail = shared * BLOCK..prompt;
-    for (first, rest) in [(0..1, 0..prompt), (1..batch, tail)] {
-        let rows: Vec<(u32, usize)> = first
-            .flat_map(|s| rest.clone().map(move |i| (s as u32, i)))
-            .collect();
-        if rows.is_empty() {
-            continue;
-        }
-        let tokens: Vec<u32> = rows.iter().map(|&(_, i)| token(i)).collect();
-        let positions: Vec<u32> = rows.iter().map(|&(_, i)| i as u32).collect();
-        let seq_of: Vec<u32> = rows.iter().map(|&(s, _)| s).collect();
-        // Each sequence's last prompt token.
-        let last: Vec<u32> = (0..rows.len())
-            .filter(|&r| r + 1 == rows.len() || rows[r + 1].0 != rows[r].0)
-            .map(|r| r as u32)
-            .collect();
-        be.forward(&ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            seq_of: &seq_of,
-            seqs: &seqs,
-            logits_rows: &last,
-        })?;
+    let tokens: Vec<u32> = (0..prompt).map(|i| (i % 200) as u32 + 1).collect();
+    let positions: Vec<u32> = (0..prompt as u32).collect();
+    be.forward(&ForwardBatch {
+        tokens: &tokens,
+        positions: &positions,
+        seq_of: &vec![0; prompt],
+        seqs: &seqs[..1],
+        logits_rows: &[prompt as u32 - 1],
+    })?;
+    let prompt_blocks = prompt.div_ceil(BLOCK);
+    let mut kv = Vec::new();
+    be.export_kv(&tables[0][..prompt_blocks], &mut kv)?;
+    for table in &tables[1..] {
+        be.import_kv(&table[..prompt_blocks], &kv)?;
     }
     let seq_of: Vec<u32> = (0..batch as u32).collect();
     let rows: Vec<u32> = (0..batch as u32).collect();
@@ -232,6 +212,32 @@ mod tests {
         assert_eq!(be.calls, 0, "refused before any pass");
         assert_eq!(decode_blocks_per_seq(24), 2);
         assert_eq!(decode_blocks_per_seq(25), 3);
+    }
+
+    #[test]
+    fn a_long_context_costs_one_prompt_and_fits_its_blocks() {
+        for (batch, context, steps) in [(1, 8, 4), (3, 40, 4), (16, 256, 4), (2, 32, 17)] {
+            let mut be = ColdFirst {
+                calls: 0,
+                cold: Duration::ZERO,
+                warm: Duration::ZERO,
+            };
+            decode_rate_at(&mut be, batch, steps, context)
+                .unwrap_or_else(|e| panic!("{batch}/{context}/{steps}: {e}"));
+            // One prefill pass (the others' prompts are copied), then every step.
+            assert_eq!(be.calls, steps + 1);
+            assert_eq!(
+                decode_blocks_at(batch, steps, context),
+                batch * (context + steps).div_ceil(BLOCK)
+            );
+        }
+        let mut be = ColdFirst {
+            calls: 0,
+            cold: Duration::ZERO,
+            warm: Duration::ZERO,
+        };
+        assert!(decode_rate_at(&mut be, 0, 4, 64).is_err());
+        assert!(decode_rate_at(&mut be, 2, 4, 0).is_err());
     }
 
     #[test]
