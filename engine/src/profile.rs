@@ -22,7 +22,7 @@ pub const MAX_DECODE_STEPS: usize = 1024;
 /// needs `batch ×` this many.
 #[must_use]
 pub fn decode_blocks_per_seq(steps: usize) -> usize {
-    (DECODE_PROMPT + steps).div_ceil(BLOCK)
+    decode_blocks_at(1, steps, DECODE_PROMPT)
 }
 
 /// KV blocks [`decode_rate_at`] uses for `batch` sequences of a `context`-token prompt.
@@ -64,33 +64,32 @@ pub fn decode_rate_at<B: Backend + ?Sized>(
             param: Some("steps".into()),
         });
     }
-    let prompt = context;
-    let per_seq = decode_blocks_at(1, steps, prompt);
+    let per_seq = decode_blocks_at(1, steps, context);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
     let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
-    let tokens: Vec<u32> = (0..prompt).map(|i| (i % 200) as u32 + 1).collect();
-    let positions: Vec<u32> = (0..prompt as u32).collect();
+    let tokens: Vec<u32> = (0..context).map(|i| (i % 200) as u32 + 1).collect();
+    let positions: Vec<u32> = (0..context as u32).collect();
     be.forward(&ForwardBatch {
         tokens: &tokens,
         positions: &positions,
-        seq_of: &vec![0; prompt],
+        seq_of: &vec![0; context],
         seqs: &seqs[..1],
-        logits_rows: &[prompt as u32 - 1],
+        logits_rows: &[context as u32 - 1],
     })?;
-    let prompt_blocks = prompt.div_ceil(BLOCK);
+    let context_blocks = context.div_ceil(BLOCK);
     let mut kv = Vec::new();
-    be.export_kv(&tables[0][..prompt_blocks], &mut kv)?;
+    be.export_kv(&tables[0][..context_blocks], &mut kv)?;
     for table in &tables[1..] {
-        be.import_kv(&table[..prompt_blocks], &kv)?;
+        be.import_kv(&table[..context_blocks], &kv)?;
     }
     let seq_of: Vec<u32> = (0..batch as u32).collect();
     let rows: Vec<u32> = (0..batch as u32).collect();
     let t0 = Instant::now();
     for s in 0..steps {
         let tokens = vec![7u32; batch];
-        let positions = vec![(prompt + s) as u32; batch];
+        let positions = vec![(context + s) as u32; batch];
         be.forward(&ForwardBatch {
             tokens: &tokens,
             positions: &positions,

@@ -364,11 +364,13 @@ pub(crate) fn profile(
             itl.push((b as f64, step.as_secs_f64()));
         }
         let mut itl_long = Vec::new();
-        for &b in batches.iter().filter(|_| long.is_some()) {
-            let context = long.unwrap_or(short);
-            let (_, step) = preheat_engine::profile::decode_rate_at(&mut be, b, steps, context)?;
-            tracing::info!(batch = b, context, itl_s = step.as_secs_f64(), "decode");
-            itl_long.push((b as f64, step.as_secs_f64()));
+        if let Some(context) = long {
+            for &b in batches {
+                let (_, step) =
+                    preheat_engine::profile::decode_rate_at(&mut be, b, steps, context)?;
+                tracing::info!(batch = b, context, itl_s = step.as_secs_f64(), "decode");
+                itl_long.push((b as f64, step.as_secs_f64()));
+            }
         }
         Ok((prefill, itl, itl_long))
     })?;
