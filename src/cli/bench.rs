@@ -207,6 +207,25 @@ pub struct BenchSimrealArgs {
     /// Write an SVG of each pool's replicas over time, measured and predicted.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Also write the measured run (requests and their outcomes, replicas over time,
+    /// starts, the profile and both pools' policies) to this JSON file, for
+    /// `--from-run`.
+    #[arg(long, value_name = "FILE")]
+    pub save_run: Option<PathBuf>,
+    /// Predict a run saved with `--save-run` instead of measuring one: a change to the
+    /// simulator judged on the same measurement. The run's own load, limits, SLOs and
+    /// profile come from the file, so the flags that set them are refused here.
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with_all = [
+            "save_run", "cache_dir", "model", "prefill_max", "decode_max", "idle_grace",
+            "standbys", "kv_cache_mib", "slo_ttft", "slo_itl", "trace", "speedup",
+            "max_requests", "token_scale", "max_input_tokens", "max_output_tokens", "rate",
+            "requests", "input_tokens", "output_tokens", "timeout",
+        ]
+    )]
+    pub from_run: Option<PathBuf>,
     #[command(flatten)]
     pub out: OutputArgs,
 }

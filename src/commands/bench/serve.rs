@@ -10,14 +10,14 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use preheat_scaler::percentile::percentile as pct;
 use preheat_sim::trace;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::cli::{BenchServeArgs, LoadArgs};
 use crate::output::{outln, print_json};
 use preheat_engine::metrics::names::GATEWAY_WORKERS;
 
 /// One request to send.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Planned {
     pub(crate) at: f64,
     pub(crate) input_tokens: u32,
@@ -25,7 +25,7 @@ pub(crate) struct Planned {
 }
 
 /// What happened to one request.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Outcome {
     pub sent_at: f64,
     pub ok: bool,

@@ -20,11 +20,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use preheat_scaler::policy::PoolPolicy;
+use preheat_scaler::profile::Profile;
 use preheat_scaler::scrape::{MAX_BODY_BYTES, read_limited};
 use preheat_scaler::status::StatusReport;
 use preheat_sim::trace::TraceRequest;
 use preheat_sim::{Actuation, SimConfig, StartClass};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::serve::{self, Outcome, Planned};
 use crate::cli::{BenchSimrealArgs, Cli, Command, UpArgs};
@@ -54,7 +55,7 @@ const UP_READY_TIMEOUT: Duration = Duration::from_secs(300);
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 
 /// One worker's measured start.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Start {
     pub role: String,
     /// `cold`, `staged`, `hot` or `standby` (a promotion), as the worker says.
@@ -403,6 +404,7 @@ async fn new_starts(
 }
 
 /// What the real run produced.
+#[derive(Serialize, Deserialize)]
 struct Measured {
     outcomes: Vec<Outcome>,
     replicas: Vec<(f64, u32, u32)>,
@@ -412,6 +414,11 @@ struct Measured {
     /// gateway, scaler and warm-pool agent, and this load generator. `None` where
     /// `/proc` cannot say.
     stack_cpu_s: Option<f64>,
+    /// This machine's cores, and each worker's compute threads (`RAYON_NUM_THREADS`,
+    /// inherited, else every core): with `stack_cpu_s`, the workers that fit side by
+    /// side.
+    host_cores: usize,
+    worker_threads: usize,
     /// Why `up` was gone before the load ended.
     up_exited: Option<String>,
 }
@@ -501,16 +508,17 @@ async fn measure(
         starts,
         window_s,
         stack_cpu_s,
+        host_cores: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        worker_threads: rayon::current_num_threads(),
         up_exited,
     })
 }
 
-/// How many workers run at full speed together on this machine: the cores the stack's
-/// own processes left them on average (`stack_cores`), over each worker's compute
-/// threads (`RAYON_NUM_THREADS`, inherited, else every core). At least a tenth of one.
-fn host_slots(stack_cores: f64) -> f64 {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as f64;
-    ((cores - stack_cores) / rayon::current_num_threads().max(1) as f64).max(0.1)
+/// How many workers run at full speed together on the measured machine: the cores the
+/// stack's own processes left them on average (`stack_cores`), over each worker's
+/// compute threads. At least a tenth of one.
+fn host_slots(stack_cores: f64, host_cores: usize, worker_threads: usize) -> f64 {
+    ((host_cores as f64 - stack_cores) / worker_threads.max(1) as f64).max(0.1)
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -592,7 +600,77 @@ fn compare(
     }
 }
 
+/// `--save-run`'s file: bumped when a field changes meaning.
+const SAVED_RUN_FORMAT: u32 = 1;
+
+/// A measured run and everything its prediction needs, as `--save-run` writes it.
+#[derive(Serialize, Deserialize)]
+struct SavedRun {
+    format: u32,
+    planned: Vec<Planned>,
+    measured: Measured,
+    profile: Profile,
+    prefill: PoolPolicy,
+    decode: PoolPolicy,
+    standbys: u32,
+}
+
+impl SavedRun {
+    fn read(path: &Path) -> anyhow::Result<Self> {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("reading the run {}", path.display()))?;
+        let run: SavedRun = serde_json::from_slice(&bytes)
+            .with_context(|| format!("{} is not a run `--save-run` wrote", path.display()))?;
+        if run.format != SAVED_RUN_FORMAT {
+            bail!(
+                "{} is a format-{} run; this build reads format {SAVED_RUN_FORMAT}",
+                path.display(),
+                run.format
+            );
+        }
+        if run.planned.len() != run.measured.outcomes.len() {
+            bail!(
+                "{}: {} requests planned but {} outcomes",
+                path.display(),
+                run.planned.len(),
+                run.measured.outcomes.len()
+            );
+        }
+        run.profile
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{}: its profile: {}", path.display(), e.join("; ")))?;
+        Ok(run)
+    }
+
+    /// Written whole or not at all: a file beside it, renamed over.
+    fn write(&self, path: &Path) -> anyhow::Result<()> {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".partial");
+        let tmp = PathBuf::from(tmp);
+        std::fs::write(&tmp, serde_json::to_vec(self)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
 pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
+    let run = match &a.from_run {
+        Some(path) => SavedRun::read(path)?,
+        None => {
+            let run = measure_run(a)?;
+            if let Some(path) = &a.save_run {
+                run.write(path)?;
+            }
+            run
+        }
+    };
+    let report = predict(run)?;
+    let svg = a.plot.as_deref().map(|p| (p, plot(&report)));
+    serve::emit(&report, svg, a.out.json, print_text, report.failed)
+}
+
+/// Runs `up` under the load and records what happened.
+fn measure_run(a: &BenchSimrealArgs) -> anyhow::Result<SavedRun> {
     let planned = serve::plan(&a.load)?;
     // Stages the model and measures its profile (once per model, KV budget and
     // threads) here, so `up` below finds both in its cache and starts as it would on a
@@ -615,7 +693,31 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
             a.cache_dir.join("simreal-up.log").display()
         );
     }
+    Ok(SavedRun {
+        format: SAVED_RUN_FORMAT,
+        planned,
+        measured: m,
+        profile: setup.profile,
+        prefill: setup.prefill,
+        decode: setup.decode,
+        standbys: a.standbys,
+    })
+}
 
+/// The simulator's prediction of a measured run, and how far off it is.
+fn predict(run: SavedRun) -> anyhow::Result<Report> {
+    let SavedRun {
+        planned,
+        measured: m,
+        profile: measured_profile,
+        prefill,
+        decode,
+        standbys,
+        ..
+    } = run;
+    if m.replicas.is_empty() {
+        bail!("the run has no replica counts to compare with");
+    }
     let of = |standby: bool| {
         median(
             m.starts
@@ -626,20 +728,20 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         )
     };
     let (start_s, promote_s) = (of(false), of(true));
-    let mut profile = setup.profile.clone();
+    let mut profile = measured_profile;
     if let Some(s) = start_s {
         profile.startup_s.hot = s;
     }
     if let Some(s) = promote_s {
         profile.startup_s.standby = s;
     }
-    let mut cfg = SimConfig::new(setup.prefill.clone(), setup.decode.clone(), profile.clone());
-    cfg.start = if a.standbys > 0 {
+    let mut cfg = SimConfig::new(prefill.clone(), decode.clone(), profile.clone());
+    cfg.start = if standbys > 0 {
         StartClass::Standby
     } else {
         StartClass::Hot
     };
-    cfg.standbys = a.standbys;
+    cfg.standbys = standbys;
     cfg.actuation = Actuation::Direct;
     cfg.interval_s = up::INTERVAL_S;
     cfg.window_s = up::WINDOW_S;
@@ -649,7 +751,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
     // cores the gateway, scaler and load generator leave.
     cfg.warm_start = false;
     let stack_cores = m.stack_cpu_s.map_or(0.0, |c| c / m.window_s.max(1e-9));
-    let slots = host_slots(stack_cores);
+    let slots = host_slots(stack_cores, m.host_cores, m.worker_threads);
     cfg.shared_host = Some(slots);
     // `up`'s workers batch queued prompts up to their default token budget.
     cfg.prefill_batch_tokens = Some(preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64);
@@ -678,7 +780,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         .zip(&planned)
         .filter_map(|(o, p)| {
             let (prompt_tokens, completion_tokens) = counted(p, o);
-            (!attained(o, prompt_tokens, &setup.prefill, &setup.decode)).then_some(Missed {
+            (!attained(o, prompt_tokens, &prefill, &decode)).then_some(Missed {
                 sent_at: o.sent_at,
                 prompt_tokens,
                 completion_tokens,
@@ -759,8 +861,7 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
             .filter(|s| s.0 <= m.window_s)
             .collect(),
     };
-    let svg = a.plot.as_deref().map(|p| (p, plot(&report)));
-    serve::emit(&report, svg, a.out.json, print_text, report.failed)
+    Ok(report)
 }
 
 fn print_text(r: &Report) -> anyhow::Result<()> {
@@ -952,6 +1053,107 @@ mod tests {
         }
         assert!(after - before >= 0.05, "{before} → {after}");
         assert_eq!(cpu_seconds(u32::MAX), None);
+    }
+
+    fn small_run() -> SavedRun {
+        let planned: Vec<Planned> = (0..6)
+            .map(|i| Planned {
+                at: f64::from(i) * 0.5,
+                input_tokens: 200,
+                output_tokens: 20,
+            })
+            .collect();
+        let outcomes = planned
+            .iter()
+            .map(|p| Outcome {
+                sent_at: p.at,
+                ok: true,
+                ttft: Some(0.3),
+                itl: Some(0.02),
+                e2e: 0.7,
+                output_chunks: 20,
+                prompt_tokens: Some(200),
+                completion_tokens: Some(20),
+                ..Outcome::default()
+            })
+            .collect();
+        SavedRun {
+            format: SAVED_RUN_FORMAT,
+            planned,
+            measured: Measured {
+                outcomes,
+                replicas: vec![(0.0, 0, 0), (1.0, 1, 1)],
+                starts: Vec::new(),
+                window_s: 4.0,
+                stack_cpu_s: Some(0.4),
+                host_cores: 4,
+                worker_threads: 1,
+                up_exited: None,
+            },
+            profile: Profile::default(),
+            prefill: PoolPolicy::default(),
+            decode: PoolPolicy::default(),
+            standbys: 1,
+        }
+    }
+
+    #[test]
+    fn a_saved_run_predicts_as_the_measured_one_did() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.json");
+        small_run().write(&path).unwrap();
+        let direct = predict(small_run()).unwrap();
+        let read = predict(SavedRun::read(&path).unwrap()).unwrap();
+        assert_eq!(direct.predicted, read.predicted);
+        assert_eq!(direct.predicted_attainment, read.predicted_attainment);
+        assert_eq!(read.requests, 6);
+        // The machine it was measured on, not this one: 4 cores less 0.1 used.
+        assert!((read.host_slots - 3.9).abs() < 1e-9, "{}", read.host_slots);
+        assert!(!dir.path().join("run.json.partial").exists());
+    }
+
+    #[test]
+    fn a_run_file_that_is_cut_short_or_from_another_format_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.json");
+        small_run().write(&path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+        let e = format!("{:#}", SavedRun::read(&path).err().unwrap());
+        assert!(e.contains("not a run `--save-run` wrote"), "{e}");
+        let mut old = small_run();
+        old.format = 0;
+        old.write(&path).unwrap();
+        let e = format!("{:#}", SavedRun::read(&path).err().unwrap());
+        assert!(e.contains("format-0 run"), "{e}");
+        let mut torn = small_run();
+        torn.planned.pop();
+        torn.write(&path).unwrap();
+        let e = format!("{:#}", SavedRun::read(&path).err().unwrap());
+        assert!(e.contains("5 requests planned but 6 outcomes"), "{e}");
+    }
+
+    #[test]
+    fn from_run_refuses_the_flags_that_would_shape_a_new_run() {
+        for flag in [["--rate", "3"], ["--slo-itl", "1s"], ["--prefill-max", "4"]] {
+            let r = Cli::try_parse_from(
+                ["preheat", "bench", "simreal", "--from-run", "x.json"]
+                    .into_iter()
+                    .chain(flag),
+            );
+            assert!(r.is_err(), "{flag:?} was taken beside --from-run");
+        }
+        assert!(
+            Cli::try_parse_from([
+                "preheat",
+                "bench",
+                "simreal",
+                "--from-run",
+                "x.json",
+                "--json"
+            ])
+            .is_ok()
+        );
     }
 
     #[test]
