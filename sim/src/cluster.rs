@@ -415,6 +415,24 @@ pub struct DecodeReplica {
     /// Steps longer than the profile's by a prompt computed in them, (step count at
     /// its end, seconds at full speed), in step order.
     longer: Vec<(u64, f64)>,
+    /// Places in the steps to come that give no token the engine counts as generated
+    /// here (a prompt computed here waiting for, or giving, its first token, which is
+    /// counted as a first token), and that give no inter-token gap (those, and the
+    /// first token of a sequence prefilled elsewhere, which follows none of this
+    /// engine's). They are the earliest places of the steps to come.
+    no_token: u64,
+    no_gap: u64,
+}
+
+/// The tokens of the decode steps one [`DecodeReplica::advance`] ran, as the engine's
+/// metrics count them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stepped {
+    /// Tokens generated (first tokens not included).
+    pub tokens: f64,
+    /// Inter-token gaps observed, each `gap_s` long (the mean of the steps run).
+    pub gaps: f64,
+    pub gap_s: f64,
 }
 
 impl DecodeReplica {
@@ -432,6 +450,8 @@ impl DecodeReplica {
             itl_at: std::cell::Cell::new((usize::MAX, 0, 0.0)),
             firsts: Vec::new(),
             longer: Vec::new(),
+            no_token: 0,
+            no_gap: 0,
         }
     }
 
@@ -482,6 +502,7 @@ impl DecodeReplica {
             self.clock = self.clock.max(t);
         }
         self.kv_used += seq.kv_tokens;
+        self.no_gap += 1;
         self.seqs.push(Running {
             end_step: self.steps + u64::from(seq.remaining),
             req: seq.req,
@@ -518,6 +539,10 @@ impl DecodeReplica {
             next
         };
         self.kv_used += seq.kv_tokens;
+        // In the batch from the next step, its first token at the end of step
+        // `first_step`: no token counted here, nor a gap, up to then.
+        self.no_token += first_step - self.steps;
+        self.no_gap += first_step - self.steps;
         self.firsts.push((first_step, seq.req));
         self.seqs.push(Running {
             end_step: first_step + u64::from(seq.remaining),
@@ -603,10 +628,10 @@ impl DecodeReplica {
         profile: &Profile,
         first: &mut Vec<(usize, f64)>,
         done: &mut Vec<(usize, f64)>,
-    ) {
+    ) -> Stepped {
         let Some(min) = self.steps_to_next() else {
             self.clock = self.clock.max(t);
-            return;
+            return Stepped::default();
         };
         let itl = self.step_s(profile);
         // The event `next_event` reports is reached at that very time, computed the
@@ -635,10 +660,11 @@ impl DecodeReplica {
         self.steps += k;
         let steps = self.steps;
         self.longer.retain(|l| l.0 > steps);
+        let stepped = self.count(k, span + longer);
         // Short of the event (a sequence admitted with nothing to generate is due at
         // once, without a step; a prompt computed here, once its compute is done).
         if k < min || t < due {
-            return;
+            return stepped;
         }
         let steps = self.steps;
         let clock = self.clock;
@@ -662,6 +688,26 @@ impl DecodeReplica {
         } else {
             (self.kv_used - freed).max(0.0)
         };
+        stepped
+    }
+
+    /// The tokens and gaps of `k` steps just run by every running sequence, taking
+    /// `seconds` in all.
+    fn count(&mut self, k: u64, seconds: f64) -> Stepped {
+        if k == 0 {
+            return Stepped::default();
+        }
+        let places = k * self.seqs.len() as u64;
+        let take = |pending: &mut u64| {
+            let n = (*pending).min(places);
+            *pending -= n;
+            (places - n) as f64
+        };
+        Stepped {
+            tokens: take(&mut self.no_token),
+            gaps: take(&mut self.no_gap),
+            gap_s: seconds / k as f64,
+        }
     }
 }
 
@@ -749,6 +795,52 @@ mod tests {
         r.set_speed(0.25, 0.5);
         assert_eq!(r.next_event(0.25), 0.25 + 0.75 * 2.0);
         assert_eq!(r.step(1.75, None), Some(3));
+    }
+
+    fn seq(req: usize, remaining: u32) -> Seq {
+        Seq {
+            req,
+            remaining,
+            kv_tokens: 10.0,
+        }
+    }
+
+    #[test]
+    fn each_step_counts_the_tokens_and_gaps_the_engine_would() {
+        let p = Profile::default();
+        let mut r = DecodeReplica::new(0.0);
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        // Prefilled elsewhere: 5 tokens here, the first following no token of this
+        // engine's, so 4 gaps.
+        r.admit(0.0, seq(0, 5));
+        // A prompt computed here while a step is under way: no token in that step, its
+        // first token (counted as one) in the next, then 3 tokens with a gap each.
+        let at = 0.5 * p.itl(1.0);
+        r.admit_prefilling(at, seq(1, 3), 0.01);
+        let (mut tokens, mut gaps) = (0.0, 0.0);
+        let mut t = at;
+        while !r.is_empty() {
+            t = r.next_event(t, &p);
+            let s = r.advance(t, &p, &mut first, &mut done);
+            assert!(s.gaps == 0.0 || s.gap_s > 0.0, "{s:?}");
+            tokens += s.tokens;
+            gaps += s.gaps;
+        }
+        assert_eq!(first.len(), 1);
+        assert_eq!(done.len(), 2);
+        assert_eq!((tokens, gaps), (5.0 + 3.0, 4.0 + 3.0));
+        // An idle replica computes a prompt alone, then decodes: each token after the
+        // first has a gap.
+        let mut idle = DecodeReplica::new(0.0);
+        idle.admit_prefilling(t, seq(2, 4), 0.01);
+        let (mut tokens, mut gaps) = (0.0, 0.0);
+        while !idle.is_empty() {
+            t = idle.next_event(t, &p);
+            let s = idle.advance(t, &p, &mut first, &mut done);
+            tokens += s.tokens;
+            gaps += s.gaps;
+        }
+        assert_eq!((tokens, gaps), (4.0, 4.0));
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod config;
 pub mod day;
 pub mod hpa;
+mod itl_histogram;
 pub mod keda;
 mod observe;
 mod per_pool;
@@ -37,6 +38,7 @@ pub mod sweep;
 pub mod trace;
 
 pub use config::{SimConfig, StartClass};
+pub use itl_histogram::ITL_BUCKETS;
 pub use keda::Actuation;
 pub use registry::{RunSpec, UnknownPolicy, run, run_many, run_policy};
 pub use report::{PolicyReport, SimReport};

@@ -129,8 +129,8 @@ impl Sim<'_> {
                 0.0
             },
             generation_rate: self.window_rate(oldest, |c| c.generated),
-            itl_p50: quantile(&self.recent_itl, 0.5),
-            itl_p90: quantile(&self.recent_itl, 0.9),
+            itl_p50: self.now.itl.quantile_since(&oldest.itl, 0.5),
+            itl_p90: self.now.itl.quantile_since(&oldest.itl, 0.9),
             ..PoolSignals::default()
         };
         // With decode replicas up, prefilled requests queue in the pool; at zero,

@@ -10,6 +10,7 @@ use preheat_scaler::policy::Pool;
 use crate::autoscalers::{Autoscaler, PoolView};
 use crate::cluster::{DecodeReplica, PrefillJob, PrefillReplica, Seq};
 use crate::config::{SimConfig, StartClass};
+use crate::itl_histogram::ItlCounts;
 use crate::per_pool::{POOLS, PerPool};
 use crate::prefix_index::{PrefixIndex, SLOTS};
 use crate::report::PolicyReport;
@@ -35,7 +36,11 @@ pub(crate) struct Counters {
     pub(crate) output_tokens: f64,
     pub(crate) prefix_queries: f64,
     pub(crate) prefix_hits: f64,
+    /// Tokens generated, counted as the engine counts them: first tokens when they
+    /// come, the rest at the end of each decode step.
     pub(crate) generated: f64,
+    /// The decode pool's inter-token gaps, observed at each step as the engine does.
+    pub(crate) itl: ItlCounts,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -95,7 +100,6 @@ pub(crate) struct Sim<'a> {
     pub(crate) now: Counters,
     pub(crate) history: VecDeque<Counters>,
     pub(crate) recent_ttft: VecDeque<(f64, f64)>,
-    pub(crate) recent_itl: VecDeque<(f64, f64)>,
     pub(crate) timeline: Vec<(f64, u32, u32)>,
     pub(crate) next_second: f64,
     pub(crate) next_sample: f64,
@@ -167,7 +171,6 @@ impl<'a> Sim<'a> {
             now: Counters::default(),
             history: VecDeque::new(),
             recent_ttft: VecDeque::new(),
-            recent_itl: VecDeque::new(),
             timeline: Vec::new(),
             next_second: 0.0,
             next_sample: 0.0,
@@ -314,7 +317,9 @@ impl<'a> Sim<'a> {
         let mut first = std::mem::take(&mut self.first_buf);
         for r in &mut self.decode {
             if r.is_ready(t) {
-                r.advance(t, &self.cfg.profile, &mut first, &mut done);
+                let stepped = r.advance(t, &self.cfg.profile, &mut first, &mut done);
+                self.now.generated += stepped.tokens;
+                self.now.itl.observe(stepped.gap_s, stepped.gaps);
             }
         }
         // First tokens before completions: a one-token request gives both at once.
@@ -441,11 +446,6 @@ impl<'a> Sim<'a> {
         let st = &mut self.reqs[req];
         st.done = at;
         self.finished += 1;
-        if r.output_tokens > 1 {
-            let itl = (at - st.first_token) / f64::from(r.output_tokens - 1);
-            self.recent_itl.push_back((at, itl));
-            self.now.generated += f64::from(r.output_tokens - 1);
-        }
         // A late first token was counted when it came.
         if self.fail_below.is_some()
             && self.cfg.ttft_met(r, st.first_token - r.t)
@@ -589,9 +589,6 @@ impl<'a> Sim<'a> {
         }
         while self.recent_ttft.front().is_some_and(|x| x.0 < t - w) {
             self.recent_ttft.pop_front();
-        }
-        while self.recent_itl.front().is_some_and(|x| x.0 < t - w) {
-            self.recent_itl.pop_front();
         }
         for pool in POOLS {
             if t >= self.ctl[pool].next_decision {

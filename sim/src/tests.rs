@@ -755,3 +755,58 @@ fn decode_steps_slow_with_the_context_where_the_profile_measured_it() {
     );
     assert!(l.itl_p50 > 1.9 * flat.1.itl_p50);
 }
+
+/// A fixed size that keeps what it saw of its pool at each decision.
+struct Watching(
+    u32,
+    std::sync::Arc<std::sync::Mutex<Vec<autoscalers::PoolView>>>,
+);
+
+impl Autoscaler for Watching {
+    fn period_s(&self) -> f64 {
+        1.0
+    }
+    fn decide(&mut self, v: &autoscalers::PoolView) -> u32 {
+        self.1.lock().unwrap().push(v.clone());
+        self.0
+    }
+    fn observes(&self) -> bool {
+        true
+    }
+    fn initial(&self) -> Option<u32> {
+        Some(self.0)
+    }
+}
+
+#[test]
+fn regression_the_decode_itl_and_token_rate_waited_for_requests_to_finish() {
+    // Sixteen long answers on one decode replica: every step at the profile's batch-16
+    // ITL, and none of them done in the first minute.
+    let c = cfg();
+    let trace = steady(0.0, 16, 0.0, 64, 8000);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let run = Sim::new(
+        &c,
+        &trace,
+        Box::new(Static(2)),
+        Box::new(Watching(1, seen.clone())),
+    )
+    .run();
+    assert_eq!(run.unfinished, 0);
+    let itl = c.profile.itl(16.0);
+    let first_done = 7999.0 * itl;
+    assert!(first_done > 60.0, "{first_done}");
+    let seen = seen.lock().unwrap();
+    let v = seen
+        .iter()
+        .find(|v| v.t >= 30.0)
+        .expect("a decision at 30 s");
+    // The engine counts each token and each gap as it comes: the scaler sees the
+    // slow steps and the token rate long before any request finishes.
+    let p90 = v.signals.itl_p90.expect("gaps seen by 30 s");
+    let bounds = ITL_BUCKETS;
+    let i = bounds.partition_point(|&b| b < itl);
+    assert!(p90 > bounds[i - 1] && p90 <= bounds[i], "{p90} vs {itl}");
+    let rate = v.signals.generation_rate;
+    assert!((rate - 16.0 / itl).abs() < 0.05 * 16.0 / itl, "{rate}");
+}

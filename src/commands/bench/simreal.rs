@@ -1157,6 +1157,14 @@ mod tests {
     }
 
     #[test]
+    fn the_simulated_itl_histogram_has_the_engines_buckets() {
+        assert_eq!(
+            preheat_sim::ITL_BUCKETS.as_slice(),
+            preheat_engine::metrics::ITL_BUCKETS
+        );
+    }
+
+    #[test]
     fn the_up_flags_parse_as_up_parses_them() {
         let a = Cli::try_parse_from([
             "preheat",
