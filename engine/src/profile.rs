@@ -52,9 +52,27 @@ pub fn decode_rate_at<B: Backend + ?Sized>(
     steps: usize,
     context: usize,
 ) -> Result<(f64, Duration)> {
-    if context == 0 || batch == 0 {
+    let step = decode_steps_at(be, &[batch], steps, context)?[0];
+    Ok((
+        (batch * steps) as f64 / (step * steps as u32).as_secs_f64(),
+        step,
+    ))
+}
+
+/// [`decode_rate_at`]'s step time at each of `batches`, with one prompt prefilled and
+/// copied for them all: each batch's steps write the same positions of the same
+/// sequences, past the prompt. On blocks `0..decode_blocks_at(max batch, steps,
+/// context)`.
+pub fn decode_steps_at<B: Backend + ?Sized>(
+    be: &mut B,
+    batches: &[usize],
+    steps: usize,
+    context: usize,
+) -> Result<Vec<Duration>> {
+    let max_batch = batches.iter().copied().max().unwrap_or(0);
+    if context == 0 || batches.contains(&0) || max_batch == 0 {
         return Err(crate::EngineError::InvalidRequest {
-            message: format!("decode batch {batch} and context {context} must be positive"),
+            message: format!("decode batches {batches:?} and context {context} must be positive"),
             param: Some("batch".into()),
         });
     }
@@ -65,7 +83,7 @@ pub fn decode_rate_at<B: Backend + ?Sized>(
         });
     }
     let per_seq = decode_blocks_at(1, steps, context);
-    let tables: Vec<Vec<u32>> = (0..batch)
+    let tables: Vec<Vec<u32>> = (0..max_batch)
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
     let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
@@ -84,22 +102,24 @@ pub fn decode_rate_at<B: Backend + ?Sized>(
     for table in &tables[1..] {
         be.import_kv(&table[..context_blocks], &kv)?;
     }
-    let seq_of: Vec<u32> = (0..batch as u32).collect();
-    let rows: Vec<u32> = (0..batch as u32).collect();
-    let t0 = Instant::now();
-    for s in 0..steps {
-        let tokens = vec![7u32; batch];
-        let positions = vec![(context + s) as u32; batch];
-        be.forward(&ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            seq_of: &seq_of,
-            seqs: &seqs,
-            logits_rows: &rows,
-        })?;
+    let mut out = Vec::with_capacity(batches.len());
+    for &batch in batches {
+        let seq_of: Vec<u32> = (0..batch as u32).collect();
+        let t0 = Instant::now();
+        for s in 0..steps {
+            let tokens = vec![7u32; batch];
+            let positions = vec![(context + s) as u32; batch];
+            be.forward(&ForwardBatch {
+                tokens: &tokens,
+                positions: &positions,
+                seq_of: &seq_of,
+                seqs: &seqs[..batch],
+                logits_rows: &seq_of,
+            })?;
+        }
+        out.push(t0.elapsed() / steps as u32);
     }
-    let d = t0.elapsed();
-    Ok(((batch * steps) as f64 / d.as_secs_f64(), d / steps as u32))
+    Ok(out)
 }
 
 /// Timed passes per prefill length, after one untimed warm-up pass; the fastest counts.
@@ -237,6 +257,26 @@ mod tests {
         };
         assert!(decode_rate_at(&mut be, 0, 4, 64).is_err());
         assert!(decode_rate_at(&mut be, 2, 4, 0).is_err());
+    }
+
+    #[test]
+    fn every_batch_size_is_timed_on_one_prefilled_prompt() {
+        let mut be = ColdFirst {
+            calls: 0,
+            cold: Duration::ZERO,
+            warm: Duration::from_millis(1),
+        };
+        let batches = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64];
+        let steps = decode_steps_at(&mut be, &batches, 3, 256).unwrap();
+        assert_eq!(steps.len(), batches.len());
+        assert!(
+            steps.iter().all(|s| *s >= Duration::from_millis(1)),
+            "{steps:?}"
+        );
+        // One prefill for them all, then each batch's steps.
+        assert_eq!(be.calls, 1 + 3 * batches.len());
+        assert!(decode_steps_at(&mut be, &[4, 0], 3, 256).is_err());
+        assert!(decode_steps_at(&mut be, &[], 3, 256).is_err());
     }
 
     #[test]

@@ -29,8 +29,13 @@ pub enum EngineCmd {
         /// Prompt lengths to time prefill at.
         #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
         lengths: Vec<usize>,
-        /// Batch sizes to time decode at.
-        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        /// Batch sizes to time decode at (by default up to the engine's most running
+        /// sequences, 64: between sizes the cost is interpolated, and it bends).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1,2,4,8,12,16,24,32,48,64"
+        )]
         batches: Vec<usize>,
         /// Decode steps timed per batch size.
         #[arg(long, default_value_t = 4)]

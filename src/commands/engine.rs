@@ -339,7 +339,10 @@ pub(crate) fn profile(
     let short = preheat_engine::profile::DECODE_PROMPT;
     let long = max_len.min((c.max_position_embeddings as usize).saturating_sub(steps + 1));
     let long = (long > short).then_some(long);
-    let num_blocks = ((kv_mib << 20) / block_bytes.max(1))
+    // The workers' KV budget, which the profile reports; the measurements below may
+    // need more blocks than it (a batch of 64 long contexts), which they get.
+    let budget_blocks = (kv_mib << 20) / block_bytes.max(1);
+    let num_blocks = budget_blocks
         .max(max_len.div_ceil(16))
         .max(max_batch * preheat_engine::profile::decode_blocks_per_seq(steps))
         .max(long.map_or(0, |l| {
@@ -357,21 +360,22 @@ pub(crate) fn profile(
             tracing::info!(len, tokens_per_s = tps, "prefill");
             prefill.push((len as f64, tps));
         }
-        let mut itl = Vec::new();
-        for &b in batches {
-            let (_, step) = preheat_engine::profile::decode_rate(&mut be, b, steps)?;
-            tracing::info!(batch = b, itl_s = step.as_secs_f64(), "decode");
-            itl.push((b as f64, step.as_secs_f64()));
-        }
-        let mut itl_long = Vec::new();
-        if let Some(context) = long {
-            for &b in batches {
-                let (_, step) =
-                    preheat_engine::profile::decode_rate_at(&mut be, b, steps, context)?;
-                tracing::info!(batch = b, context, itl_s = step.as_secs_f64(), "decode");
-                itl_long.push((b as f64, step.as_secs_f64()));
-            }
-        }
+        let timed = |be: &mut CpuBackend, context| -> anyhow::Result<Vec<(f64, f64)>> {
+            let steps_s = preheat_engine::profile::decode_steps_at(be, batches, steps, context)?;
+            Ok(batches
+                .iter()
+                .zip(steps_s)
+                .map(|(&b, step)| {
+                    tracing::info!(batch = b, context, itl_s = step.as_secs_f64(), "decode");
+                    (b as f64, step.as_secs_f64())
+                })
+                .collect())
+        };
+        let itl = timed(&mut be, short)?;
+        let itl_long = match long {
+            Some(context) => timed(&mut be, context)?,
+            None => Vec::new(),
+        };
         Ok((prefill, itl, itl_long))
     })?;
     prefill.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -407,7 +411,7 @@ pub(crate) fn profile(
             context: context as f64,
             itl_s: itl_long,
         }),
-        kv_tokens: (num_blocks * 16) as f64,
+        kv_tokens: (budget_blocks.max(1) * 16) as f64,
         startup_s: startup,
     };
     p.validate()
