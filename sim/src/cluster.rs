@@ -420,10 +420,11 @@ pub struct DecodeReplica {
     /// its end, seconds at full speed), in step order.
     longer: Vec<(u64, f64)>,
     /// Places in the steps to come that give no token the engine counts as generated
-    /// here (a prompt computed here waiting for, or giving, its first token, which is
-    /// counted as a first token), and that give no inter-token gap (those, and the
-    /// first token of a sequence prefilled elsewhere, which follows none of this
-    /// engine's). They are the earliest places of the steps to come.
+    /// here, nor an inter-token gap: a prompt computed here waiting for, or giving, its
+    /// first token (counted as a first token, after no gap). They are the earliest
+    /// places of the steps to come. (A sequence prefilled elsewhere gives a gap from
+    /// its first decode step: the engine takes the shipped first token in at import
+    /// and times the next one from then.)
     no_token: u64,
     no_gap: u64,
 }
@@ -434,9 +435,13 @@ pub struct DecodeReplica {
 pub struct Stepped {
     /// Tokens generated (first tokens not included).
     pub tokens: f64,
-    /// Inter-token gaps observed, each `gap_s` long (the mean of the steps run).
+    /// Inter-token gaps observed in steps of the profile's length, each `gap_s` long.
     pub gaps: f64,
     pub gap_s: f64,
+    /// Gaps observed in steps lengthened by a prompt computed in them, each
+    /// `long_gap_s` long (their mean).
+    pub long_gaps: f64,
+    pub long_gap_s: f64,
 }
 
 impl DecodeReplica {
@@ -507,7 +512,6 @@ impl DecodeReplica {
             self.clock = self.clock.max(t);
         }
         self.kv_used += seq.kv_tokens;
-        self.no_gap += 1;
         let end_step = self.steps + u64::from(seq.remaining);
         self.ends += seq.kv_tokens - end_step as f64;
         self.seqs.push(Running {
@@ -660,16 +664,30 @@ impl DecodeReplica {
             }
             k
         };
+        // Steps short of the event are timed at their own context (halfway through
+        // them, not to the event): the clock stays at or before `t`, as the context
+        // only grows. At the event, as `next_event` timed it.
+        let itl = if k < min {
+            self.step_s(profile, k)
+        } else {
+            itl
+        };
         // As `boundary` sums it, so that the event is reached at its own time; and
         // with no prompt computed here, exactly the steps' time.
         let span = k as f64 * itl;
         let longer = self.longer_up_to(self.steps + k);
+        let lengthened = if longer > 0.0 {
+            let last = self.steps + k;
+            self.longer.iter().take_while(|l| l.0 <= last).count() as u64
+        } else {
+            0
+        };
         self.clock = self.clock + span + longer;
         self.busy_s += span + longer;
         self.steps += k;
         let steps = self.steps;
         self.longer.retain(|l| l.0 > steps);
-        let stepped = self.count(k, span + longer);
+        let stepped = self.count(k, itl, lengthened, longer);
         // Short of the event (a sequence admitted with nothing to generate is due at
         // once, without a step; a prompt computed here, once its compute is done).
         if k < min || t < due {
@@ -694,29 +712,51 @@ impl DecodeReplica {
             self.seqs.pop();
         }
         if self.seqs.is_empty() {
+            debug_assert!(
+                self.no_token == 0 && self.no_gap == 0,
+                "places left for sequences that are gone"
+            );
             (self.kv_used, self.ends) = (0.0, 0.0);
+            (self.no_token, self.no_gap) = (0, 0);
         } else {
             self.kv_used = (self.kv_used - freed).max(0.0);
         }
         stepped
     }
 
-    /// The tokens and gaps of `k` steps just run by every running sequence, taking
-    /// `seconds` in all.
-    fn count(&mut self, k: u64, seconds: f64) -> Stepped {
+    /// The tokens and gaps of `k` steps of `itl` seconds just run by every running
+    /// sequence, `lengthened` of them longer by `longer` seconds in all (prompts
+    /// computed in them): their gaps are that much longer, the others' are not.
+    fn count(&mut self, k: u64, itl: f64, lengthened: u64, longer: f64) -> Stepped {
         if k == 0 {
             return Stepped::default();
         }
-        let places = k * self.seqs.len() as u64;
+        let n = self.seqs.len() as u64;
+        let places = k * n;
         let take = |pending: &mut u64| {
-            let n = (*pending).min(places);
-            *pending -= n;
-            (places - n) as f64
+            let taken = (*pending).min(places);
+            *pending -= taken;
+            (places - taken) as f64
+        };
+        let tokens = take(&mut self.no_token);
+        let gaps = take(&mut self.no_gap);
+        // A lengthened step's gaps are those of every sequence but the prompts computed
+        // in it (at least one), which give their first tokens there.
+        let long_gaps = if lengthened > 0 {
+            gaps.min((lengthened.min(k) * n.saturating_sub(1)) as f64)
+        } else {
+            0.0
         };
         Stepped {
-            tokens: take(&mut self.no_token),
-            gaps: take(&mut self.no_gap),
-            gap_s: seconds / k as f64,
+            tokens,
+            gaps: gaps - long_gaps,
+            gap_s: itl,
+            long_gaps,
+            long_gap_s: if long_gaps > 0.0 {
+                itl + longer / lengthened as f64
+            } else {
+                0.0
+            },
         }
     }
 }
@@ -820,25 +860,33 @@ mod tests {
         let p = Profile::default();
         let mut r = DecodeReplica::new(0.0);
         let (mut first, mut done) = (Vec::new(), Vec::new());
-        // Prefilled elsewhere: 5 tokens here, the first following no token of this
-        // engine's, so 4 gaps.
+        // Prefilled elsewhere: 5 tokens here, each with a gap (the first from the
+        // import, where the engine takes the shipped first token in).
         r.admit(0.0, seq(0, 5));
         // A prompt computed here while a step is under way: no token in that step, its
         // first token (counted as one) in the next, then 3 tokens with a gap each.
         let at = 0.5 * p.itl(1.0);
         r.admit_prefilling(at, seq(1, 3), 0.01);
-        let (mut tokens, mut gaps) = (0.0, 0.0);
+        let (mut tokens, mut gaps, mut long) = (0.0, 0.0, Vec::new());
         let mut t = at;
         while !r.is_empty() {
             t = r.next_event(t, &p);
             let s = r.advance(t, &p, &mut first, &mut done);
             assert!(s.gaps == 0.0 || s.gap_s > 0.0, "{s:?}");
             tokens += s.tokens;
-            gaps += s.gaps;
+            gaps += s.gaps + s.long_gaps;
+            if s.long_gaps > 0.0 {
+                long.push((s.long_gaps, s.long_gap_s));
+            }
         }
         assert_eq!(first.len(), 1);
         assert_eq!(done.len(), 2);
-        assert_eq!((tokens, gaps), (5.0 + 3.0, 4.0 + 3.0));
+        assert_eq!((tokens, gaps), (5.0 + 3.0, 5.0 + 3.0));
+        // The step computing the prompt is the one decoding sequence's gap made longer
+        // by the prompt's compute; no other gap is.
+        assert_eq!(long.len(), 1, "{long:?}");
+        assert_eq!(long[0].0, 1.0);
+        assert!((long[0].1 - (p.itl(2.0) + 0.01)).abs() < 1e-12, "{long:?}");
         // An idle replica computes a prompt alone, then decodes: each token after the
         // first has a gap.
         let mut idle = DecodeReplica::new(0.0);
@@ -851,6 +899,29 @@ mod tests {
             gaps += s.gaps;
         }
         assert_eq!((tokens, gaps), (4.0, 4.0));
+    }
+
+    #[test]
+    fn regression_a_one_token_answer_took_a_gap_from_a_later_sequence() {
+        let p = Profile::default();
+        let mut r = DecodeReplica::new(0.0);
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        // Nothing to generate after the first token: done without a step.
+        r.admit(0.0, seq(0, 0));
+        assert_eq!(
+            r.advance(0.0, &p, &mut first, &mut done),
+            Stepped::default()
+        );
+        assert_eq!(done.len(), 1);
+        r.admit(0.0, seq(1, 2));
+        let (mut tokens, mut gaps, mut t) = (0.0, 0.0, 0.0);
+        while !r.is_empty() {
+            t = r.next_event(t, &p);
+            let s = r.advance(t, &p, &mut first, &mut done);
+            tokens += s.tokens;
+            gaps += s.gaps + s.long_gaps;
+        }
+        assert_eq!((tokens, gaps), (2.0, 2.0));
     }
 
     #[test]

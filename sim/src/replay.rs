@@ -320,6 +320,7 @@ impl<'a> Sim<'a> {
                 let stepped = r.advance(t, &self.cfg.profile, &mut first, &mut done);
                 self.now.generated += stepped.tokens;
                 self.now.itl.observe(stepped.gap_s, stepped.gaps);
+                self.now.itl.observe(stepped.long_gap_s, stepped.long_gaps);
             }
         }
         // First tokens before completions: a one-token request gives both at once.

@@ -747,7 +747,7 @@ fn decode_steps_slow_with_the_context_where_the_profile_measured_it() {
     for (r, first) in [(&l, 4097.0), (&s, 65.0)] {
         let (lo, mid, hi) = (at(first), at(first + 50.0), at(first + 100.0));
         assert!(
-            r.itl_p50 > lo && r.itl_p50 < hi && (r.itl_p50 - mid).abs() < 0.01 * mid,
+            r.itl_p50 > lo && r.itl_p50 < hi && (r.itl_p50 - mid).abs() < 1e-3 * mid,
             "{} not near {mid} in ({lo}, {hi})",
             r.itl_p50
         );
@@ -805,7 +805,8 @@ fn regression_the_decode_itl_and_token_rate_waited_for_requests_to_finish() {
     let p90 = v.signals.itl_p90.expect("gaps seen by 30 s");
     let bounds = ITL_BUCKETS;
     let i = bounds.partition_point(|&b| b < itl);
-    assert!(p90 > bounds[i - 1] && p90 <= bounds[i], "{p90} vs {itl}");
+    let below = i.checked_sub(1).map_or(0.0, |j| bounds[j]);
+    assert!(p90 > below && p90 <= bounds[i], "{p90} vs {itl}");
     let rate = v.signals.generation_rate;
     assert!((rate - 16.0 / itl).abs() < 0.05 * 16.0 / itl, "{rate}");
 }

@@ -601,7 +601,7 @@ fn compare(
 }
 
 /// `--save-run`'s file: bumped when a field changes meaning.
-const SAVED_RUN_FORMAT: u32 = 1;
+const SAVED_RUN_FORMAT: u32 = 2;
 
 /// A measured run and everything its prediction needs, as `--save-run` writes it.
 #[derive(Serialize, Deserialize)]
@@ -613,6 +613,13 @@ struct SavedRun {
     prefill: PoolPolicy,
     decode: PoolPolicy,
     standbys: u32,
+    /// The stack's settings the run was measured under (`up`'s scaler tick and
+    /// window, the engine's prefill token budget, the gateway's short-prompt rule), so
+    /// a later build predicts it under them rather than its own.
+    interval_s: f64,
+    window_s: f64,
+    prefill_batch_tokens: f64,
+    disagg_min_tokens: u32,
 }
 
 impl SavedRun {
@@ -642,14 +649,22 @@ impl SavedRun {
         Ok(run)
     }
 
-    /// Written whole or not at all: a file beside it, renamed over.
+    /// Written whole or not at all: a new file of its own beside it, synced, then
+    /// renamed over it.
     fn write(&self, path: &Path) -> anyhow::Result<()> {
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".partial");
-        let tmp = PathBuf::from(tmp);
-        std::fs::write(&tmp, serde_json::to_vec(self)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+        let bytes = serde_json::to_vec(self)?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let written = (|| {
+            let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+            std::io::Write::write_all(&mut tmp, &bytes)?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(path).map_err(|e| e.error)?;
+            Ok::<(), std::io::Error>(())
+        })();
+        written.with_context(|| format!("writing the run to {}", path.display()))
     }
 }
 
@@ -658,8 +673,12 @@ pub fn run(a: &BenchSimrealArgs) -> anyhow::Result<ExitCode> {
         Some(path) => SavedRun::read(path)?,
         None => {
             let run = measure_run(a)?;
-            if let Some(path) = &a.save_run {
-                run.write(path)?;
+            // The measurement took minutes: its report comes whether or not it could
+            // also be kept.
+            if let Some(path) = &a.save_run
+                && let Err(e) = run.write(path)
+            {
+                tracing::error!("the run is not saved: {e:#}");
             }
             run
         }
@@ -701,6 +720,13 @@ fn measure_run(a: &BenchSimrealArgs) -> anyhow::Result<SavedRun> {
         prefill: setup.prefill,
         decode: setup.decode,
         standbys: a.standbys,
+        interval_s: up::INTERVAL_S,
+        window_s: up::WINDOW_S,
+        prefill_batch_tokens: preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64,
+        disagg_min_tokens: u32::try_from(
+            preheat_engine::disagg::gateway::DEFAULT_DISAGG_MIN_TOKENS,
+        )
+        .unwrap_or(u32::MAX),
     })
 }
 
@@ -713,6 +739,10 @@ fn predict(run: SavedRun) -> anyhow::Result<Report> {
         prefill,
         decode,
         standbys,
+        interval_s,
+        window_s,
+        prefill_batch_tokens,
+        disagg_min_tokens,
         ..
     } = run;
     if m.replicas.is_empty() {
@@ -743,8 +773,8 @@ fn predict(run: SavedRun) -> anyhow::Result<Report> {
     };
     cfg.standbys = standbys;
     cfg.actuation = Actuation::Direct;
-    cfg.interval_s = up::INTERVAL_S;
-    cfg.window_s = up::WINDOW_S;
+    cfg.interval_s = interval_s;
+    cfg.window_s = window_s;
     cfg.sample_s = 1.0;
     // `up` starts idle, with every worker on this one machine. The profile was
     // measured with the threads each worker has, so that many fit side by side in the
@@ -754,11 +784,9 @@ fn predict(run: SavedRun) -> anyhow::Result<Report> {
     let slots = host_slots(stack_cores, m.host_cores, m.worker_threads);
     cfg.shared_host = Some(slots);
     // `up`'s workers batch queued prompts up to their default token budget.
-    cfg.prefill_batch_tokens = Some(preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS as f64);
+    cfg.prefill_batch_tokens = Some(prefill_batch_tokens);
     // `up`'s gateway has decode workers compute prompts shorter than its default
     // `--disagg-min-tokens` themselves.
-    let below = preheat_engine::disagg::gateway::DEFAULT_DISAGG_MIN_TOKENS;
-    let disagg_min_tokens = u32::try_from(below).unwrap_or(u32::MAX);
     cfg.local_prefill_below = Some(disagg_min_tokens);
     let trace = trace_of(&planned, &m.outcomes);
     let prefilled_on_decode = trace.iter().filter(|r| cfg.prefills_on_decode(r)).count();
@@ -1094,6 +1122,10 @@ mod tests {
             prefill: PoolPolicy::default(),
             decode: PoolPolicy::default(),
             standbys: 1,
+            interval_s: 0.5,
+            window_s: 60.0,
+            prefill_batch_tokens: 256.0,
+            disagg_min_tokens: 32,
         }
     }
 
@@ -1109,7 +1141,8 @@ mod tests {
         assert_eq!(read.requests, 6);
         // The machine it was measured on, not this one: 4 cores less 0.1 used.
         assert!((read.host_slots - 3.9).abs() < 1e-9, "{}", read.host_slots);
-        assert!(!dir.path().join("run.json.partial").exists());
+        // Nothing beside it: the temporary file became the run.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

@@ -122,5 +122,17 @@ mod tests {
         for w in PROFILE_BATCHES.windows(2) {
             assert!(w[1] > w[0] && 2 * (w[1] - w[0]) <= w[1], "{w:?}");
         }
+        // `engine profile` run by hand times the same sizes.
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from([
+            "preheat", "engine", "profile", "--model", "m", "-o", "p.json",
+        ])
+        .unwrap();
+        let crate::cli::Command::Engine(crate::cli::EngineCmd::Profile { batches, .. }) =
+            cli.command
+        else {
+            panic!("not engine profile")
+        };
+        assert_eq!(batches, PROFILE_BATCHES);
     }
 }
