@@ -855,6 +855,29 @@ mod tests {
         }
     }
 
+    /// Advances `r` from `t` event by event until it is empty: the tokens and gaps it
+    /// counted, its lengthened gaps as (count, seconds), and the time it ended.
+    fn run_dry(
+        r: &mut DecodeReplica,
+        mut t: f64,
+        first: &mut Vec<(usize, f64)>,
+        done: &mut Vec<(usize, f64)>,
+    ) -> (f64, f64, Vec<(f64, f64)>, f64) {
+        let p = Profile::default();
+        let (mut tokens, mut gaps, mut long) = (0.0, 0.0, Vec::new());
+        while !r.is_empty() {
+            t = r.next_event(t, &p);
+            let s = r.advance(t, &p, first, done);
+            assert!(s.gaps == 0.0 || s.gap_s > 0.0, "{s:?}");
+            tokens += s.tokens;
+            gaps += s.gaps + s.long_gaps;
+            if s.long_gaps > 0.0 {
+                long.push((s.long_gaps, s.long_gap_s));
+            }
+        }
+        (tokens, gaps, long, t)
+    }
+
     #[test]
     fn each_step_counts_the_tokens_and_gaps_the_engine_would() {
         let p = Profile::default();
@@ -867,18 +890,7 @@ mod tests {
         // first token (counted as one) in the next, then 3 tokens with a gap each.
         let at = 0.5 * p.itl(1.0);
         r.admit_prefilling(at, seq(1, 3), 0.01);
-        let (mut tokens, mut gaps, mut long) = (0.0, 0.0, Vec::new());
-        let mut t = at;
-        while !r.is_empty() {
-            t = r.next_event(t, &p);
-            let s = r.advance(t, &p, &mut first, &mut done);
-            assert!(s.gaps == 0.0 || s.gap_s > 0.0, "{s:?}");
-            tokens += s.tokens;
-            gaps += s.gaps + s.long_gaps;
-            if s.long_gaps > 0.0 {
-                long.push((s.long_gaps, s.long_gap_s));
-            }
-        }
+        let (tokens, gaps, long, t) = run_dry(&mut r, at, &mut first, &mut done);
         assert_eq!(first.len(), 1);
         assert_eq!(done.len(), 2);
         assert_eq!((tokens, gaps), (5.0 + 3.0, 5.0 + 3.0));
@@ -891,14 +903,9 @@ mod tests {
         // first has a gap.
         let mut idle = DecodeReplica::new(0.0);
         idle.admit_prefilling(t, seq(2, 4), 0.01);
-        let (mut tokens, mut gaps) = (0.0, 0.0);
-        while !idle.is_empty() {
-            t = idle.next_event(t, &p);
-            let s = idle.advance(t, &p, &mut first, &mut done);
-            tokens += s.tokens;
-            gaps += s.gaps;
-        }
+        let (tokens, gaps, long, _) = run_dry(&mut idle, t, &mut first, &mut done);
         assert_eq!((tokens, gaps), (4.0, 4.0));
+        assert!(long.is_empty(), "{long:?}");
     }
 
     #[test]
@@ -914,13 +921,7 @@ mod tests {
         );
         assert_eq!(done.len(), 1);
         r.admit(0.0, seq(1, 2));
-        let (mut tokens, mut gaps, mut t) = (0.0, 0.0, 0.0);
-        while !r.is_empty() {
-            t = r.next_event(t, &p);
-            let s = r.advance(t, &p, &mut first, &mut done);
-            tokens += s.tokens;
-            gaps += s.gaps + s.long_gaps;
-        }
+        let (tokens, gaps, _, _) = run_dry(&mut r, 0.0, &mut first, &mut done);
         assert_eq!((tokens, gaps), (2.0, 2.0));
     }
 
