@@ -649,22 +649,16 @@ impl SavedRun {
         Ok(run)
     }
 
-    /// Written whole or not at all: a new file of its own beside it, synced, then
-    /// renamed over it.
+    /// Written whole or not at all, as every file of the project's that a reader may
+    /// find half-done ([`preheat_snapshot::publish`]).
     fn write(&self, path: &Path) -> anyhow::Result<()> {
+        use preheat_snapshot::publish::{publish_temp, temp_beside};
         let bytes = serde_json::to_vec(self)?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let written = (|| {
-            let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-            std::io::Write::write_all(&mut tmp, &bytes)?;
-            tmp.as_file().sync_all()?;
-            tmp.persist(path).map_err(|e| e.error)?;
-            Ok::<(), std::io::Error>(())
-        })();
-        written.with_context(|| format!("writing the run to {}", path.display()))
+        let (mut tmp, _) = temp_beside(path)?;
+        std::io::Write::write_all(&mut tmp, &bytes)
+            .with_context(|| format!("writing the run to {}", tmp.path().display()))?;
+        publish_temp(tmp, path)?;
+        Ok(())
     }
 }
 
