@@ -23,6 +23,11 @@ pub mod names {
     pub const QUEUE_TIME: &str = "vllm:request_queue_time_seconds";
     /// Prompt tokens queued and not yet prefilled.
     pub const PREFILL_QUEUE_TOKENS: &str = "preheat:prefill_queue_tokens";
+    /// Fraction of KV-cache blocks reserved for K/V still being prefilled elsewhere or
+    /// in transfer: a decode worker takes room before it pulls, so a prefill backlog
+    /// holds decode blocks. Counted in [`KV_CACHE_USAGE`] too, as vLLM counts blocks
+    /// allocated for remote K/V; an autoscaler subtracts it to see decode's own load.
+    pub const KV_CACHE_RESERVED: &str = "preheat:kv_cache_reserved_perc";
     /// Requests refused because the queue was full.
     pub const REJECTED: &str = "preheat:requests_rejected_total";
     pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
@@ -52,6 +57,7 @@ pub mod names {
         E2E,
         QUEUE_TIME,
         PREFILL_QUEUE_TOKENS,
+        KV_CACHE_RESERVED,
         REJECTED,
         STARTUP_PHASE,
         START_TIME,
@@ -110,6 +116,7 @@ pub struct EngineMetrics {
     pub running: IntGauge,
     pub waiting: IntGauge,
     pub kv_usage: Gauge,
+    pub kv_reserved: Gauge,
     pub prefill_queue_tokens: IntGauge,
     pub prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
@@ -212,6 +219,11 @@ impl EngineMetrics {
                 Gauge,
                 KV_CACHE_USAGE,
                 "Fraction of KV-cache blocks in use (0-1)"
+            ),
+            kv_reserved: reg!(
+                Gauge,
+                KV_CACHE_RESERVED,
+                "Fraction of KV-cache blocks reserved for K/V not yet received (0-1), included in the usage"
             ),
             prefill_queue_tokens: reg!(
                 IntGauge,

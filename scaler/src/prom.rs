@@ -295,6 +295,7 @@ impl PromSource {
             any_of(names::TTFT, |n| {
                 format!("sum(rate({n}_count{{{sel}}}[{w}s]))")
             }),
+            any_of(names::KV_RESERVED, |n| format!("avg({n}{{{sel}}})")),
         ]
     }
 
@@ -328,6 +329,7 @@ impl PromSource {
             waiting: n(1),
             running: n(2),
             kv_usage: n(3),
+            kv_reserved: n(13).clamp(0.0, n(3)),
             queued_prompt_tokens: n(4),
             prompt_rate: n(5),
             prompt_rate_peak: n(6),

@@ -82,6 +82,8 @@ pub(crate) struct EngineLoop {
     pub(crate) metrics: Arc<EngineMetrics>,
     pub(crate) queued: Arc<AtomicUsize>,
     pub(crate) in_flight: Arc<AtomicUsize>,
+    /// Blocks held by reservations: K/V still being prefilled elsewhere or in transfer.
+    pub(crate) reserved: usize,
 }
 
 impl EngineLoop {
@@ -159,12 +161,18 @@ impl EngineLoop {
             } => self.resume(id, *msg, constraint, blocks, out, arrival),
             Command::Reserve { blocks, reply } => {
                 let got = self.sched.pool.allocate(blocks);
-                if let Err(Some(b)) = reply.send(got) {
+                let n = got.as_ref().map_or(0, Vec::len);
+                match reply.send(got) {
+                    Ok(()) => self.reserved += n,
                     // The requester is gone: give the blocks back.
-                    self.sched.pool.release(&b);
+                    Err(Some(b)) => self.sched.pool.release(&b),
+                    Err(None) => {}
                 }
             }
-            Command::Release(blocks) => self.sched.pool.release(&blocks),
+            Command::Release(blocks) => {
+                self.reserved = self.reserved.saturating_sub(blocks.len());
+                self.sched.pool.release(&blocks);
+            }
             Command::Abort(id) => {
                 if self.live.contains_key(&id) {
                     self.finish(id, FinishReason::Abort, None);
@@ -403,6 +411,10 @@ impl EngineLoop {
             let _ = out.send(Event::Error(e));
         };
         let h = msg.header;
+        // Reserved blocks stop being a reservation here: they hold a sequence, or go back.
+        if let Some(b) = &reserved {
+            self.reserved = self.reserved.saturating_sub(b.len());
+        }
         let busy = EngineError::Overloaded {
             retry_after_secs: 1,
         };
@@ -558,6 +570,8 @@ impl EngineLoop {
         m.running.set(self.sched.num_running() as i64);
         m.waiting.set(self.sched.num_waiting() as i64);
         m.kv_usage.set(self.sched.pool.usage());
+        m.kv_reserved
+            .set(self.reserved as f64 / self.sched.pool.num_blocks().max(1) as f64);
         m.prefill_queue_tokens
             .set(self.sched.queued_prompt_tokens() as i64);
         m.prefix_queries

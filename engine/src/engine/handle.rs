@@ -109,11 +109,13 @@ impl Drop for RequestHandle {
 }
 
 /// Blocks held for a sequence whose K/V have not arrived yet; released on drop unless
-/// handed to [`Engine::resume_into`].
+/// handed to [`Engine::resume_into`]. A request admitted before a drain: it counts as
+/// in flight, so a draining worker waits for its K/V and then serves it.
 #[derive(Debug)]
 pub struct Reservation {
     blocks: Vec<BlockId>,
     tx: mpsc::Sender<Command>,
+    _in_flight: InFlight,
 }
 
 impl Reservation {
@@ -139,6 +141,7 @@ impl Drop for Reservation {
 }
 
 /// Counts a request in flight until dropped.
+#[derive(Debug)]
 pub(crate) struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
@@ -199,6 +202,7 @@ impl Engine {
             kv_buffers: kv_buffers.clone(),
             cached: Arc::clone(&cached),
             cached_at: Instant::now(),
+            reserved: 0,
         };
         // The loop runs inside its kernels' pool (see `compute_pool`); this thread only
         // waits for it.
@@ -243,8 +247,15 @@ impl Engine {
     }
 
     /// Takes `blocks` KV blocks for a sequence about to arrive (all or nothing);
-    /// `Overloaded` when the cache has no room now.
+    /// `Overloaded` when the cache has no room now, `Unavailable` once draining (the
+    /// caller has pulled nothing yet, so another worker can take the request whole).
     pub async fn reserve(&self, blocks: usize) -> Result<Reservation> {
+        // Counted before the drain flag is read: a drain that starts after this sees
+        // the reservation in flight and waits for it.
+        let in_flight = InFlight::count(&self.in_flight);
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(EngineError::Unavailable("shutting down".into()));
+        }
         let (reply, rx) = tokio::sync::oneshot::channel();
         self.tx
             .send(Command::Reserve { blocks, reply })
@@ -253,6 +264,7 @@ impl Engine {
             Ok(Some(b)) => Ok(Reservation {
                 blocks: b,
                 tx: self.tx.clone(),
+                _in_flight: in_flight,
             }),
             Ok(None) => Err(EngineError::Overloaded {
                 retry_after_secs: 1,
@@ -366,7 +378,10 @@ impl Engine {
     }
 
     fn resume_with(&self, msg: KvMessage, mut res: Option<Reservation>) -> Result<RequestHandle> {
-        if self.draining.load(Ordering::Relaxed) {
+        // A reservation was taken before the drain: its request was admitted, and its
+        // prompt already computed; refusing it now would send it back to be prefilled
+        // again.
+        if res.is_none() && self.draining.load(Ordering::SeqCst) {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
         let bad = |e: TransferError| EngineError::invalid(e.to_string(), "kv");
@@ -486,7 +501,7 @@ impl Engine {
 
     /// Stops accepting requests; [`Engine::in_flight`] reaches 0 when all are done.
     pub fn drain(&self) {
-        self.draining.store(true, Ordering::Relaxed);
+        self.draining.store(true, Ordering::SeqCst);
     }
 
     /// False once the engine thread has died.

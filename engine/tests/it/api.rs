@@ -71,6 +71,7 @@ async fn greedy_matches_reference_alone_concurrently_and_from_the_prefix_cache()
             E2E,
             QUEUE_TIME,
             PREFILL_QUEUE_TOKENS,
+            KV_CACHE_RESERVED,
         ] {
             assert!(
                 text.contains(&format!("{name}{{")) || text.contains(&format!("{name}_bucket{{")),

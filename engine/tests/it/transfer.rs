@@ -195,6 +195,79 @@ async fn refusals_leak_nothing() {
     wait_kv_empty(&d).await;
 }
 
+/// Waits until `read` gives `want` (a gauge the engine thread sets after its commands).
+async fn settles(read: impl Fn() -> f64, want: f64, what: &str) {
+    let t0 = Instant::now();
+    while (read() - want).abs() > 1e-9 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{what}: {} (want {want})",
+            read()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A decode worker reserves a prompt's blocks before it asks a prefill worker for
+/// the K/V, so requests queued at prefill held decode blocks, and the scaler read a
+/// prefill backlog as decode KV pressure (4,000-5,000 tokens where the running
+/// sequences held 1,200). The engine now reports the reserved share on its own.
+#[tokio::test]
+async fn regression_requests_waiting_for_prefill_read_as_decode_kv_pressure() {
+    let p = engine("llama-tiny", 64, Role::Prefill);
+    let d = engine("llama-tiny", 16, Role::Decode);
+    let reserved = || d.metrics.kv_reserved.get();
+    let usage = || d.metrics.kv_usage.get();
+    let held = d.reserve(4).await.unwrap();
+    settles(reserved, 4.0 / 16.0, "reserved after reserving 4 of 16").await;
+    settles(usage, 4.0 / 16.0, "a reservation counts as usage too").await;
+    // A reservation given back (a failed transfer) stops counting.
+    let failed = d.reserve(2).await.unwrap();
+    settles(reserved, 6.0 / 16.0, "two reservations").await;
+    drop(failed);
+    settles(reserved, 4.0 / 16.0, "after one was dropped").await;
+    // K/V landing in reserved blocks makes them a running sequence's: used, not reserved.
+    let msg = prefill(&p, (1..60).collect(), 100).await;
+    assert_eq!(msg.header.num_blocks, 4);
+    let h = d.resume_into(held, msg).unwrap();
+    settles(reserved, 0.0, "once the K/V landed").await;
+    assert_eq!(tokens(h).await.unwrap().len(), 100);
+    wait_kv_empty(&d).await;
+    // A reservation whose K/V does not fit it goes back too.
+    let held = d.reserve(4).await.unwrap();
+    settles(reserved, 4.0 / 16.0, "reserved again").await;
+    let mut bad = prefill(&p, (1..60).collect(), 4).await;
+    bad.header.num_blocks = 3;
+    assert!(d.resume_into(held, bad).is_err());
+    settles(reserved, 0.0, "a refused resume_into").await;
+    wait_kv_empty(&d).await;
+}
+
+/// A decode worker scaled down while requests waited at prefill for their K/V
+/// refused each once its K/V came ("shutting down"), and the gateway sent it to
+/// another decode worker to be prefilled again: prefill work done twice and the
+/// time to first token doubled (9 requests in one 2 req/s `bench simreal` run).
+#[tokio::test]
+async fn regression_a_draining_decode_worker_refused_kv_it_had_reserved_room_for() {
+    let p = engine("llama-tiny", 64, Role::Prefill);
+    let d = engine("llama-tiny", 64, Role::Decode);
+    let held = d.reserve(4).await.unwrap();
+    assert_eq!(d.in_flight(), 1, "a drain waits for a reserved request");
+    d.drain();
+    // New work is turned away before anything is pulled for it.
+    let e = d.reserve(4).await.unwrap_err();
+    assert!(matches!(e, EngineError::Unavailable(_)), "{e}");
+    assert_eq!(d.in_flight(), 1, "a refused reservation is not in flight");
+    // The admitted request's K/V lands and is decoded.
+    let msg = prefill(&p, (1..60).collect(), 8).await;
+    let got = tokens(d.resume_into(held, msg.clone()).unwrap()).await;
+    assert_eq!(got.unwrap().len(), 8);
+    // K/V for a request the worker never admitted is still refused.
+    assert!(d.resume(msg).is_err());
+    wait_kv_empty(&d).await;
+    assert_eq!(d.in_flight(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kv_port_cuts_off_stalled_and_oversized_peers_and_caps_connections() {
     use preheat_edge::ClusterToken;

@@ -666,7 +666,10 @@ impl PreheatPolicy {
                 // stands in only where no engine reports KV usage: counted for every
                 // running sequence, it made a 240-token sequence a third of a small
                 // replica's cache.
-                let reported = s.kv_usage * serving * self.profile.kv_tokens;
+                // Blocks reserved for K/V still being prefilled are prefill's backlog,
+                // not decode's load: more decode replicas would only reserve more.
+                let own = (s.kv_usage - s.kv_reserved).max(0.0);
+                let reported = own * serving * self.profile.kv_tokens;
                 let kv_now = match o.mean_seq_tokens {
                     Some(per_seq) => reported.max(s.running * per_seq),
                     None if s.kv_usage <= 0.0 => s.running * self.cfg.default_prompt_len,

@@ -262,6 +262,34 @@ fn decode_sizes_from_concurrency_and_kv() {
     assert!(d.desired >= 5, "KV pressure must add replicas: {d:?}");
 }
 
+/// The same cache, 95% in use, of which 80 points are blocks reserved for requests
+/// still queued at prefill: decode holds 4 replicas (the running sequences fit) where
+/// it used to add replicas that would only have reserved more.
+#[test]
+fn regression_requests_waiting_for_prefill_read_as_decode_kv_pressure() {
+    let at = |reserved: f64| {
+        let mut p = policy(Pool::Decode);
+        p.decide(
+            0.0,
+            &obs(4, |s| {
+                s.running = 40.0;
+                s.kv_usage = 0.95;
+                s.kv_reserved = reserved;
+            }),
+        )
+        .desired
+    };
+    assert!(at(0.0) >= 5, "decode's own blocks still add replicas");
+    assert_eq!(
+        at(0.80),
+        4,
+        "a prefill backlog's reservations held decode at 4"
+    );
+    // The running sequences' own blocks (15%) would need one replica, held by the
+    // scale-down rules at what serves now.
+    assert!(at(0.80) < at(0.0));
+}
+
 #[test]
 fn slo_violations_raise_replicas_while_a_queue_persists() {
     let queued = |p90: Option<f64>, backlog: f64| {

@@ -16,6 +16,7 @@ pub struct Reading {
     pub waiting: Option<f64>,
     pub running: Option<f64>,
     pub kv_usage: Option<f64>,
+    pub kv_reserved: Option<f64>,
     pub prefill_queue_tokens: Option<f64>,
     pub gateway_pending: Option<f64>,
     pub prompt_tokens: Option<f64>,
@@ -81,6 +82,7 @@ pub fn parse(text: &str, model: Option<&str>) -> Result<Reading> {
     r.waiting = first(names::WAITING);
     r.running = first(names::RUNNING);
     r.kv_usage = first(names::KV_USAGE);
+    r.kv_reserved = first(names::KV_RESERVED);
     r.prefill_queue_tokens = first(names::PREFILL_QUEUE_TOKENS);
     r.gateway_pending = first(names::GATEWAY_PENDING);
     r.prompt_tokens = first(names::PROMPT_TOKENS);
@@ -97,6 +99,7 @@ const SCALARS: &[&[&str]] = &[
     names::WAITING,
     names::RUNNING,
     names::KV_USAGE,
+    names::KV_RESERVED,
     names::PREFILL_QUEUE_TOKENS,
     names::GATEWAY_PENDING,
     names::PROMPT_TOKENS,

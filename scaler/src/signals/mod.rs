@@ -21,6 +21,9 @@ pub struct PoolSignals {
     pub running: f64,
     /// Mean KV-cache usage over endpoints (0–1).
     pub kv_usage: f64,
+    /// The part of `kv_usage` reserved for K/V still being prefilled elsewhere
+    /// (preheat decode workers; 0 elsewhere), over the same endpoints.
+    pub kv_reserved: f64,
     /// Prompt tokens queued and not yet prefilled (preheat engines; 0 elsewhere).
     pub queued_prompt_tokens: f64,
     /// Prompt tokens per second arriving at the pool (window rate).
@@ -119,6 +122,7 @@ impl PoolWindows {
             s.running += r.running.unwrap_or(0.0);
             if let Some(k) = r.kv_usage {
                 s.kv_usage += k;
+                s.kv_reserved += r.kv_reserved.unwrap_or(0.0).clamp(0.0, k);
                 kv_n += 1;
             }
             s.queued_prompt_tokens += r.prefill_queue_tokens.unwrap_or(0.0);
@@ -136,6 +140,7 @@ impl PoolWindows {
         }
         if kv_n > 0 {
             s.kv_usage /= kv_n as f64;
+            s.kv_reserved /= kv_n as f64;
         }
         if queries > 0.0 {
             s.prefix_hit_rate = (hits / queries).clamp(0.0, 1.0);
@@ -179,6 +184,31 @@ mod tests {
         assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 2.0, 0.5));
         // No endpoints at all (pool at zero) is not blind: it is genuinely empty.
         assert!(!w.tick(2.0, vec![], &[]).is_blind());
+    }
+
+    #[test]
+    fn reserved_kv_is_averaged_over_the_endpoints_that_report_usage() {
+        let mut w = PoolWindows::new(30.0);
+        let at = |usage: Option<f64>, reserved: Option<f64>| Reading {
+            kv_usage: usage,
+            kv_reserved: reserved,
+            ..Reading::default()
+        };
+        let s = w.tick(
+            0.0,
+            vec![
+                // A preheat decode worker, a vLLM one (no reservations reported), one
+                // reporting more reserved than used (read as all of it), and one
+                // reporting nothing.
+                ("a".into(), at(Some(0.5), Some(0.4))),
+                ("b".into(), at(Some(0.3), None)),
+                ("c".into(), at(Some(0.1), Some(0.9))),
+                ("d".into(), at(None, Some(0.7))),
+            ],
+            &[],
+        );
+        assert!((s.kv_usage - 0.3).abs() < 1e-12, "{s:?}");
+        assert!((s.kv_reserved - 0.5 / 3.0).abs() < 1e-12, "{s:?}");
     }
 
     #[test]

@@ -26,6 +26,9 @@ pub const ITL: &[&str] = &[
     "sglang:inter_token_latency_seconds",
     "sglang:time_per_output_token_seconds",
 ];
+/// preheat engines only: the share of KV blocks a decode worker reserved for K/V
+/// still being prefilled elsewhere (part of [`KV_USAGE`], not decode's own load).
+pub const KV_RESERVED: &[&str] = &["preheat:kv_cache_reserved_perc"];
 /// preheat engines only: prompt tokens queued and not yet prefilled.
 pub const PREFILL_QUEUE_TOKENS: &[&str] = &["preheat:prefill_queue_tokens"];
 /// preheat gateway only: requests held while a pool is at zero.

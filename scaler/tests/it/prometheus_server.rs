@@ -34,6 +34,8 @@ impl Pod {
              vllm:num_requests_waiting{{model_name=\"m\"}} 3\n\
              # TYPE vllm:kv_cache_usage_perc gauge\n\
              vllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.4\n\
+             # TYPE preheat:kv_cache_reserved_perc gauge\n\
+             preheat:kv_cache_reserved_perc{{model_name=\"m\"}} 0.25\n\
              # TYPE vllm:prompt_tokens_total counter\n\
              vllm:prompt_tokens_total{{model_name=\"m\"}} {prompt}\n\
              # TYPE vllm:generation_tokens_total counter\n\
@@ -138,6 +140,7 @@ async fn real_prometheus_answers_every_query_with_the_selected_pools_load() {
     assert_eq!(signals.running, 14.0);
     assert_eq!(signals.waiting, 6.0);
     assert!((signals.kv_usage - 0.4).abs() < 1e-9);
+    assert!((signals.kv_reserved - 0.25).abs() < 1e-9, "{signals:?}");
     // 10 ticks/s × (1,000 + 2,000) tokens; timing jitter of the ticker and the scrapes.
     let near = |x: f64, want: f64| (x / want - 1.0).abs() < 0.3;
     assert!(near(signals.prompt_rate, 30_000.0), "{signals:?}");

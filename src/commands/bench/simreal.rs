@@ -1191,6 +1191,18 @@ mod tests {
         );
     }
 
+    /// The simulator's decode KV is the running sequences' own; the real scaler sees
+    /// it as usage less the engine's reservations, read by the name the engine writes.
+    #[test]
+    fn the_scaler_reads_the_engines_reserved_kv_by_name() {
+        use preheat_engine::metrics::{EngineMetrics, Role};
+        let m = EngineMetrics::new("m", Role::Decode);
+        m.kv_usage.set(0.5);
+        m.kv_reserved.set(0.375);
+        let r = preheat_scaler::signals::exposition::parse(&m.render(), Some("m")).unwrap();
+        assert_eq!((r.kv_usage, r.kv_reserved), (Some(0.5), Some(0.375)));
+    }
+
     #[test]
     fn the_up_flags_parse_as_up_parses_them() {
         let a = Cli::try_parse_from([
