@@ -300,10 +300,11 @@ impl PrefillReplica {
     /// Finishes the running job if it is due and starts the next one; returns a
     /// finished request (call until `None`: a batch finishes several at once).
     ///
-    /// With `batching` (a token budget per batch, and the profile), the next job takes
-    /// the prompts queued behind it while their tokens fit the budget, as an engine
-    /// with batched (chunked) prefill does, and runs at the profile's rate for the
-    /// batch's length; without, prompts run one at a time.
+    /// With `batching` (a token budget per forward pass, and the profile), the next job
+    /// takes the prompts queued behind it while they fit its last pass, and the head of
+    /// the next one into the room still left, as an engine with chunked prefill does;
+    /// it runs at the profile's rate for the batch's length. Without, prompts run one
+    /// at a time.
     pub fn step(&mut self, t: f64, batching: Option<(f64, &Profile)>) -> Option<usize> {
         if t < self.ready_at {
             return None;
@@ -324,14 +325,35 @@ impl PrefillReplica {
             && let Some(mut job) = self.pop_queued()
         {
             if let Some((budget, profile)) = batching {
+                let alone = job.tokens;
+                // Room left in the job's last forward pass.
+                let room = |tokens: f64| {
+                    let last = tokens % budget;
+                    if last > 0.0 { budget - last } else { 0.0 }
+                };
                 while let Some(next) = self.queue.front()
-                    && job.tokens + next.tokens <= budget
+                    && next.tokens <= room(job.tokens)
                     && let Some(next) = self.pop_queued()
                 {
                     job.tokens += next.tokens;
                     self.batch.push(next.req);
                 }
-                if !self.batch.is_empty() {
+                // The engine fills that pass with the head of the next prompt (chunked
+                // prefill, first come first served): computed now, while that prompt's
+                // first token waits for the rest of it.
+                let chunk = room(job.tokens);
+                if chunk > 0.0
+                    && let Some(next) = self.queue.front_mut()
+                {
+                    let left = next.tokens - chunk;
+                    // Its last pass, if it runs alone, at the rate of a pass that short.
+                    let service_left = left / profile.prefill_rate(left);
+                    self.queued_s -= next.service_s - service_left;
+                    self.queued_tokens -= chunk;
+                    (next.tokens, next.service_s) = (left, service_left);
+                    job.tokens += chunk;
+                }
+                if job.tokens > alone {
                     job.service_s = job.tokens / profile.prefill_rate(job.tokens);
                 }
             }
