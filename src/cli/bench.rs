@@ -158,9 +158,11 @@ pub struct BenchServeArgs {
     pub model: Option<String>,
     #[command(flatten)]
     pub load: LoadArgs,
-    #[arg(long, default_value_t = 2.0)]
+    /// TTFT target (`2`, `2s`, `1500ms`), as `up` and `bench simreal` take it.
+    #[arg(long, default_value = "2s", value_parser = seconds_arg)]
     pub slo_ttft: f64,
-    #[arg(long, default_value_t = 0.05)]
+    /// Inter-token latency target.
+    #[arg(long, default_value = "50ms", value_parser = seconds_arg)]
     pub slo_itl: f64,
     /// Include every request's outcome in the JSON.
     #[arg(long)]

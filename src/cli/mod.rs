@@ -563,6 +563,30 @@ value_enum!(
 mod tests {
     use super::*;
 
+    /// `bench serve --slo-ttft 2s` was refused ("invalid float literal") where `up`
+    /// and `bench simreal` take the same target written that way.
+    #[test]
+    fn regression_bench_serve_refused_the_slo_as_up_writes_it() {
+        let slo = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["preheat", "bench", "serve"].iter().chain(args))
+                .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            match cli.command {
+                Command::Bench(BenchCmd::Serve(s)) => (s.slo_ttft, s.slo_itl),
+                _ => unreachable!("parsed as bench serve"),
+            }
+        };
+        assert_eq!(slo(&[]), (2.0, 0.05), "the defaults are unchanged");
+        assert_eq!(
+            slo(&["--slo-ttft", "2s", "--slo-itl", "150ms"]),
+            (2.0, 0.15)
+        );
+        assert_eq!(
+            slo(&["--slo-ttft", "1.5", "--slo-itl", "0.15"]),
+            (1.5, 0.15)
+        );
+        assert!(Cli::try_parse_from(["preheat", "bench", "serve", "--slo-ttft", "soon"]).is_err());
+    }
+
     #[test]
     fn every_policy_flag_is_a_simulator_policy_and_back() {
         let flags: Vec<&str> = PolicyFlag::value_variants()
