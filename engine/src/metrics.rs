@@ -28,7 +28,8 @@ pub mod names {
     /// holds decode blocks. Counted in [`KV_CACHE_USAGE`] too, as vLLM counts blocks
     /// allocated for remote K/V; an autoscaler subtracts it to see decode's own load.
     pub const KV_CACHE_RESERVED: &str = "preheat:kv_cache_reserved_perc";
-    /// Requests refused because the queue was full.
+    /// Requests refused because the queue was full, or (a decode worker) the KV cache
+    /// had no room to reserve for a prompt's K/V.
     pub const REJECTED: &str = "preheat:requests_rejected_total";
     pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
     /// Unix time the replica's current start began (process start, or promotion of a

@@ -295,7 +295,13 @@ impl PromSource {
             any_of(names::TTFT, |n| {
                 format!("sum(rate({n}_count{{{sel}}}[{w}s]))")
             }),
-            any_of(names::KV_RESERVED, |n| format!("avg({n}{{{sel}}})")),
+            // Over every pod reporting usage, as the usage is averaged: a vLLM pod
+            // beside preheat ones reserves nothing.
+            format!(
+                "({}) / ({})",
+                any_of(names::KV_RESERVED, |n| format!("sum({n}{{{sel}}})")),
+                any_of(names::KV_USAGE, |n| format!("count({n}{{{sel}}})"))
+            ),
         ]
     }
 

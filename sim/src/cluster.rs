@@ -325,7 +325,6 @@ impl PrefillReplica {
             && let Some(mut job) = self.pop_queued()
         {
             if let Some((budget, profile)) = batching {
-                let alone = job.tokens;
                 // Room left in the job's last forward pass.
                 let room = |tokens: f64| {
                     let last = tokens % budget;
@@ -338,23 +337,25 @@ impl PrefillReplica {
                     job.tokens += next.tokens;
                     self.batch.push(next.req);
                 }
+                if !self.batch.is_empty() {
+                    job.service_s = job.tokens / profile.prefill_rate(job.tokens);
+                }
                 // The engine fills that pass with the head of the next prompt (chunked
                 // prefill, first come first served): computed now, while that prompt's
-                // first token waits for the rest of it.
+                // first token waits for the rest of it. Its share of the prompt's time
+                // moves with it, priced as the prompt was (its length and cached prefix
+                // set the rate), so the work queued stays the same.
                 let chunk = room(job.tokens);
                 if chunk > 0.0
                     && let Some(next) = self.queue.front_mut()
                 {
-                    let left = next.tokens - chunk;
-                    // Its last pass, if it runs alone, at the rate of a pass that short.
-                    let service_left = left / profile.prefill_rate(left);
-                    self.queued_s -= next.service_s - service_left;
+                    let moved = next.service_s * chunk / next.tokens;
+                    self.queued_s -= moved;
                     self.queued_tokens -= chunk;
-                    (next.tokens, next.service_s) = (left, service_left);
+                    next.tokens -= chunk;
+                    next.service_s -= moved;
                     job.tokens += chunk;
-                }
-                if job.tokens > alone {
-                    job.service_s = job.tokens / profile.prefill_rate(job.tokens);
+                    job.service_s += moved;
                 }
             }
             self.busy_s += job.service_s / self.speed;

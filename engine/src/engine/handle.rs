@@ -140,13 +140,37 @@ impl Drop for Reservation {
     }
 }
 
+/// The engine's answer to a reservation while it is awaited: if the caller goes away
+/// (its client disconnected) after the engine took the blocks but before the answer
+/// was read, the blocks go back rather than leak with the answer.
+struct ReserveAnswer {
+    rx: tokio::sync::oneshot::Receiver<Option<Vec<BlockId>>>,
+    tx: mpsc::Sender<Command>,
+    read: bool,
+}
+
+impl Drop for ReserveAnswer {
+    fn drop(&mut self) {
+        if !self.read {
+            // Closed first: an answer sent after this fails, and the engine gives
+            // those blocks back itself.
+            self.rx.close();
+            if let Ok(Some(blocks)) = self.rx.try_recv() {
+                let _ = self.tx.send(Command::Release(blocks));
+            }
+        }
+    }
+}
+
 /// Counts a request in flight until dropped.
 #[derive(Debug)]
 pub(crate) struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
     pub(crate) fn count(n: &Arc<AtomicUsize>) -> Self {
-        n.fetch_add(1, Ordering::Relaxed);
+        // SeqCst with the drain flag's store and load: a drain reads either this
+        // count or, on the other side, the flag (`Engine::reserve`).
+        n.fetch_add(1, Ordering::SeqCst);
         InFlight(Arc::clone(n))
     }
 }
@@ -260,15 +284,26 @@ impl Engine {
         self.tx
             .send(Command::Reserve { blocks, reply })
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
-        match rx.await {
+        let mut answer = ReserveAnswer {
+            rx,
+            tx: self.tx.clone(),
+            read: false,
+        };
+        let got = (&mut answer.rx).await;
+        answer.read = true;
+        match got {
             Ok(Some(b)) => Ok(Reservation {
                 blocks: b,
                 tx: self.tx.clone(),
                 _in_flight: in_flight,
             }),
-            Ok(None) => Err(EngineError::Overloaded {
-                retry_after_secs: 1,
-            }),
+            Ok(None) => {
+                // Refused for want of room, as a full queue refuses: counted alike.
+                self.metrics.rejected.inc();
+                Err(EngineError::Overloaded {
+                    retry_after_secs: 1,
+                })
+            }
             Err(_) => Err(EngineError::Unavailable("the engine has stopped".into())),
         }
     }
@@ -512,6 +547,6 @@ impl Engine {
 
     #[must_use]
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Relaxed)
+        self.in_flight.load(Ordering::SeqCst)
     }
 }

@@ -56,9 +56,21 @@ impl Decode {
         token: Option<std::sync::Arc<preheat_edge::ClusterToken>>,
         transfer_timeout: Duration,
     ) -> Decode {
+        Decode::start_with_grace(gateway, token, transfer_timeout, None).await
+    }
+
+    async fn start_with_grace(
+        gateway: Option<String>,
+        token: Option<std::sync::Arc<preheat_edge::ClusterToken>>,
+        transfer_timeout: Duration,
+        drain_grace: Option<Duration>,
+    ) -> Decode {
         let model = preheat_testkit::model_fixture("llama-tiny");
         let (dl, url) = listen().await;
         let mut serve = ServeOptions::new(model, dl.local_addr().unwrap());
+        if let Some(g) = drain_grace {
+            serve.drain_grace = g;
+        }
         serve.kv_cache_bytes = 8 << 20;
         serve.role = Role::Decode;
         serve.cluster_token = token;
@@ -202,6 +214,68 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     d.stop().await;
+}
+
+/// A decode worker told to stop while a request waited for its K/V (a prefill backlog,
+/// a stalled prefill worker) exited mid-pull once its drain grace ran out: the gateway
+/// saw a broken connection and failed the request. The request now comes back
+/// refused as a draining worker refuses, which the gateway retries elsewhere.
+#[tokio::test]
+async fn a_pull_outlasting_the_drain_grace_is_handed_back_not_cut_off() {
+    let (gl, gw) = listen().await;
+    let g = Router::new()
+        .route("/internal/register", post(|| async { "ok" }))
+        .route("/internal/heartbeat", post(|| async { "ok" }))
+        .route("/internal/deregister", post(|| async { "ok" }));
+    tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
+    // A prefill worker that takes the request and never answers.
+    let (pl, prefill) = listen().await;
+    let p = Router::new().route(
+        "/internal/prefill",
+        post(|| std::future::pending::<&'static str>()),
+    );
+    tokio::spawn(async move { axum::serve(pl, p).await.unwrap() });
+    let d = Decode::start_with_grace(
+        Some(gw),
+        None,
+        Duration::from_secs(60),
+        Some(Duration::from_millis(500)),
+    )
+    .await;
+    d.announce(std::slice::from_ref(&prefill), None).await;
+    let c = reqwest::Client::new();
+    let body = GenerateBody {
+        request_id: "r".into(),
+        prompt: (1..100).collect(),
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens: 3,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        prefill: Some(prefill),
+    };
+    let sent = tokio::spawn(
+        c.post(format!("{}/internal/generate", d.url))
+            .json(&body)
+            .send(),
+    );
+    // Its blocks are reserved: the pull has begun.
+    let t0 = Instant::now();
+    while kv_usage(&scrape(&c, &d.url).await) <= 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "never reserved");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t0 = Instant::now();
+    d.stop().await;
+    let r = sent.await.unwrap().unwrap();
+    assert_eq!(r.status(), 503);
+    let w: WireError = r.json().await.unwrap();
+    assert!(
+        !w.prefill_failed && w.message.contains("drain grace"),
+        "{w:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
 
 #[tokio::test]

@@ -243,6 +243,33 @@ async fn regression_requests_waiting_for_prefill_read_as_decode_kv_pressure() {
     wait_kv_empty(&d).await;
 }
 
+/// A reservation whose caller went away (its client disconnected) after the engine
+/// took the blocks, before the answer was read, gives them back; and a reservation
+/// refused for want of room counts as a rejection.
+#[tokio::test]
+async fn a_reservation_abandoned_while_answered_gives_its_blocks_back() {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    let d = engine("llama-tiny", 16, Role::Decode);
+    let mut fut = Box::pin(d.reserve(4));
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(
+        fut.as_mut().poll(&mut cx).is_pending(),
+        "the request is sent"
+    );
+    // The engine thread answers; nobody reads the answer.
+    settles(|| d.metrics.kv_usage.get(), 4.0 / 16.0, "blocks taken").await;
+    drop(fut);
+    settles(|| d.metrics.kv_reserved.get(), 0.0, "reserved after").await;
+    wait_kv_empty(&d).await;
+    let held = d.reserve(16).await.unwrap();
+    let e = d.reserve(1).await.unwrap_err();
+    assert!(matches!(e, EngineError::Overloaded { .. }), "{e}");
+    assert_eq!(d.metrics.rejected.get(), 1);
+    drop(held);
+    wait_kv_empty(&d).await;
+}
+
 /// A decode worker scaled down while requests waited at prefill for their K/V
 /// refused each once its K/V came ("shutting down"), and the gateway sent it to
 /// another decode worker to be prefilled again: prefill work done twice and the

@@ -131,6 +131,9 @@ pub struct ScheduledFloor {
 const HINDSIGHT_TARGET: f64 = 0.995;
 /// Utilisation the forecast load is planned at once the window knows the load.
 const FORECAST_UTIL: f64 = 0.85;
+
+/// The share of a decode replica's KV cache the pool is sized to fill.
+const KV_TARGET: f64 = 0.85;
 /// Share of a replica's profiled prefill rate the hindsight replay counts on. The
 /// replay pools every replica's capacity into one fluid queue and spreads a scrape
 /// interval's arrivals evenly; real prompts are served whole by one replica each, land
@@ -667,15 +670,21 @@ impl PreheatPolicy {
                 // running sequence, it made a 240-token sequence a third of a small
                 // replica's cache.
                 // Blocks reserved for K/V still being prefilled are prefill's backlog,
-                // not decode's load: more decode replicas would only reserve more.
-                let own = (s.kv_usage - s.kv_reserved).max(0.0);
+                // not decode's load: more decode replicas would only reserve more. Past
+                // the target they count all the same: a full cache refuses the next
+                // reservation, and the client gets a 429.
+                let own = if s.kv_usage > KV_TARGET {
+                    s.kv_usage
+                } else {
+                    (s.kv_usage - s.kv_reserved).max(0.0)
+                };
                 let reported = own * serving * self.profile.kv_tokens;
                 let kv_now = match o.mean_seq_tokens {
                     Some(per_seq) => reported.max(s.running * per_seq),
                     None if s.kv_usage <= 0.0 => s.running * self.cfg.default_prompt_len,
                     None => reported,
                 };
-                let by_kv = kv_now * growth / (0.85 * self.profile.kv_tokens);
+                let by_kv = kv_now * growth / (KV_TARGET * self.profile.kv_tokens);
                 let mut n = by_batch.max(by_kv);
                 if let Some(p90) = s.itl_p90
                     && p90 > self.cfg.slo_itl_s

@@ -262,32 +262,32 @@ fn decode_sizes_from_concurrency_and_kv() {
     assert!(d.desired >= 5, "KV pressure must add replicas: {d:?}");
 }
 
-/// The same cache, 95% in use, of which 80 points are blocks reserved for requests
-/// still queued at prefill: decode holds 4 replicas (the running sequences fit) where
-/// it used to add replicas that would only have reserved more.
+/// Four replicas' caches 80% in use, of which 65 points are blocks reserved for
+/// requests still queued at prefill: decode needs what its running sequences hold
+/// (15 points), where it read the whole 80 and sized for it. Past the target (85%)
+/// reservations count again: a full cache refuses the next one.
 #[test]
 fn regression_requests_waiting_for_prefill_read_as_decode_kv_pressure() {
-    let at = |reserved: f64| {
+    let needed = |usage: f64, reserved: f64| {
         let mut p = policy(Pool::Decode);
-        p.decide(
+        let d = p.decide(
             0.0,
             &obs(4, |s| {
-                s.running = 40.0;
-                s.kv_usage = 0.95;
+                s.running = 4.0;
+                s.kv_usage = usage;
                 s.kv_reserved = reserved;
             }),
-        )
-        .desired
+        );
+        (p.last_load().expect("a decode need").needed, d.desired)
     };
-    assert!(at(0.0) >= 5, "decode's own blocks still add replicas");
-    assert_eq!(
-        at(0.80),
-        4,
-        "a prefill backlog's reservations held decode at 4"
-    );
-    // The running sequences' own blocks (15%) would need one replica, held by the
-    // scale-down rules at what serves now.
-    assert!(at(0.80) < at(0.0));
+    let (all, _) = needed(0.80, 0.0);
+    let (own, _) = needed(0.80, 0.65);
+    assert!((all - 4.0 * 0.80 / 0.85).abs() < 1e-9, "{all}");
+    assert!((own - 4.0 * 0.15 / 0.85).abs() < 1e-9, "{own}");
+    // A cache past the target adds replicas, whatever holds it.
+    let (full, desired) = needed(0.95, 0.80);
+    assert!((full - 4.0 * 0.95 / 0.85).abs() < 1e-9, "{full}");
+    assert!(desired >= 5, "{desired}");
 }
 
 #[test]

@@ -68,6 +68,8 @@ struct WorkerState {
     /// Decode workers: the prefill workers the gateways announced, the only ones K/V is
     /// pulled from.
     peers: Arc<KnownPeers>,
+    /// Turns true when a drain's grace runs out with K/V still being pulled.
+    grace_over: tokio::sync::watch::Receiver<bool>,
 }
 
 impl WorkerState {
@@ -272,20 +274,43 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 Ok(r) => r,
                 Err(err) => return wire_error(&err, false),
             };
-            let pulled = if url.starts_with("tcp://") {
-                let req = PrefillBody {
-                    request_id: b.request_id.clone(),
-                    prompt: b.prompt.clone(),
-                    params: b.params.clone(),
-                };
-                TcpTransport {
-                    timeout: st.transfer_timeout,
-                    token: st.token.clone(),
+            let pull = async {
+                if url.starts_with("tcp://") {
+                    let req = PrefillBody {
+                        request_id: b.request_id.clone(),
+                        prompt: b.prompt.clone(),
+                        params: b.params.clone(),
+                    };
+                    TcpTransport {
+                        timeout: st.transfer_timeout,
+                        token: st.token.clone(),
+                    }
+                    .pull(url, &req, &e)
+                    .await
+                } else {
+                    fetch_kv(&st, &e, url, &b).await
                 }
-                .pull(url, &req, &e)
-                .await
-            } else {
-                fetch_kv(&st, &e, url, &b).await
+            };
+            let mut grace = st.grace_over.clone();
+            let grace_over = async move {
+                if grace.wait_for(|over| *over).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let pulled = tokio::select! {
+                p = pull => p,
+                // Not started here: refused as a draining worker refuses, so the
+                // gateway gives the request to another decode worker rather than
+                // losing it when this one exits mid-pull.
+                () = grace_over => {
+                    tracing::warn!(request = %b.request_id, prefill = %url, "drain grace over with the K/V not here; handing the request back");
+                    return wire_error(
+                        &EngineError::Unavailable(
+                            "this worker is shutting down and the K/V did not come within its drain grace".into(),
+                        ),
+                        false,
+                    );
+                }
             };
             let bs = e.kv_layout().block_size;
             let pulled = pulled.and_then(|mut msg| check_matches(&mut msg, &b, bs).map(|()| msg));
@@ -436,6 +461,7 @@ pub async fn run(
     let client = preheat_edge::client::internal()
         .build()
         .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let (grace_over, grace_over_rx) = tokio::sync::watch::channel(false);
     let st = WorkerState {
         engine: Arc::new(OnceLock::new()),
         phase: Arc::new(std::sync::Mutex::new("loading")),
@@ -446,6 +472,7 @@ pub async fn run(
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
         token: opts.serve.cluster_token.clone(),
         peers: Arc::default(),
+        grace_over: grace_over_rx,
     };
     if st.token.is_none() {
         tracing::warn!(
@@ -561,6 +588,15 @@ pub async fn run(
     let deadline = tokio::time::Instant::now() + opts.serve.drain_grace;
     while engine.in_flight() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if engine.in_flight() > 0 {
+        // Requests still waiting for their K/V go back to the gateway, which retries
+        // them elsewhere; they answer within moments, so wait for those.
+        let _ = grace_over.send(true);
+        let handed_back = tokio::time::Instant::now() + Duration::from_secs(2);
+        while engine.in_flight() > 0 && tokio::time::Instant::now() < handed_back {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     if engine.in_flight() > 0 {
         tracing::warn!(
