@@ -91,9 +91,11 @@ panel("timeseries", "Running and waiting sequences",
       [t(f'sum by (role) (vllm:num_requests_running{{{E}}})', "{{role}} running"),
        t(f'sum by (role) (vllm:num_requests_waiting{{{E}}})', "{{role}} waiting")], w=6)
 panel("timeseries", "KV-cache usage",
-      "Mean and highest fraction of KV-cache blocks in use over a pool's replicas.",
+      "Mean and highest fraction of KV-cache blocks in use over a pool's replicas, and the mean "
+      "share of decode blocks reserved for K/V still at prefill (a prefill backlog, not decode load).",
       [t(f'avg by (role) (vllm:kv_cache_usage_perc{{{E}}})', "{{role}} mean"),
-       t(f'max by (role) (vllm:kv_cache_usage_perc{{{E}}})', "{{role}} max")],
+       t(f'max by (role) (vllm:kv_cache_usage_perc{{{E}}})', "{{role}} max"),
+       t(f'avg by (role) (preheat:kv_cache_reserved_perc{{{E}}})', "{{role}} mean reserved for K/V at prefill")],
       unit="percentunit", w=6)
 panel("timeseries", "Prefix-cache hit rate",
       "Prompt tokens found in the prefix cache over prompt tokens looked up, per pool.",
