@@ -232,7 +232,7 @@ async fn a_pull_outlasting_the_drain_grace_is_handed_back_not_cut_off() {
     let (pl, prefill) = listen().await;
     let p = Router::new().route(
         "/internal/prefill",
-        post(|| std::future::pending::<&'static str>()),
+        post(std::future::pending::<&'static str>),
     );
     tokio::spawn(async move { axum::serve(pl, p).await.unwrap() });
     let d = Decode::start_with_grace(
