@@ -43,6 +43,32 @@ async fn wait_healthy(base: &str) {
     }
 }
 
+/// A 99-token prompt and 3 greedy tokens, pulled from `prefill` (or prefilled here).
+fn generate_body(prefill: Option<String>) -> GenerateBody {
+    GenerateBody {
+        request_id: "r".into(),
+        prompt: (1..100).collect(),
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens: 3,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        prefill,
+    }
+}
+
+/// A gateway that accepts every registration, heartbeat and deregistration.
+async fn accepting_gateway() -> String {
+    let (gl, gw) = listen().await;
+    let g = Router::new()
+        .route("/internal/register", post(|| async { "ok" }))
+        .route("/internal/heartbeat", post(|| async { "ok" }))
+        .route("/internal/deregister", post(|| async { "ok" }));
+    tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
+    gw
+}
+
 /// A decode worker running in this process (8 MiB of KV cache on llama-tiny), healthy.
 struct Decode {
     url: String,
@@ -115,13 +141,7 @@ impl Decode {
 
 #[tokio::test]
 async fn prefill_dying_mid_transfer_releases_the_reservation() {
-    // A gateway that accepts everything.
-    let (gl, gw) = listen().await;
-    let g = Router::new()
-        .route("/internal/register", post(|| async { "ok" }))
-        .route("/internal/heartbeat", post(|| async { "ok" }))
-        .route("/internal/deregister", post(|| async { "ok" }));
-    tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
+    let gw = accepting_gateway().await;
     // A prefill worker that sends the start of a message and then breaks off.
     let (pl, prefill) = listen().await;
     let p = Router::new().route(
@@ -139,17 +159,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
     d.announce(std::slice::from_ref(&prefill), None).await;
     let decode = d.url.clone();
     let c = reqwest::Client::new();
-    let body = |prefill: Option<String>| GenerateBody {
-        request_id: "r".into(),
-        prompt: (1..100).collect(),
-        params: SamplingParams {
-            temperature: 0.0,
-            max_tokens: 3,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-        prefill,
-    };
+    let body = generate_body;
     // A peer is held to the public API's bounds (regression: /internal/generate skipped
     // the OpenAI validation, e.g. unbounded logprobs and stop strings).
     for (field, params) in [
@@ -222,12 +232,7 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
 /// refused as a draining worker refuses, which the gateway retries elsewhere.
 #[tokio::test]
 async fn a_pull_outlasting_the_drain_grace_is_handed_back_not_cut_off() {
-    let (gl, gw) = listen().await;
-    let g = Router::new()
-        .route("/internal/register", post(|| async { "ok" }))
-        .route("/internal/heartbeat", post(|| async { "ok" }))
-        .route("/internal/deregister", post(|| async { "ok" }));
-    tokio::spawn(async move { axum::serve(gl, g).await.unwrap() });
+    let gw = accepting_gateway().await;
     // A prefill worker that takes the request and never answers.
     let (pl, prefill) = listen().await;
     let p = Router::new().route(
@@ -244,17 +249,7 @@ async fn a_pull_outlasting_the_drain_grace_is_handed_back_not_cut_off() {
     .await;
     d.announce(std::slice::from_ref(&prefill), None).await;
     let c = reqwest::Client::new();
-    let body = GenerateBody {
-        request_id: "r".into(),
-        prompt: (1..100).collect(),
-        params: SamplingParams {
-            temperature: 0.0,
-            max_tokens: 3,
-            ignore_eos: true,
-            ..SamplingParams::default()
-        },
-        prefill: Some(prefill),
-    };
+    let body = generate_body(Some(prefill));
     let sent = tokio::spawn(
         c.post(format!("{}/internal/generate", d.url))
             .json(&body)
@@ -381,17 +376,7 @@ async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
     let generate = |prefill: Option<String>| {
         c.post(format!("{decode}/internal/generate"))
             .header("authorization", token.bearer())
-            .json(&GenerateBody {
-                request_id: "r".into(),
-                prompt: (1..100).collect(),
-                params: SamplingParams {
-                    temperature: 0.0,
-                    max_tokens: 3,
-                    ignore_eos: true,
-                    ..SamplingParams::default()
-                },
-                prefill,
-            })
+            .json(&generate_body(prefill))
             .send()
     };
     let r = generate(Some(http_prefill)).await.unwrap();
