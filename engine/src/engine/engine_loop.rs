@@ -170,6 +170,8 @@ impl EngineLoop {
                 }
             }
             Command::Release(blocks) => {
+                // Only reservations are released by command: a drift is a bug here.
+                debug_assert!(self.reserved >= blocks.len(), "released more than reserved");
                 self.reserved = self.reserved.saturating_sub(blocks.len());
                 self.sched.pool.release(&blocks);
             }
@@ -413,6 +415,7 @@ impl EngineLoop {
         let h = msg.header;
         // Reserved blocks stop being a reservation here: they hold a sequence, or go back.
         if let Some(b) = &reserved {
+            debug_assert!(self.reserved >= b.len(), "resumed more than reserved");
             self.reserved = self.reserved.saturating_sub(b.len());
         }
         let busy = EngineError::Overloaded {
