@@ -255,7 +255,7 @@ impl EngineMetrics {
             rejected: reg!(
                 IntCounter,
                 REJECTED,
-                "Requests refused with 429 because the queue was full"
+                "Requests refused with 429: the queue was full, or (decode) no KV room to reserve for a prompt"
             ),
             success,
             ttft: hist(TTFT, "Time to first token", TTFT_BUCKETS),

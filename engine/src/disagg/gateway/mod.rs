@@ -293,6 +293,14 @@ impl Gateway {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether a worker of `role` other than those in `exclude` is registered.
+    fn has_worker(&self, role: WorkerRole, exclude: &[String]) -> bool {
+        self.lock()
+            .workers
+            .values()
+            .any(|e| e.reg.role == role && !exclude.contains(&e.reg.id))
+    }
+
     fn drop_worker(&self, id: &str, why: &str) {
         let mut g = self.lock();
         // Its prefix memory goes too: ids are addresses, and a new pod may get this one.

@@ -186,6 +186,17 @@ impl Gateway {
                     refused.push(decode.id.clone());
                     continue;
                 }
+                // No room in this decode worker's cache for the prompt's K/V now (it
+                // reserves before pulling): nothing has started, so another decode
+                // worker with room takes it. Only a pool with no other answers 429.
+                if status == StatusCode::TOO_MANY_REQUESTS && !w.prefill_failed && attempt < 2 {
+                    refused.push(decode.id.clone());
+                    if self.has_worker(WorkerRole::Decode, &refused) {
+                        tracing::info!(decode = %decode.url, "decode worker had no room; trying another");
+                        continue;
+                    }
+                    return fail(w.into_engine());
+                }
                 // The decode worker lacks the list naming that prefill worker (it
                 // restarted at the same address): tell it again; the prefill worker is
                 // not at fault.
