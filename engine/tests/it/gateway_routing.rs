@@ -11,19 +11,9 @@ use serde_json::Value;
 
 use super::server::{listen, metric_sum, scrape};
 
-/// A worker of `role` registering with `gateway` and reporting its load every second,
-/// as in the field, with 8 MiB of KV cache.
+/// A worker of `role` with `kv_cache_bytes` of KV cache, registering with `gateway` and
+/// reporting its load every second, as in the field.
 fn start_worker(
-    role: WorkerRole,
-    listener: tokio::net::TcpListener,
-    url: &str,
-    gateway: &str,
-    stop: tokio::sync::watch::Receiver<bool>,
-) -> tokio::task::JoinHandle<preheat_engine::Result<()>> {
-    start_worker_with_kv(role, listener, url, gateway, stop, 8 << 20)
-}
-
-fn start_worker_with_kv(
     role: WorkerRole,
     listener: tokio::net::TcpListener,
     url: &str,
@@ -53,89 +43,132 @@ fn start_worker_with_kv(
     }))
 }
 
+type Task = tokio::task::JoinHandle<preheat_engine::Result<()>>;
+
+/// A gateway and its workers in this process, stopped together.
+struct Stack {
+    url: String,
+    /// Each worker's role and URL, in the order asked for.
+    workers: Vec<(WorkerRole, String)>,
+    client: reqwest::Client,
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<Task>,
+}
+
+impl Stack {
+    /// Starts a gateway and a worker per `(role, KV bytes)`, and waits until all have
+    /// registered and reported their load, and every decode worker was told of every
+    /// prefill worker.
+    async fn start(spec: &[(WorkerRole, usize)]) -> Stack {
+        let model = preheat_testkit::model_fixture("llama-tiny");
+        let info = gateway::model_info(&model, 16, Some("tiny")).unwrap();
+        let (gl, url) = listen().await;
+        let (gil, internal) = listen().await;
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let mut gw_stop = stop_rx.clone();
+        let mut tasks = vec![tokio::spawn(gateway::run(
+            gl,
+            Some(gil),
+            GatewayOptions {
+                model: Some(info),
+                ..GatewayOptions::default()
+            },
+            async move {
+                let _ = gw_stop.wait_for(|s| *s).await;
+            },
+        ))];
+        let mut workers = Vec::new();
+        for &(role, kv) in spec {
+            let (l, w) = listen().await;
+            tasks.push(start_worker(role, l, &w, &internal, stop_rx.clone(), kv));
+            workers.push((role, w));
+        }
+        let prefills = spec.iter().filter(|w| w.0 == WorkerRole::Prefill).count();
+        let client = reqwest::Client::new();
+        let t0 = Instant::now();
+        loop {
+            let v: Value = match client
+                .get(format!("{internal}/internal/workers"))
+                .send()
+                .await
+            {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => Value::Null,
+            };
+            let list = v["workers"].as_array().cloned().unwrap_or_default();
+            if list.len() == spec.len()
+                && list.iter().filter(|w| w["role"] == "decode").all(|w| {
+                    w["prefill_peers"] == prefills && w["load"]["kv_blocks"].as_u64() > Some(0)
+                })
+            {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the workers never all registered"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Stack {
+            url,
+            workers,
+            client,
+            stop,
+            tasks,
+        }
+    }
+
+    /// `n` completions of distinct 64-token prompts (no shared prefix to follow, long
+    /// enough to be disaggregated), sent at once; each must succeed.
+    async fn send_at_once(&self, n: u32, max_tokens: u32) {
+        let sends = (0..n).map(|i| {
+            let c = self.client.clone();
+            let url = format!("{}/v1/completions", self.url);
+            async move {
+                let prompt: Vec<u32> = (0..64).map(|t| 1 + (i * 97 + t * 13) % 200).collect();
+                let r = c
+                    .post(url)
+                    .json(&serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    r.status(),
+                    200,
+                    "request {i}: {}",
+                    r.text().await.unwrap_or_default()
+                );
+            }
+        });
+        futures_util::future::join_all(sends).await;
+    }
+
+    async fn stop(self) {
+        self.stop.send(true).unwrap();
+        for t in self.tasks {
+            t.await.unwrap().unwrap();
+        }
+    }
+}
+
 /// Two prefill and two decode workers reporting their load every second: eight requests
 /// sent at once must not all go to the pair that looked emptiest at the last report.
 /// The gateway routed on the reports alone, so every request between two heartbeats
 /// went to one decode worker and one prefill worker while the others idled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
-    let model = preheat_testkit::model_fixture("llama-tiny");
-    let info = gateway::model_info(&model, 16, Some("tiny")).unwrap();
-    let (gl, gw_url) = listen().await;
-    let (gil, gw_internal) = listen().await;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut gw_stop = stop_rx.clone();
-    let gw_task = tokio::spawn(gateway::run(
-        gl,
-        Some(gil),
-        GatewayOptions {
-            model: Some(info),
-            ..GatewayOptions::default()
-        },
-        async move {
-            let _ = gw_stop.wait_for(|s| *s).await;
-        },
-    ));
-    let mut workers = Vec::new();
-    let mut urls = Vec::new();
-    for role in [
-        WorkerRole::Prefill,
-        WorkerRole::Prefill,
-        WorkerRole::Decode,
-        WorkerRole::Decode,
-    ] {
-        let (l, url) = listen().await;
-        workers.push(start_worker(role, l, &url, &gw_internal, stop_rx.clone()));
-        urls.push((role, url));
-    }
-    let c = reqwest::Client::new();
-    // All four registered and reporting (decode workers with their KV size), and both
-    // decode workers told of both prefill workers.
-    let t0 = Instant::now();
-    loop {
-        let ok = match c
-            .get(format!("{gw_internal}/internal/workers"))
-            .send()
-            .await
-        {
-            Ok(r) => {
-                let v: Value = r.json().await.unwrap_or_default();
-                let list = v["workers"].as_array().cloned().unwrap_or_default();
-                list.len() == 4
-                    && list.iter().filter(|w| w["role"] == "decode").all(|w| {
-                        w["prefill_peers"] == 2 && w["load"]["kv_blocks"].as_u64() > Some(0)
-                    })
-            }
-            Err(_) => false,
-        };
-        if ok {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the workers never all registered"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // Distinct prompts (no shared prefix to follow), long enough to be disaggregated.
-    let sends = (0..8u32).map(|i| {
-        let c = c.clone();
-        let url = format!("{gw_url}/v1/completions");
-        async move {
-            let prompt: Vec<u32> = (0..64).map(|t| 1 + (i * 97 + t * 13) % 200).collect();
-            let r = c
-                .post(url)
-                .json(&serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
-        }
-    });
-    futures_util::future::join_all(sends).await;
+    let kv = 8 << 20;
+    let s = Stack::start(&[
+        (WorkerRole::Prefill, kv),
+        (WorkerRole::Prefill, kv),
+        (WorkerRole::Decode, kv),
+        (WorkerRole::Decode, kv),
+    ])
+    .await;
+    s.send_at_once(8, 16).await;
     let mut served = Vec::new();
-    for (role, url) in &urls {
-        let m = scrape(&c, url).await;
+    for (role, url) in &s.workers {
+        let m = scrape(&s.client, url).await;
         let n = match role {
             // Prompts prefilled there, 64 tokens each.
             WorkerRole::Prefill => metric_sum(&m, "vllm:prompt_tokens_total") / 64.0,
@@ -150,11 +183,7 @@ async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
             "a {role:?} worker served {n} of 8 requests sent at once: {served:?}"
         );
     }
-    stop_tx.send(true).unwrap();
-    for w in workers {
-        w.await.unwrap().unwrap();
-    }
-    gw_task.await.unwrap().unwrap();
+    s.stop().await;
 }
 
 /// A decode worker with no room to reserve for a prompt's K/V answers 429, and the
@@ -163,93 +192,22 @@ async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
 /// and only a pool with no other decode worker answers 429.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regression_a_decode_worker_without_room_failed_a_request_another_could_take() {
-    let model = preheat_testkit::model_fixture("llama-tiny");
-    let info = gateway::model_info(&model, 16, Some("tiny")).unwrap();
-    let (gl, gw_url) = listen().await;
-    let (gil, gw_internal) = listen().await;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut gw_stop = stop_rx.clone();
-    let gw_task = tokio::spawn(gateway::run(
-        gl,
-        Some(gil),
-        GatewayOptions {
-            model: Some(info),
-            ..GatewayOptions::default()
-        },
-        async move {
-            let _ = gw_stop.wait_for(|s| *s).await;
-        },
-    ));
     // One prefill worker; a decode worker with room and one whose cache is one block.
-    let mut workers = Vec::new();
-    let mut tiny = String::new();
-    for (role, kv) in [
+    let s = Stack::start(&[
         (WorkerRole::Prefill, 8 << 20),
         (WorkerRole::Decode, 8 << 20),
         (WorkerRole::Decode, 1),
-    ] {
-        let (l, url) = listen().await;
-        if kv == 1 {
-            tiny.clone_from(&url);
-        }
-        workers.push(start_worker_with_kv(
-            role,
-            l,
-            &url,
-            &gw_internal,
-            stop_rx.clone(),
-            kv,
-        ));
-    }
-    let c = reqwest::Client::new();
-    let t0 = Instant::now();
-    loop {
-        let v: Value = match c
-            .get(format!("{gw_internal}/internal/workers"))
-            .send()
-            .await
-        {
-            Ok(r) => r.json().await.unwrap_or_default(),
-            Err(_) => Value::Null,
-        };
-        let list = v["workers"].as_array().cloned().unwrap_or_default();
-        if list.len() == 3
-            && list
-                .iter()
-                .filter(|w| w["role"] == "decode")
-                .all(|w| w["prefill_peers"] == 1 && w["load"]["kv_blocks"].as_u64() > Some(0))
-        {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the workers never all registered"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    ])
+    .await;
     // Prompts of 4 blocks, sent at once: the gateway counts each in its decode
     // worker's KV until it ends, so while one is at the larger worker the next goes
     // to the emptier, smaller one, whatever the order of ties.
-    let sends = (0..6u32).map(|i| {
-        let c = c.clone();
-        let url = format!("{gw_url}/v1/completions");
-        async move {
-            let prompt: Vec<u32> = (0..64).map(|t| 1 + (i * 97 + t * 13) % 200).collect();
-            let r = c
-                .post(url)
-                .json(&serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200, "request {i}: {}", r.text().await.unwrap_or_default());
-        }
-    });
-    futures_util::future::join_all(sends).await;
-    let refused = metric_sum(&scrape(&c, &tiny).await, "preheat:requests_rejected_total");
+    s.send_at_once(6, 4).await;
+    let small = &s.workers[2].1;
+    let refused = metric_sum(
+        &scrape(&s.client, small).await,
+        "preheat:requests_rejected_total",
+    );
     assert!(refused >= 1.0, "the small decode worker was never tried");
-    stop_tx.send(true).unwrap();
-    for w in workers {
-        w.await.unwrap().unwrap();
-    }
-    gw_task.await.unwrap().unwrap();
+    s.stop().await;
 }
