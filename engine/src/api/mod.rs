@@ -432,15 +432,20 @@ async fn chat_completions(
     .await?)
 }
 
+/// Waits up to `grace` for `in_flight` to reach 0; what is still in flight after.
+pub(crate) async fn settle(in_flight: impl Fn() -> usize, grace: Duration) -> usize {
+    let deadline = tokio::time::Instant::now() + grace;
+    while in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    in_flight()
+}
+
 /// Stops new requests and waits up to `grace` for in-flight ones to finish.
 pub async fn drain(state: &ApiState, grace: Duration) {
     let Ok(e) = state.front() else { return };
     e.drain();
-    let deadline = tokio::time::Instant::now() + grace;
-    while e.in_flight() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    if e.in_flight() > 0 {
+    if settle(|| e.in_flight(), grace).await > 0 {
         tracing::warn!(
             in_flight = e.in_flight(),
             "grace period over; exiting with requests in flight"

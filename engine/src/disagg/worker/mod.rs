@@ -585,18 +585,12 @@ pub async fn run(
             .await;
     }
     engine.drain();
-    let deadline = tokio::time::Instant::now() + opts.serve.drain_grace;
-    while engine.in_flight() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    if engine.in_flight() > 0 {
+    let in_flight = || engine.in_flight();
+    if crate::api::settle(in_flight, opts.serve.drain_grace).await > 0 {
         // Requests still waiting for their K/V go back to the gateway, which retries
         // them elsewhere; they answer within moments, so wait for those.
         let _ = grace_over.send(true);
-        let handed_back = tokio::time::Instant::now() + Duration::from_secs(2);
-        while engine.in_flight() > 0 && tokio::time::Instant::now() < handed_back {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        crate::api::settle(in_flight, Duration::from_secs(2)).await;
     }
     if engine.in_flight() > 0 {
         tracing::warn!(
