@@ -129,6 +129,24 @@ const PREFILL_PASSES: usize = 3;
 /// pass pays for faulting weights in and sizing buffers, which a serving replica pays
 /// once, not per prompt.
 pub fn prefill_rate<B: Backend + ?Sized>(be: &mut B, len: usize) -> Result<f64> {
+    let passes = prefill_passes(be, len, 1 + PREFILL_PASSES)?;
+    let best = passes[1..].iter().min().copied().unwrap_or(Duration::MAX);
+    Ok(len as f64 / best.as_secs_f64())
+}
+
+/// The time of each of `passes` prefills of one `len`-token prompt, on blocks
+/// `0..len.div_ceil(BLOCK)` (the first one cold where the backend is).
+pub fn prefill_passes<B: Backend + ?Sized>(
+    be: &mut B,
+    len: usize,
+    passes: usize,
+) -> Result<Vec<Duration>> {
+    if len == 0 {
+        return Err(crate::EngineError::InvalidRequest {
+            message: "a prefill of 0 tokens".into(),
+            param: Some("len".into()),
+        });
+    }
     let table: Vec<u32> = (0..len.div_ceil(BLOCK) as u32).collect();
     let seqs = [SeqSlice {
         block_table: &table,
@@ -143,14 +161,13 @@ pub fn prefill_rate<B: Backend + ?Sized>(be: &mut B, len: usize) -> Result<f64> 
         seqs: &seqs,
         logits_rows: &[len as u32 - 1],
     };
-    be.forward(&batch)?;
-    let mut best = Duration::MAX;
-    for _ in 0..PREFILL_PASSES {
-        let t0 = Instant::now();
-        be.forward(&batch)?;
-        best = best.min(t0.elapsed());
-    }
-    Ok(len as f64 / best.as_secs_f64())
+    (0..passes)
+        .map(|_| {
+            let t0 = Instant::now();
+            be.forward(&batch)?;
+            Ok(t0.elapsed())
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -65,6 +65,12 @@ pub struct SimConfig {
     /// profile's speed, where `slots` replicas run at full speed together (1 when the
     /// profile was measured with the whole host). `None`: a GPU each, as deployed.
     pub shared_host: Option<f64>,
+    /// On a shared host, how much slower than that share each replica computes with
+    /// `k` computing at once, as `(k, factor)` measured on the host, in increasing `k`
+    /// (caches, memory bandwidth and the scheduler's switches are shared too): 1.0
+    /// alone, linear from there to the first point and between the points, the last
+    /// one's past it. Empty: sharing costs cores only.
+    pub shared_host_slowdown: Vec<(f64, f64)>,
     /// Prefill batching: a replica computes the prompts queued at once together, up to
     /// this many tokens per batch, at the profile's rate for the batch's length (the
     /// bundled engine's scheduler budget). `None`: one prompt at a time.
@@ -92,6 +98,7 @@ impl SimConfig {
             start_unix: 0.0,
             warm_start: true,
             shared_host: None,
+            shared_host_slowdown: Vec::new(),
             prefill_batch_tokens: None,
             local_prefill_below: None,
         }

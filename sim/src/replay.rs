@@ -405,7 +405,10 @@ impl<'a> Sim<'a> {
         let speed = if share.is_nan() {
             1e-3
         } else {
-            share.clamp(1e-3, 1.0)
+            // The measured slowdown is beyond the share of the cores, which is at most
+            // all of one replica's.
+            (share.min(1.0) / slowdown_at(&self.cfg.shared_host_slowdown, busy as f64))
+                .clamp(1e-3, 1.0)
         };
         for r in &mut self.prefill {
             r.set_speed(t, speed);
@@ -638,4 +641,29 @@ impl<'a> Sim<'a> {
         ctl.next_decision = v.t + ctl.scaler.period_s();
         self.apply(pool, desired, v.current);
     }
+}
+
+/// `points`' slowdown at `busy` replicas computing: 1.0 for one replica or none,
+/// linear from there to the first point and between the points, and the last one's
+/// beyond it. A factor under 1.0 (faster than the share of the cores, which
+/// compute-bound replicas cannot be) or not a number counts as 1.0.
+pub(crate) fn slowdown_at(points: &[(f64, f64)], busy: f64) -> f64 {
+    let f = |v: f64| if v.is_finite() && v >= 1.0 { v } else { 1.0 };
+    let Some(&(k0, f0)) = points.first() else {
+        return 1.0;
+    };
+    if busy <= k0 {
+        // Between one replica (1.0) and the first point.
+        if k0 <= 1.0 || busy <= 1.0 {
+            return if busy >= k0 { f(f0) } else { 1.0 };
+        }
+        return 1.0 + (f(f0) - 1.0) * (busy - 1.0) / (k0 - 1.0);
+    }
+    for w in points.windows(2) {
+        let ((ka, fa), (kb, fb)) = (w[0], w[1]);
+        if busy <= kb && kb > ka {
+            return f(fa) + (f(fb) - f(fa)) * (busy - ka) / (kb - ka);
+        }
+    }
+    points.last().map_or(1.0, |&(_, v)| f(v))
 }

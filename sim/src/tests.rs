@@ -494,6 +494,39 @@ fn on_a_shared_host_busy_replicas_split_its_speed() {
 }
 
 #[test]
+fn a_shared_host_slows_busy_replicas_by_its_measured_slowdown_too() {
+    // Two slots hold two prompts at full speed by the core count; a host measured 25%
+    // slower than that with two computing stretches both, and leaves one alone as is.
+    let mut c = cfg();
+    c.shared_host = Some(2.0);
+    c.shared_host_slowdown = vec![(2.0, 1.25), (4.0, 1.5)];
+    let both = run_fixed(&c, &steady(0.0, 2, 0.0, 2048, 2), 2, 1);
+    assert!((both.ttft_p99 - 0.16).abs() < 1e-6, "{}", both.ttft_p99);
+    let alone = run_fixed(&c, &steady(0.0, 1, 0.0, 2048, 1), 2, 1);
+    assert!((alone.ttft_p99 - 0.128).abs() < 1e-6, "{}", alone.ttft_p99);
+    // Slots to spare do not hide it: the slowdown was measured beyond the cores.
+    c.shared_host = Some(4.0);
+    let roomy = run_fixed(&c, &steady(0.0, 2, 0.0, 2048, 2), 2, 1);
+    assert!((roomy.ttft_p99 - 0.16).abs() < 1e-6, "{}", roomy.ttft_p99);
+}
+
+#[test]
+fn the_host_slowdown_is_interpolated_between_its_measured_counts() {
+    use crate::replay::slowdown_at;
+    let p = [(2.0, 1.1), (4.0, 1.3)];
+    assert_eq!(slowdown_at(&[], 3.0), 1.0);
+    assert_eq!(slowdown_at(&p, 1.0), 1.0);
+    assert!((slowdown_at(&p, 1.5) - 1.05).abs() < 1e-12);
+    assert!((slowdown_at(&p, 2.0) - 1.1).abs() < 1e-12);
+    assert!((slowdown_at(&p, 3.0) - 1.2).abs() < 1e-12);
+    assert!((slowdown_at(&p, 9.0) - 1.3).abs() < 1e-12);
+    // A measurement that went wrong slows nothing.
+    assert_eq!(slowdown_at(&[(2.0, f64::NAN)], 2.0), 1.0);
+    assert_eq!(slowdown_at(&[(2.0, -1.0)], 5.0), 1.0);
+    assert_eq!(slowdown_at(&[(2.0, 0.97)], 2.0), 1.0);
+}
+
+#[test]
 fn a_batching_prefill_computes_queued_prompts_together() {
     // Three 128-token prompts at once on one replica: one at a time they finish at
     // 1, 2 and 3 × 128 / rate(128); batched (a 512-token budget), the first runs alone

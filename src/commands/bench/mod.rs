@@ -6,6 +6,7 @@ pub mod coldstart;
 pub mod engine;
 pub mod gpu;
 pub mod grammar;
+pub mod host_share;
 pub mod kv;
 pub mod router;
 pub mod scaler;

@@ -27,6 +27,7 @@ use preheat_sim::trace::TraceRequest;
 use preheat_sim::{Actuation, SimConfig, StartClass};
 use serde::{Deserialize, Serialize};
 
+use super::host_share;
 use super::serve::{self, Outcome, Planned};
 use crate::cli::{BenchSimrealArgs, Cli, Command, UpArgs};
 use crate::commands::up;
@@ -48,6 +49,10 @@ const ATTAINMENT_TOLERANCE_POINTS: f64 = 5.0;
 /// by more than the tolerance, the load sits at the host's capacity and a miss says
 /// as much about that noise as about the model.
 const HOST_SLOTS_SENSITIVITY: f64 = 0.05;
+
+/// How long each count of workers computes together when the host's sharing is
+/// measured: a few prefill passes each.
+const HOST_SHARE_PERIOD: Duration = Duration::from_secs(5);
 
 /// How long `up` may take to stage the model and open its gateway.
 const UP_READY_TIMEOUT: Duration = Duration::from_secs(300);
@@ -110,6 +115,9 @@ pub struct Report {
     /// shared host).
     pub stack_cores: f64,
     pub host_slots: f64,
+    /// How much slower than their share of the cores workers computed together on
+    /// the measured machine, `(workers, slowdown)`, as the simulation ran them.
+    pub host_slowdown: Vec<(u32, f64)>,
     /// Requests with prompts shorter than the gateway's `--disagg-min-tokens`, whose
     /// decode workers computed them (and so does the simulation).
     pub prefilled_on_decode: usize,
@@ -421,6 +429,11 @@ struct Measured {
     worker_threads: usize,
     /// Why `up` was gone before the load ended.
     up_exited: Option<String>,
+    /// `(workers computing at once, slowdown beyond their share of the cores)` on
+    /// this machine, measured before the run ([`host_share::measure`]); empty in runs
+    /// saved before it was.
+    #[serde(default)]
+    host_slowdown: Vec<(u32, f64)>,
 }
 
 /// CPU seconds (user + system) process `pid` has used itself (not its children).
@@ -511,6 +524,7 @@ async fn measure(
         host_cores: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         worker_threads: rayon::current_num_threads(),
         up_exited,
+        host_slowdown: Vec::new(),
     })
 }
 
@@ -689,6 +703,15 @@ fn measure_run(a: &BenchSimrealArgs) -> anyhow::Result<SavedRun> {
     // threads) here, so `up` below finds both in its cache and starts as it would on a
     // second run; its ports are picked after that, so nothing takes them meanwhile.
     let setup = up::setup(&parse_up(&up_args(a)?)?)?;
+    tracing::info!("measuring how workers slow each other on this machine");
+    let host_slowdown = host_share::measure(
+        &setup.snapshot,
+        usize::try_from(a.prefill_max.saturating_add(a.decode_max)).unwrap_or(usize::MAX),
+        rayon::current_num_threads(),
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        preheat_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS,
+        HOST_SHARE_PERIOD,
+    )?;
     let args = up_args(a)?;
     let up_flags = parse_up(&args)?;
     let e = Endpoints::of(&up_flags);
@@ -699,7 +722,8 @@ fn measure_run(a: &BenchSimrealArgs) -> anyhow::Result<SavedRun> {
         requests = planned.len(),
         "running `preheat up` under the load"
     );
-    let m = rt.block_on(measure(a, &planned, &args, &e))?;
+    let mut m = rt.block_on(measure(a, &planned, &args, &e))?;
+    m.host_slowdown = host_slowdown;
     if m.replicas.is_empty() {
         bail!(
             "the scaler's /status gave no replica counts during the run (log: {})",
@@ -777,6 +801,11 @@ fn predict(run: SavedRun) -> anyhow::Result<Report> {
     let stack_cores = m.stack_cpu_s.map_or(0.0, |c| c / m.window_s.max(1e-9));
     let slots = host_slots(stack_cores, m.host_cores, m.worker_threads);
     cfg.shared_host = Some(slots);
+    cfg.shared_host_slowdown = m
+        .host_slowdown
+        .iter()
+        .map(|&(k, f)| (f64::from(k), f))
+        .collect();
     // `up`'s workers batch queued prompts up to their default token budget.
     cfg.prefill_batch_tokens = Some(prefill_batch_tokens);
     // `up`'s gateway has decode workers compute prompts shorter than its default
@@ -860,6 +889,7 @@ fn predict(run: SavedRun) -> anyhow::Result<Report> {
         sim_start_measured: start_s.is_some(),
         stack_cores,
         host_slots: slots,
+        host_slowdown: m.host_slowdown.clone(),
         prefilled_on_decode,
         disagg_min_tokens,
         measured_attainment,
@@ -902,6 +932,19 @@ fn print_text(r: &Report) -> anyhow::Result<()> {
         r.stack_cores,
         r.host_slots
     );
+    if r.host_slowdown.is_empty() {
+        outln!("host sharing: not measured (workers slow each other by cores only)");
+    } else {
+        let each: Vec<String> = r
+            .host_slowdown
+            .iter()
+            .map(|(k, f)| format!("{k} workers ×{f:.3}"))
+            .collect();
+        outln!(
+            "host sharing beyond the cores: {} (simulated as measured)",
+            each.join(", ")
+        );
+    }
     outln!(
         "prompts computed on decode workers (shorter than {} tokens): {}",
         r.disagg_min_tokens,
@@ -1111,6 +1154,7 @@ mod tests {
                 host_cores: 4,
                 worker_threads: 1,
                 up_exited: None,
+                host_slowdown: vec![(2, 1.1), (4, 1.2)],
             },
             profile: Profile::default(),
             prefill: PoolPolicy::default(),
@@ -1135,6 +1179,7 @@ mod tests {
         assert_eq!(read.requests, 6);
         // The machine it was measured on, not this one: 4 cores less 0.1 used.
         assert!((read.host_slots - 3.9).abs() < 1e-9, "{}", read.host_slots);
+        assert_eq!(read.host_slowdown, vec![(2, 1.1), (4, 1.2)]);
         // Nothing beside it: the temporary file became the run.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }

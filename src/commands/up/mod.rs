@@ -170,6 +170,8 @@ fn pool_policy(o: &Options, (min, max): (u32, u32)) -> PoolPolicy {
 /// What `up` runs with, worked out from its flags as `run` does: the model staged,
 /// its measured profile, and each pool's policy. `bench simreal` simulates exactly this.
 pub(crate) struct Setup {
+    /// The staged snapshot the workers serve.
+    pub(crate) snapshot: PathBuf,
     pub(crate) profile: Profile,
     pub(crate) prefill: PoolPolicy,
     pub(crate) decode: PoolPolicy,
@@ -180,6 +182,7 @@ pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
     let source = stage(&o)?;
     Ok(Setup {
         profile: measured_profile(&source, o.kv_cache_mib)?,
+        snapshot: source,
         prefill: pool_policy(&o, o.limits[0]),
         decode: pool_policy(&o, o.limits[1]),
     })
