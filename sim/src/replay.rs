@@ -649,21 +649,17 @@ impl<'a> Sim<'a> {
 /// compute-bound replicas cannot be) or not a number counts as 1.0.
 pub(crate) fn slowdown_at(points: &[(f64, f64)], busy: f64) -> f64 {
     let f = |v: f64| if v.is_finite() && v >= 1.0 { v } else { 1.0 };
-    let Some(&(k0, f0)) = points.first() else {
-        return 1.0;
-    };
-    if busy <= k0 {
-        // Between one replica (1.0) and the first point.
-        if k0 <= 1.0 || busy <= 1.0 {
-            return if busy >= k0 { f(f0) } else { 1.0 };
+    // One replica alone runs at its share: the curve starts at (1, 1.0).
+    let mut prev = (1.0, 1.0);
+    for &(k, v) in points {
+        let v = f(v);
+        if busy <= k {
+            if busy <= prev.0 {
+                return prev.1;
+            }
+            return prev.1 + (v - prev.1) * (busy - prev.0) / (k - prev.0);
         }
-        return 1.0 + (f(f0) - 1.0) * (busy - 1.0) / (k0 - 1.0);
+        prev = (k, v);
     }
-    for w in points.windows(2) {
-        let ((ka, fa), (kb, fb)) = (w[0], w[1]);
-        if busy <= kb && kb > ka {
-            return f(fa) + (f(fb) - f(fa)) * (busy - ka) / (kb - ka);
-        }
-    }
-    points.last().map_or(1.0, |&(_, v)| f(v))
+    prev.1
 }
