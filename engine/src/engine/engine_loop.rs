@@ -84,6 +84,8 @@ pub(crate) struct EngineLoop {
     pub(crate) in_flight: Arc<AtomicUsize>,
     /// Blocks held by reservations: K/V still being prefilled elsewhere or in transfer.
     pub(crate) reserved: usize,
+    /// Commands handled before the coming step, and the time they took (step trace).
+    pub(crate) handled: (usize, Duration),
 }
 
 impl EngineLoop {
@@ -97,13 +99,17 @@ impl EngineLoop {
             } else {
                 None
             };
+            let handling = Instant::now();
+            let mut handled = 0usize;
             for cmd in first
                 .into_iter()
                 .chain(std::iter::from_fn(|| rx.try_recv().ok()))
             {
+                handled += 1;
                 self.handle(cmd);
             }
             self.drop_abandoned();
+            self.handled = (handled, handling.elapsed());
             if let Err(e) = self.step() {
                 tracing::error!(error = %e, "engine step failed; failing the batch");
                 let ids: Vec<u64> = self.live.keys().copied().collect();
@@ -279,6 +285,8 @@ impl EngineLoop {
             }
         }
         let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
+        let context: usize = work.iter().map(|w| w.start + w.len).sum();
+        let forwarding = Instant::now();
         let logits = self.backend.forward(&ForwardBatch {
             tokens: &tokens,
             positions: &positions,
@@ -286,6 +294,7 @@ impl EngineLoop {
             seqs: &seqs,
             logits_rows: &rows,
         })?;
+        let forward = forwarding.elapsed();
         let vocab = self.backend.config().vocab_size as usize;
         let mut row = 0;
         for w in &work {
@@ -297,6 +306,19 @@ impl EngineLoop {
             row += 1;
             self.emit(w.seq, l);
         }
+        // Where a step's time goes, for comparing a loaded engine with its profile
+        // (`RUST_LOG=preheat_engine::step=debug`).
+        tracing::debug!(
+            target: "preheat_engine::step",
+            seqs = work.len(),
+            tokens = tokens.len(),
+            context,
+            commands = self.handled.0,
+            commands_ms = self.handled.1.as_secs_f64() * 1e3,
+            forward_ms = forward.as_secs_f64() * 1e3,
+            sample_ms = (forwarding.elapsed() - forward).as_secs_f64() * 1e3,
+            "step"
+        );
         Ok(())
     }
 
@@ -374,6 +396,15 @@ impl EngineLoop {
         }
         self.metrics
             .observe_ttft(live.arrival.elapsed().as_secs_f64());
+        tracing::debug!(
+            target: "preheat_engine::handoff",
+            request = live.prefill_only.as_deref().unwrap_or_default(),
+            queued_ms = live
+                .scheduled
+                .map_or(0.0, |s| (s - live.arrival).as_secs_f64() * 1e3),
+            prefilled_ms = live.arrival.elapsed().as_secs_f64() * 1e3,
+            "shipped"
+        );
         self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
         self.metrics.generation_tokens.inc();
         let header = KvHeader {
@@ -413,6 +444,12 @@ impl EngineLoop {
             let _ = out.send(Event::Error(e));
         };
         let h = msg.header;
+        tracing::debug!(
+            target: "preheat_engine::handoff",
+            request = %h.request_id,
+            resume_wait_ms = arrival.elapsed().as_secs_f64() * 1e3,
+            "resumed"
+        );
         // Reserved blocks stop being a reservation here: they hold a sequence, or go back.
         if let Some(b) = &reserved {
             debug_assert!(self.reserved >= b.len(), "resumed more than reserved");

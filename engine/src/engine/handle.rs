@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as tmpsc;
 
@@ -227,6 +227,7 @@ impl Engine {
             cached: Arc::clone(&cached),
             cached_at: Instant::now(),
             reserved: 0,
+            handled: (0, Duration::ZERO),
         };
         // The loop runs inside its kernels' pool (see `compute_pool`); this thread only
         // waits for it.

@@ -270,10 +270,12 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             }
             let blocks = b.prompt.len().div_ceil(e.kv_layout().block_size);
             // Room first: nothing flows unless it can land.
+            let reserving = std::time::Instant::now();
             let res = match e.reserve(blocks).await {
                 Ok(r) => r,
                 Err(err) => return wire_error(&err, false),
             };
+            let reserved = reserving.elapsed();
             let pull = async {
                 if url.starts_with("tcp://") {
                     let req = PrefillBody {
@@ -312,6 +314,15 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                     );
                 }
             };
+            // Where a request's first token waits beyond its prefill (compare with
+            // `RUST_LOG=preheat_engine::handoff=debug`'s resume wait).
+            tracing::debug!(
+                target: "preheat_engine::handoff",
+                request = %b.request_id,
+                reserve_ms = reserved.as_secs_f64() * 1e3,
+                pull_ms = (reserving.elapsed() - reserved).as_secs_f64() * 1e3,
+                "pulled"
+            );
             let bs = e.kv_layout().block_size;
             let pulled = pulled.and_then(|mut msg| check_matches(&mut msg, &b, bs).map(|()| msg));
             match pulled {
