@@ -39,7 +39,11 @@ impl Sim<'_> {
                     Pool::Prefill => self
                         .prefill
                         .push(PrefillReplica::new(ready_at, self.cache_blocks)),
-                    Pool::Decode => self.decode.push(DecodeReplica::new(ready_at)),
+                    Pool::Decode => {
+                        self.decode
+                            .push(DecodeReplica::new(ready_at).with_id(self.next_decode_id));
+                        self.next_decode_id += 1;
+                    }
                 }
             }
         } else {
@@ -62,7 +66,7 @@ impl Sim<'_> {
                     &mut remove,
                     |r| r.draining,
                     |r| r.is_ready(t),
-                    |r| r.kv_used + r.running() as f64,
+                    |r| r.kv_held() + r.running() as f64,
                     |r| r.draining = true,
                     &mut ctl.retired_busy,
                     |r| r.busy_s,

@@ -417,11 +417,18 @@ impl Ord for Running {
 /// the next completion is the heap's top.
 #[derive(Clone, Debug)]
 pub struct DecodeReplica {
+    /// Which replica this is, for the requests that reserved KV here.
+    pub id: u64,
     pub ready_at: f64,
     pub draining: bool,
     seqs: BinaryHeap<Running>,
     steps: u64,
     pub kv_used: f64,
+    /// KV tokens and requests reserved here for prompts still in the prefill pool: the
+    /// gateway picks a request's decode worker, which reserves the prompt's blocks,
+    /// before the prompt is sent to prefill.
+    pub kv_reserved: f64,
+    pub reservations: u32,
     /// Σ (reserved KV − end step) over the running sequences: a sequence's context at
     /// step count `s` is its reserved KV less the tokens it has still to generate,
     /// `kv − (end − s)`, so the batch's mean context is `ends / n + s`.
@@ -468,14 +475,24 @@ pub struct Stepped {
 }
 
 impl DecodeReplica {
+    /// The same replica, known as `id` to the requests that reserve KV on it.
+    #[must_use]
+    pub fn with_id(mut self, id: u64) -> Self {
+        self.id = id;
+        self
+    }
+
     #[must_use]
     pub fn new(ready_at: f64) -> Self {
         DecodeReplica {
+            id: 0,
             ready_at,
             draining: false,
             seqs: BinaryHeap::new(),
             steps: 0,
             kv_used: 0.0,
+            kv_reserved: 0.0,
+            reservations: 0,
             ends: 0.0,
             clock: ready_at,
             busy_s: 0.0,
@@ -523,11 +540,42 @@ impl DecodeReplica {
         self.seqs.is_empty()
     }
 
-    /// Whether a sequence needing `kv` tokens fits (a replica with nothing running
-    /// takes any sequence, so an oversized one cannot wait forever).
+    /// Nothing running and nothing reserved: a draining replica can go.
+    #[must_use]
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty() && self.reservations == 0
+    }
+
+    /// KV tokens held: running sequences' and reserved.
+    #[must_use]
+    pub fn kv_held(&self) -> f64 {
+        self.kv_used + self.kv_reserved
+    }
+
+    /// Whether a sequence needing `kv` tokens fits beside those running and reserved
+    /// (a replica with nothing running or reserved takes any sequence, so an oversized
+    /// one cannot wait forever).
     #[must_use]
     pub fn fits(&self, kv: f64, max_batch: usize, kv_capacity: f64) -> bool {
-        self.seqs.is_empty() || (self.seqs.len() < max_batch && self.kv_used + kv <= kv_capacity)
+        self.is_idle()
+            || (self.seqs.len() + (self.reservations as usize) < max_batch
+                && self.kv_held() + kv <= kv_capacity)
+    }
+
+    /// Reserves `kv` tokens for a prompt that will be prefilled elsewhere.
+    pub fn reserve(&mut self, kv: f64) {
+        self.kv_reserved += kv;
+        self.reservations += 1;
+    }
+
+    /// Gives back a reservation of `kv` tokens (the sequence lands, or never comes).
+    pub fn unreserve(&mut self, kv: f64) {
+        self.reservations = self.reservations.saturating_sub(1);
+        self.kv_reserved = if self.reservations == 0 {
+            0.0
+        } else {
+            (self.kv_reserved - kv).max(0.0)
+        };
     }
 
     pub fn admit(&mut self, t: f64, seq: Seq) {
@@ -868,6 +916,24 @@ mod tests {
         r.set_speed(0.25, 0.5);
         assert_eq!(r.next_event(0.25), 0.25 + 0.75 * 2.0);
         assert_eq!(r.step(1.75, None), Some(3));
+    }
+
+    #[test]
+    fn a_reservation_holds_room_and_keeps_a_draining_replica_until_it_lands() {
+        let mut r = DecodeReplica::new(0.0).with_id(7);
+        assert!(r.is_idle());
+        r.reserve(60.0);
+        // Reserved room counts against the cache and the batch, and keeps the replica.
+        assert!(!r.is_idle() && r.is_empty());
+        assert_eq!(r.kv_held(), 60.0);
+        assert!(r.fits(40.0, 4, 100.0) && !r.fits(41.0, 4, 100.0));
+        assert!(!r.fits(1.0, 1, 100.0));
+        r.unreserve(60.0);
+        r.admit(0.0, seq(1, 3));
+        assert!(!r.is_idle() && r.reservations == 0 && r.kv_reserved == 0.0);
+        // More given back than was reserved leaves nothing reserved, never less.
+        r.unreserve(5.0);
+        assert_eq!((r.reservations, r.kv_reserved), (0, 0.0));
     }
 
     fn seq(req: usize, remaining: u32) -> Seq {

@@ -120,14 +120,21 @@ impl Sim<'_> {
         let ready = reps.len();
         let running: f64 = reps.iter().map(|r| r.running() as f64).sum();
         let kv: f64 = reps.iter().map(|r| r.kv_used).sum();
+        let reserved: f64 = reps.iter().map(|r| r.kv_reserved).sum();
+        // As the engines report them: usage counts the blocks reserved for prompts
+        // still in prefill, and the reserved share on its own.
+        let share = |tokens: f64| {
+            if ready > 0 {
+                tokens / (ready as f64 * self.cfg.profile.kv_tokens)
+            } else {
+                0.0
+            }
+        };
         let mut signals = PoolSignals {
             endpoints_ok: ready,
             running,
-            kv_usage: if ready > 0 {
-                kv / (ready as f64 * self.cfg.profile.kv_tokens)
-            } else {
-                0.0
-            },
+            kv_usage: share(kv + reserved),
+            kv_reserved: share(reserved),
             generation_rate: self.window_rate(oldest, |c| c.generated),
             itl_p50: self.now.itl.quantile_since(&oldest.itl, 0.5),
             itl_p90: self.now.itl.quantile_since(&oldest.itl, 0.9),

@@ -47,6 +47,9 @@ pub(crate) struct Counters {
 pub(crate) struct ReqState {
     pub(crate) first_token: f64,
     pub(crate) done: f64,
+    /// The decode replica that reserved this request's KV when its prompt went to the
+    /// prefill pool.
+    pub(crate) decode: Option<u64>,
 }
 
 pub(crate) struct PoolCtl {
@@ -94,6 +97,8 @@ pub(crate) struct Sim<'a> {
     pub(crate) reqs: Vec<ReqState>,
     pub(crate) prefill: Vec<PrefillReplica>,
     pub(crate) decode: Vec<DecodeReplica>,
+    /// The id the next decode replica gets.
+    pub(crate) next_decode_id: u64,
     pub(crate) held: VecDeque<usize>,
     pub(crate) decode_wait: VecDeque<usize>,
     pub(crate) ctl: PerPool<PoolCtl>,
@@ -157,14 +162,18 @@ impl<'a> Sim<'a> {
             reqs: vec![
                 ReqState {
                     first_token: f64::NAN,
-                    done: f64::NAN
+                    done: f64::NAN,
+                    decode: None,
                 };
                 trace.len()
             ],
             prefill: (0..p0)
                 .map(|_| PrefillReplica::new(0.0, cache_blocks))
                 .collect(),
-            decode: (0..d0).map(|_| DecodeReplica::new(0.0)).collect(),
+            decode: (0..d0)
+                .map(|id| DecodeReplica::new(0.0).with_id(u64::from(id)))
+                .collect(),
+            next_decode_id: u64::from(d0),
             held: VecDeque::new(),
             decode_wait: VecDeque::new(),
             ctl,
@@ -426,8 +435,28 @@ impl<'a> Sim<'a> {
             self.finished += 1;
         } else if self.trace[req].output_tokens <= 1 {
             self.finish(req, t);
+        } else if let Some(i) = self.reqs[req]
+            .decode
+            .take()
+            .and_then(|id| self.decode.iter().position(|d| d.id == id))
+        {
+            // Its blocks were reserved: it lands on that replica, draining or not, ahead
+            // of any request still waiting for room.
+            let seq = self.seq_of(req);
+            let d = &mut self.decode[i];
+            d.unreserve(seq.kv_tokens);
+            d.admit(t, seq);
         } else {
             self.decode_wait.push_back(req);
+        }
+    }
+
+    fn seq_of(&self, req: usize) -> Seq {
+        let r = &self.trace[req];
+        Seq {
+            req,
+            remaining: r.output_tokens.saturating_sub(1),
+            kv_tokens: f64::from(r.input_tokens) + f64::from(r.output_tokens),
         }
     }
 
@@ -493,6 +522,11 @@ impl<'a> Sim<'a> {
                 }
             }
             let Some((_, i, cached)) = best else { break };
+            let kv = f64::from(r.input_tokens) + f64::from(r.output_tokens);
+            if !self.prefill_only && r.output_tokens > 1 {
+                self.reqs[req].decode =
+                    reserve_decode(&mut self.decode, t, kv, self.max_batch, profile.kv_tokens);
+            }
             self.held.pop_front();
             self.now.prefix_queries += len;
             self.now.prefix_hits += cached;
@@ -532,21 +566,18 @@ impl<'a> Sim<'a> {
         let kv_cap = self.cfg.profile.kv_tokens;
         while let Some(&req) = self.decode_wait.front() {
             let r = &self.trace[req];
-            let kv = f64::from(r.input_tokens) + f64::from(r.output_tokens);
+            let seq = self.seq_of(req);
             let best = self
                 .decode
                 .iter()
                 .enumerate()
-                .filter(|(_, d)| !d.draining && d.is_ready(t) && d.fits(kv, self.max_batch, kv_cap))
-                .min_by(|a, b| a.1.kv_used.total_cmp(&b.1.kv_used))
+                .filter(|(_, d)| {
+                    !d.draining && d.is_ready(t) && d.fits(seq.kv_tokens, self.max_batch, kv_cap)
+                })
+                .min_by(|a, b| a.1.kv_held().total_cmp(&b.1.kv_held()))
                 .map(|(i, _)| i);
             let Some(i) = best else { break };
             self.decode_wait.pop_front();
-            let seq = Seq {
-                req,
-                remaining: r.output_tokens.saturating_sub(1),
-                kv_tokens: kv,
-            };
             if self.cfg.prefills_on_decode(r) {
                 let len = f64::from(r.input_tokens.max(1));
                 let prefill_s = len / self.cfg.profile.prefill_rate(len);
@@ -573,7 +604,7 @@ impl<'a> Sim<'a> {
         self.ctl.prefill.retired_busy += busy;
         let mut busy = 0.0;
         self.decode.retain(|r| {
-            let gone = r.draining && r.is_empty();
+            let gone = r.draining && r.is_idle();
             if gone {
                 busy += r.busy_s;
             }
@@ -662,4 +693,23 @@ pub(crate) fn slowdown_at(points: &[(f64, f64)], busy: f64) -> f64 {
         prev = (k, v);
     }
     prev.1
+}
+
+/// The gateway's choice of a decode replica for a prompt going to the prefill pool (the
+/// least KV held, reservations included), which reserves the request's KV there now;
+/// `None` where none is ready with room (the request then takes the first replica with
+/// room once its prompt is done).
+fn reserve_decode(
+    decode: &mut [DecodeReplica],
+    t: f64,
+    kv: f64,
+    max_batch: usize,
+    kv_capacity: f64,
+) -> Option<u64> {
+    let d = decode
+        .iter_mut()
+        .filter(|d| !d.draining && d.is_ready(t) && d.fits(kv, max_batch, kv_capacity))
+        .min_by(|a, b| a.kv_held().total_cmp(&b.kv_held()))?;
+    d.reserve(kv);
+    Some(d.id)
 }
