@@ -104,9 +104,11 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
     let replay = |prefill: &[u32], decode: &[u32]| -> Vec<(bool, bool)> {
         Sim::new(&instant, trace, sched(prefill), sched(decode)).run_outcomes()
     };
-    // First tokens with decode plentiful. Without a shared host they do not depend on
-    // decode at all: the prefill pool alone gives them (one decode replica, idle), at
-    // a fraction of the cost. On one, busy decode replicas slow prefill.
+    // First tokens with decode plentiful. Without a shared host the prompts' completions
+    // do not depend on decode at all: the prefill pool alone gives them (one decode
+    // replica, idle), at a fraction of the cost, and takes them for first tokens (a
+    // first token waits at most one decode step more for its K/V to land). On a shared
+    // host, busy decode replicas slow prefill.
     let replay_prefill = |prefill: &[u32]| -> Vec<(bool, bool)> {
         if instant.shared_host.is_some() {
             replay(prefill, &vec![md; minutes])

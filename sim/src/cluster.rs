@@ -592,6 +592,34 @@ impl DecodeReplica {
         });
     }
 
+    /// Admits a sequence prefilled elsewhere as the engine takes its K/V in: between
+    /// steps. Into a step under way it waits for that step's end, where its first token
+    /// streams, and decodes from the next step on; on a replica between steps (idle, or
+    /// at a boundary) it lands at once. Returns when it lands.
+    pub fn resume(&mut self, t: f64, seq: Seq, profile: &Profile) -> f64 {
+        if self.seqs.is_empty() || self.clock >= t {
+            // A clock ahead of `t` is an idle replica's prompt pass under way, which
+            // ends at the current step count: the next step is the sequence's first.
+            let at = if self.seqs.is_empty() { t } else { self.clock };
+            self.admit(t, seq);
+            return at;
+        }
+        self.kv_used += seq.kv_tokens;
+        let end_step = self.steps + 1 + u64::from(seq.remaining);
+        self.ends += seq.kv_tokens - end_step as f64;
+        // No token or gap of its own in the step under way.
+        self.no_token += 1;
+        self.no_gap += 1;
+        self.seqs.push(Running {
+            end_step,
+            req: seq.req,
+            kv_tokens: seq.kv_tokens,
+        });
+        // The step under way is timed with it in the batch (a step's time is its
+        // batch's here), a fraction of one step's difference.
+        self.boundary(self.steps + 1, self.step_s(profile, 1))
+    }
+
     /// Admits a sequence whose prompt (`prefill_s` of compute at full speed) is
     /// computed here rather than on the prefill pool, as the gateway does with prompts
     /// shorter than its `--disagg-min-tokens`. The prompt joins the step after the one
@@ -965,6 +993,37 @@ mod tests {
             }
         }
         (tokens, gaps, long, t)
+    }
+
+    #[test]
+    fn kv_handed_over_mid_step_lands_when_the_step_ends_and_decodes_from_the_next() {
+        let p = Profile::default();
+        let step = p.itl(1.0);
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        // Idle: it lands at once, and its first decode step starts now.
+        let mut idle = DecodeReplica::new(0.0);
+        assert_eq!(idle.resume(0.3, seq(0, 2), &p), 0.3);
+        let (tokens, gaps, _, end) = run_dry(&mut idle, 0.3, &mut first, &mut done);
+        assert_eq!((tokens, gaps), (2.0, 2.0));
+        assert!((end - (0.3 + 2.0 * step)).abs() < 1e-12, "{end}");
+        // Into a step under way: the engine imports between steps, so the first token
+        // streams when that step ends, and the sequence's own tokens come from the next
+        // step on; the step under way gives no token or gap of its own.
+        let mut r = DecodeReplica::new(0.0);
+        r.admit(0.0, seq(1, 1));
+        let at = r.resume(0.5 * step, seq(2, 3), &p);
+        // (The step under way is timed at the batch with it.)
+        assert!((at - p.itl(2.0)).abs() < 1e-12, "{at}");
+        done.clear();
+        let (tokens, gaps, _, _) = run_dry(&mut r, 0.5 * step, &mut first, &mut done);
+        assert_eq!((tokens, gaps), (1.0 + 3.0, 1.0 + 3.0));
+        let ended = done.iter().find(|d| d.0 == 2).unwrap().1;
+        // Sequence 1 ends with the step under way; 2 decodes alone after it.
+        let expected = at + 3.0 * step;
+        assert!(
+            (ended - expected).abs() < 1e-9,
+            "{ended} against {expected}"
+        );
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub(crate) struct Counters {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ReqState {
     pub(crate) first_token: f64,
+    /// When its prompt was done, on prefill or on decode: the first token streams then,
+    /// or, for K/V handed to a decode replica mid-step, once that step ends.
+    pub(crate) prompt_done: f64,
     pub(crate) done: f64,
     /// The decode replica that reserved this request's KV when its prompt went to the
     /// prefill pool.
@@ -162,6 +165,7 @@ impl<'a> Sim<'a> {
             reqs: vec![
                 ReqState {
                     first_token: f64::NAN,
+                    prompt_done: f64::NAN,
                     done: f64::NAN,
                     decode: None,
                 };
@@ -199,9 +203,10 @@ impl<'a> Sim<'a> {
 
     /// Simulates the prefill pool alone: a request leaves at its first token and one
     /// whose prompt a decode replica would compute leaves on arrival, so no decode
-    /// replica ever runs. The prefill pool's first tokens are then those of the full
-    /// run, at a fraction of its cost (what `clairvoyant`'s prefill search asks), when
-    /// nothing in the prefill pool depends on decode:
+    /// replica ever runs. The prefill pool's prompts are then done when the full run's
+    /// are, at a fraction of its cost (what `clairvoyant`'s prefill search asks; the
+    /// full run's first tokens come as each prompt's K/V lands on decode, at most one
+    /// decode step later), when nothing in the prefill pool depends on decode:
     /// - no shared host (there busy decode replicas slow prefill);
     /// - a prefill scaler that does not observe (its window holds decode's signals);
     /// - no prompt ever held at the gateway: a held prompt is routed at the next event
@@ -251,6 +256,16 @@ impl<'a> Sim<'a> {
     pub(crate) fn run_first_tokens(mut self) -> Vec<f64> {
         self.run_to_end();
         self.reqs.iter().map(|r| r.first_token).collect()
+    }
+
+    /// Runs to the end; each request's (prompt done, first token) times.
+    #[cfg(test)]
+    pub(crate) fn run_prompts_done(mut self) -> Vec<(f64, f64)> {
+        self.run_to_end();
+        self.reqs
+            .iter()
+            .map(|r| (r.prompt_done, r.first_token))
+            .collect()
     }
 
     /// Runs to the end; per request, whether its first token came within the TTFT SLO
@@ -430,10 +445,12 @@ impl<'a> Sim<'a> {
     /// A prompt computed on the prefill pool gave its first token: the request goes
     /// on to decode, or is done.
     fn first_token(&mut self, req: usize, t: f64) {
-        self.record_first_token(req, t);
+        self.reqs[req].prompt_done = t;
         if self.prefill_only {
+            self.record_first_token(req, t);
             self.finished += 1;
         } else if self.trace[req].output_tokens <= 1 {
+            self.record_first_token(req, t);
             self.finish(req, t);
         } else if let Some(i) = self.reqs[req]
             .decode
@@ -441,12 +458,15 @@ impl<'a> Sim<'a> {
             .and_then(|id| self.decode.iter().position(|d| d.id == id))
         {
             // Its blocks were reserved: it lands on that replica, draining or not, ahead
-            // of any request still waiting for room.
+            // of any request still waiting for room, and its first token streams from
+            // there once the step under way ends.
             let seq = self.seq_of(req);
             let d = &mut self.decode[i];
             d.unreserve(seq.kv_tokens);
-            d.admit(t, seq);
+            let at = d.resume(t, seq, &self.cfg.profile);
+            self.record_first_token(req, at);
         } else {
+            self.record_first_token(req, t);
             self.decode_wait.push_back(req);
         }
     }
@@ -631,8 +651,11 @@ impl<'a> Sim<'a> {
             }
         }
         if t >= self.next_sample {
+            // The pools' sizes as the scaler and HPA count them (and `preheat up`
+            // reports them): draining replicas, still finishing what they hold, are
+            // already gone from the count, though their GPU time is charged.
             self.timeline
-                .push((t, self.prefill.len() as u32, self.decode.len() as u32));
+                .push((t, self.current(Pool::Prefill), self.current(Pool::Decode)));
             self.next_sample += self.cfg.sample_s;
         }
         self.next_second = t.floor() + 1.0;

@@ -40,7 +40,8 @@ pub struct PolicyReport {
     /// For `static-peak`: the replica counts it found.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fixed_replicas: Option<(u32, u32)>,
-    /// (time, prefill replicas, decode replicas) every `sample_s`.
+    /// (time, prefill replicas, decode replicas) every `sample_s`, as the scaler counts
+    /// them: draining replicas are out of the count (their GPU time is in `gpu_seconds`).
     pub timeline: Vec<(f64, u32, u32)>,
 }
 

@@ -708,7 +708,7 @@ fn mixed_trace(n: usize) -> Vec<TraceRequest> {
 }
 
 #[test]
-fn the_prefill_pool_alone_gives_the_first_tokens_of_a_full_run() {
+fn the_prefill_pool_alone_gives_the_prompt_completions_of_a_full_run() {
     // As `clairvoyant`'s bisection runs it: replicas ready at once, per-minute
     // schedules that scale both pools up and down (draining, retiring, prefix-index
     // slots released and taken again), batched prefill and not.
@@ -733,18 +733,25 @@ fn the_prefill_pool_alone_gives_the_first_tokens_of_a_full_run() {
                 Box::new(clairvoyant::Plan::per_minute(d.to_vec())),
             )
         };
-        let full = sim(&decode).run_first_tokens();
+        let full = sim(&decode).run_prompts_done();
         let alone = sim(&vec![1; minutes]).prefill_only().run_first_tokens();
+        // A decode step of the largest batch at the longest context the trace holds.
+        let longest_step = c.profile.itl(c.max_batch() as f64);
         for (i, r) in trace.iter().enumerate() {
             if c.prefills_on_decode(r) {
                 continue;
             }
+            let (done, first) = full[i];
             assert_eq!(
-                full[i].to_bits(),
+                done.to_bits(),
                 alone[i].to_bits(),
-                "request {i}: {} against {} (batching {batch:?})",
-                full[i],
+                "request {i}: {done} against {} (batching {batch:?})",
                 alone[i]
+            );
+            // Its first token waits, at most, for the decode step under way.
+            assert!(
+                first >= done && first <= done + longest_step + 1e-9,
+                "request {i}: first token {first}, prompt done {done}"
             );
             compared += 1;
         }
