@@ -8,18 +8,20 @@
 //! The sizes are found by bisecting every minute at once: each round replays one
 //! schedule (every minute at the middle of its bracket, replicas ready the moment
 //! they are planned), and a minute where 99% of the requests met their SLOs keeps the
-//! lower half of its bracket, the others the upper half (a request late on its first
-//! token counts against its minute's prefill, one slow to decode against its decode).
+//! lower half of its bracket, the others the upper half (a request whose prompt is done
+//! late counts against its minute's prefill, one slow to decode, or late on its first
+//! token only for the wait for its K/V to land, against its decode).
 //! Requests no size meets, not even the pools' maxima, count against no one. A minute
 //! left short leaves a backlog for the next, which then looks short too: the plan errs
 //! towards more replicas, never fewer. Prefill is bisected first, its pool simulated
-//! alone (first tokens do not wait on decode), then decode under the prefill plan:
+//! alone (prompts are done without waiting on decode), then decode under the prefill
+//! plan, which answers for first tokens late only for the wait for K/V to land:
 //! 2 × ⌈log2(max replicas)⌉ + 1 replays in all, where a fixed-size run per candidate
 //! size took one replay per size.
 
 use super::autoscalers::{Autoscaler, PoolView};
 use super::config::{SimConfig, StartClass};
-use super::replay::Sim;
+use super::replay::{Outcome, Sim};
 use super::trace::TraceRequest;
 
 const MINUTE: f64 = 60.0;
@@ -101,15 +103,14 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
             lead_s: 0.0,
         })
     };
-    let replay = |prefill: &[u32], decode: &[u32]| -> Vec<(bool, bool)> {
+    let replay = |prefill: &[u32], decode: &[u32]| -> Vec<Outcome> {
         Sim::new(&instant, trace, sched(prefill), sched(decode)).run_outcomes()
     };
-    // First tokens with decode plentiful. Without a shared host the prompts' completions
-    // do not depend on decode at all: the prefill pool alone gives them (one decode
-    // replica, idle), at a fraction of the cost, and takes them for first tokens (a
-    // first token waits at most one decode step more for its K/V to land). On a shared
-    // host, busy decode replicas slow prefill.
-    let replay_prefill = |prefill: &[u32]| -> Vec<(bool, bool)> {
+    // Prompts done with decode plentiful. Without a shared host they do not depend on
+    // decode at all: the prefill pool alone gives them (one decode replica, idle), at a
+    // fraction of the cost. On one, busy decode replicas slow prefill. (The wait for
+    // the K/V to land on decode is decode's to answer for.)
+    let replay_prefill = |prefill: &[u32]| -> Vec<Outcome> {
         if instant.shared_host.is_some() {
             replay(prefill, &vec![md; minutes])
         } else {
@@ -134,12 +135,15 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
             for ((r, met), can) in trace.iter().zip(outcomes).zip(&reachable) {
                 // A prompt computed on decode is the decode pool's to serve, first token
                 // included.
+                // A prompt done in time whose first token is late waited for its K/V to
+                // land on decode: decode's miss.
+                let landed = |o: &Outcome| o.decoded && (o.first || !o.prompt);
                 let on_decode = cfg.prefills_on_decode(r);
                 let (can, met) = match (pool, on_decode) {
                     (0, true) => continue,
-                    (0, false) => (can.0, met.0),
-                    (_, true) => (can.0 && can.1, met.0 && met.1),
-                    (_, false) => (can.1, met.1),
+                    (0, false) => (can.prompt, met.prompt),
+                    (_, true) => (can.first && can.decoded, met.first && met.decoded),
+                    (_, false) => (landed(can), landed(&met)),
                 };
                 if can {
                     let t = &mut tally[minute_of(r)];

@@ -418,7 +418,7 @@ impl Ord for Running {
 #[derive(Clone, Debug)]
 pub struct DecodeReplica {
     /// Which replica this is, for the requests that reserved KV here.
-    pub id: u64,
+    id: u64,
     pub ready_at: f64,
     pub draining: bool,
     seqs: BinaryHeap<Running>,
@@ -427,8 +427,8 @@ pub struct DecodeReplica {
     /// KV tokens and requests reserved here for prompts still in the prefill pool: the
     /// gateway picks a request's decode worker, which reserves the prompt's blocks,
     /// before the prompt is sent to prefill.
-    pub kv_reserved: f64,
-    pub reservations: u32,
+    kv_reserved: f64,
+    reservations: u32,
     /// Σ (reserved KV − end step) over the running sequences: a sequence's context at
     /// step count `s` is its reserved KV less the tokens it has still to generate,
     /// `kv − (end − s)`, so the batch's mean context is `ends / n + s`.
@@ -451,8 +451,9 @@ pub struct DecodeReplica {
     longer: Vec<(u64, f64)>,
     /// Places in the steps to come that give no token the engine counts as generated
     /// here, nor an inter-token gap: a prompt computed here waiting for, or giving, its
-    /// first token (counted as a first token, after no gap). They are the earliest
-    /// places of the steps to come. (A sequence prefilled elsewhere gives a gap from
+    /// first token (counted as a first token, after no gap), and K/V that landed in the
+    /// step under way, which decodes from the next. They are the earliest places of the
+    /// steps to come. (A sequence prefilled elsewhere gives a gap from
     /// its first decode step: the engine takes the shipped first token in at import
     /// and times the next one from then.)
     no_token: u64,
@@ -552,14 +553,29 @@ impl DecodeReplica {
         self.kv_used + self.kv_reserved
     }
 
-    /// Whether a sequence needing `kv` tokens fits beside those running and reserved
-    /// (a replica with nothing running or reserved takes any sequence, so an oversized
-    /// one cannot wait forever).
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// KV tokens reserved here for prompts still in the prefill pool.
+    #[must_use]
+    pub fn kv_reserved(&self) -> f64 {
+        self.kv_reserved
+    }
+
+    /// Whether `kv` more tokens fit beside those running and reserved (a replica holding
+    /// nothing takes any, so an oversized request cannot wait forever).
+    #[must_use]
+    pub fn has_room(&self, kv: f64, kv_capacity: f64) -> bool {
+        self.is_idle() || self.kv_held() + kv <= kv_capacity
+    }
+
+    /// Whether a sequence needing `kv` tokens fits: room in the cache and a place in the
+    /// batch (reservations hold blocks, not places, as the engine's do).
     #[must_use]
     pub fn fits(&self, kv: f64, max_batch: usize, kv_capacity: f64) -> bool {
-        self.is_idle()
-            || (self.seqs.len() + (self.reservations as usize) < max_batch
-                && self.kv_held() + kv <= kv_capacity)
+        self.is_idle() || (self.seqs.len() < max_batch && self.has_room(kv, kv_capacity))
     }
 
     /// Reserves `kv` tokens for a prompt that will be prefilled elsewhere.
@@ -568,9 +584,12 @@ impl DecodeReplica {
         self.reservations += 1;
     }
 
-    /// Gives back a reservation of `kv` tokens (the sequence lands, or never comes).
+    /// Gives back a reservation of `kv` tokens, made with [`Self::reserve`] (its
+    /// sequence lands).
     pub fn unreserve(&mut self, kv: f64) {
+        debug_assert!(self.reservations > 0, "gave back a reservation never made");
         self.reservations = self.reservations.saturating_sub(1);
+        // The last one out leaves exactly nothing, whatever the rounding on the way.
         self.kv_reserved = if self.reservations == 0 {
             0.0
         } else {
@@ -616,8 +635,11 @@ impl DecodeReplica {
             kv_tokens: seq.kv_tokens,
         });
         // The step under way is timed with it in the batch (a step's time is its
-        // batch's here), a fraction of one step's difference.
+        // batch's here), a fraction of one step's difference. Never before now: the
+        // clock can trail `t` by more than a step where steps are timed at their own,
+        // shorter context (`advance`), and the new sequence can shorten the mean.
         self.boundary(self.steps + 1, self.step_s(profile, 1))
+            .max(t)
     }
 
     /// Admits a sequence whose prompt (`prefill_s` of compute at full speed) is
@@ -951,17 +973,16 @@ mod tests {
         let mut r = DecodeReplica::new(0.0).with_id(7);
         assert!(r.is_idle());
         r.reserve(60.0);
-        // Reserved room counts against the cache and the batch, and keeps the replica.
+        // Reserved room counts against the cache, not the batch (the engine's
+        // reservations hold blocks), and keeps the replica from going.
         assert!(!r.is_idle() && r.is_empty());
         assert_eq!(r.kv_held(), 60.0);
         assert!(r.fits(40.0, 4, 100.0) && !r.fits(41.0, 4, 100.0));
-        assert!(!r.fits(1.0, 1, 100.0));
+        assert!(r.fits(1.0, 1, 100.0));
         r.unreserve(60.0);
         r.admit(0.0, seq(1, 3));
-        assert!(!r.is_idle() && r.reservations == 0 && r.kv_reserved == 0.0);
-        // More given back than was reserved leaves nothing reserved, never less.
-        r.unreserve(5.0);
-        assert_eq!((r.reservations, r.kv_reserved), (0, 0.0));
+        assert!(!r.is_idle() && r.kv_reserved() == 0.0);
+        assert_eq!(r.id(), 7);
     }
 
     fn seq(req: usize, remaining: u32) -> Seq {
@@ -1024,6 +1045,45 @@ mod tests {
             (ended - expected).abs() < 1e-9,
             "{ended} against {expected}"
         );
+    }
+
+    #[test]
+    fn kv_never_lands_before_it_is_handed_over() {
+        // Steps that grow steeply with the context: `advance` times the steps short of
+        // an event at their own (shorter) context, so the clock can trail the present
+        // by more than a step; and a short newcomer shortens the batch's mean context.
+        use preheat_scaler::profile::ContextItl;
+        let p = Profile {
+            decode_itl_long: Some(ContextItl {
+                short_context: 8.0,
+                context: 2048.0,
+                itl_s: vec![(1.0, 0.2), (256.0, 0.4)],
+            }),
+            ..Profile::default()
+        };
+        let long = |req| Seq {
+            req,
+            remaining: 400,
+            kv_tokens: 4_000.0,
+        };
+        let mut r = DecodeReplica::new(0.0);
+        r.admit(0.0, long(0));
+        r.admit(0.0, long(1));
+        let (mut first, mut done) = (Vec::new(), Vec::new());
+        let mut t = 0.0;
+        // Long strides with no event between: tens of steps each.
+        for _ in 0..6 {
+            t += 13.7;
+            r.advance(t, &p, &mut first, &mut done);
+            let mut probe = r.clone();
+            let at = probe.resume(t, seq(9, 3), &p);
+            assert!(at >= t, "landed at {at}, handed over at {t}");
+            assert!(at <= t + p.itl_at(3.0, 4_000.0) + 1e-9, "{at} at {t}");
+        }
+        // An idle replica's prompt pass under way: it lands when the pass ends.
+        let mut passing = DecodeReplica::new(0.0);
+        passing.admit_prefilling(1.0, seq(3, 2), 0.5);
+        assert_eq!(passing.resume(1.2, seq(4, 2), &p), 1.5);
     }
 
     #[test]

@@ -4,9 +4,12 @@
 //!
 //! The model: requests arrive at a gateway; a KV-aware router sends each to the ready
 //! prefill replica that would finish it first (its backlog plus the part of the prompt
-//! not in that replica's prefix cache); the first token comes out of prefill; a decode
-//! replica with room (batch and KV) takes the sequence and decodes the rest under
-//! continuous batching. A pool with no ready replica holds requests at the gateway.
+//! not in that replica's prefix cache), having first reserved the prompt's KV on the
+//! decode replica holding the least, as the gateway does; the prompt's K/V lands there
+//! between decode steps, where the first token streams, and the rest decodes under
+//! continuous batching (with no decode replica ready or with room at routing, the
+//! first with room takes it once it is prefilled). A pool with no ready replica holds
+//! requests at the gateway.
 //! New replicas serve after the profile's start-up time; removed replicas drain what
 //! they hold. GPU-seconds count every replica from its start to its exit. Everything is
 //! deterministic: the same trace and settings give the same report.

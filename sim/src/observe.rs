@@ -120,7 +120,7 @@ impl Sim<'_> {
         let ready = reps.len();
         let running: f64 = reps.iter().map(|r| r.running() as f64).sum();
         let kv: f64 = reps.iter().map(|r| r.kv_used).sum();
-        let reserved: f64 = reps.iter().map(|r| r.kv_reserved).sum();
+        let reserved: f64 = reps.iter().map(|r| r.kv_reserved()).sum();
         // As the engines report them: usage counts the blocks reserved for prompts
         // still in prefill, and the reserved share on its own.
         let share = |tokens: f64| {

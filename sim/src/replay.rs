@@ -43,11 +43,24 @@ pub(crate) struct Counters {
     pub(crate) itl: ItlCounts,
 }
 
+/// Whether one request met its targets, as `clairvoyant` tallies them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Outcome {
+    /// Its prompt was done within the TTFT SLO (by the prefill pool, or by decode for a
+    /// prompt computed there).
+    pub(crate) prompt: bool,
+    /// Its first token came within the TTFT SLO.
+    pub(crate) first: bool,
+    /// It then decoded within the ITL SLO.
+    pub(crate) decoded: bool,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ReqState {
     pub(crate) first_token: f64,
-    /// When its prompt was done, on prefill or on decode: the first token streams then,
-    /// or, for K/V handed to a decode replica mid-step, once that step ends.
+    /// When the prefill pool finished its prompt (NaN for a prompt computed on decode):
+    /// the prefill engines' TTFT; its K/V lands on decode at the next step boundary,
+    /// where the first token streams.
     pub(crate) prompt_done: f64,
     pub(crate) done: f64,
     /// The decode replica that reserved this request's KV when its prompt went to the
@@ -268,18 +281,27 @@ impl<'a> Sim<'a> {
             .collect()
     }
 
-    /// Runs to the end; per request, whether its first token came within the TTFT SLO
-    /// and whether it then decoded within the ITL SLO.
-    pub(crate) fn run_outcomes(mut self) -> Vec<(bool, bool)> {
+    /// Runs to the end; per request, whether its prompt was done and its first token
+    /// came within the TTFT SLO, and whether it then decoded within the ITL SLO.
+    pub(crate) fn run_outcomes(mut self) -> Vec<Outcome> {
         self.run_to_end();
         self.trace
             .iter()
             .zip(&self.reqs)
             .map(|(r, st)| {
-                let first = !st.first_token.is_nan() && self.cfg.ttft_met(r, st.first_token - r.t);
-                let decoded =
-                    !st.done.is_nan() && self.cfg.itl_met(itl_of(r, st.first_token, st.done));
-                (first, decoded)
+                let in_time = |at: f64| !at.is_nan() && self.cfg.ttft_met(r, at - r.t);
+                let first = in_time(st.first_token);
+                Outcome {
+                    // A prompt computed on decode is done when its first token comes.
+                    prompt: if st.prompt_done.is_nan() {
+                        first
+                    } else {
+                        in_time(st.prompt_done)
+                    },
+                    first,
+                    decoded: !st.done.is_nan()
+                        && self.cfg.itl_met(itl_of(r, st.first_token, st.done)),
+                }
             })
             .collect()
     }
@@ -442,30 +464,35 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// A prompt computed on the prefill pool gave its first token: the request goes
-    /// on to decode, or is done.
+    /// The prefill pool finished a prompt: its first token streams from decode, or
+    /// from here when decode is not simulated or nothing follows it.
     fn first_token(&mut self, req: usize, t: f64) {
         self.reqs[req].prompt_done = t;
+        // The prefill engine's TTFT, which its scaler reads: at the prompt's end.
+        let r = &self.trace[req];
+        self.recent_ttft.push_back((t, t - r.t));
+        let reserved = self.reqs[req].decode.take();
         if self.prefill_only {
             self.record_first_token(req, t);
             self.finished += 1;
-        } else if self.trace[req].output_tokens <= 1 {
+        } else if r.output_tokens <= 1 {
             self.record_first_token(req, t);
             self.finish(req, t);
-        } else if let Some(i) = self.reqs[req]
-            .decode
-            .take()
-            .and_then(|id| self.decode.iter().position(|d| d.id == id))
+        } else if let Some(i) =
+            reserved.and_then(|id| self.decode.iter().position(|d| d.id() == id))
         {
             // Its blocks were reserved: it lands on that replica, draining or not, ahead
             // of any request still waiting for room, and its first token streams from
             // there once the step under way ends.
             let seq = self.seq_of(req);
             let d = &mut self.decode[i];
-            d.unreserve(seq.kv_tokens);
+            d.unreserve(f64::from(r.input_tokens));
             let at = d.resume(t, seq, &self.cfg.profile);
             self.record_first_token(req, at);
         } else {
+            // No decode replica had room when it was routed (the real gateway would
+            // have held it, or answered 429): it waits here for one, its first token
+            // counted now.
             self.record_first_token(req, t);
             self.decode_wait.push_back(req);
         }
@@ -484,11 +511,6 @@ impl<'a> Sim<'a> {
         let r = &self.trace[req];
         self.reqs[req].first_token = t;
         self.now.generated += 1.0;
-        // The prefill pool's TTFT: a prompt a decode replica computed is in the decode
-        // workers' histogram, which the prefill scaler does not read.
-        if !self.cfg.prefills_on_decode(r) {
-            self.recent_ttft.push_back((t, t - r.t));
-        }
         if self.fail_below.is_some() && !self.cfg.ttft_met(r, t - r.t) {
             self.count_miss();
         }
@@ -542,10 +564,12 @@ impl<'a> Sim<'a> {
                 }
             }
             let Some((_, i, cached)) = best else { break };
-            let kv = f64::from(r.input_tokens) + f64::from(r.output_tokens);
+            // The decode worker reserves the prompt's blocks; the tokens it generates
+            // take blocks as they come.
             if !self.prefill_only && r.output_tokens > 1 {
+                let prompt = f64::from(r.input_tokens);
                 self.reqs[req].decode =
-                    reserve_decode(&mut self.decode, t, kv, self.max_batch, profile.kv_tokens);
+                    reserve_decode(&mut self.decode, t, prompt, profile.kv_tokens);
             }
             self.held.pop_front();
             self.now.prefix_queries += len;
@@ -719,20 +743,20 @@ pub(crate) fn slowdown_at(points: &[(f64, f64)], busy: f64) -> f64 {
 }
 
 /// The gateway's choice of a decode replica for a prompt going to the prefill pool (the
-/// least KV held, reservations included), which reserves the request's KV there now;
+/// least KV held, reservations included), which reserves the prompt's KV there now;
 /// `None` where none is ready with room (the request then takes the first replica with
-/// room once its prompt is done).
+/// room once its prompt is done). Like the engine's reservation, it holds blocks only,
+/// not a place in the batch.
 fn reserve_decode(
     decode: &mut [DecodeReplica],
     t: f64,
-    kv: f64,
-    max_batch: usize,
+    prompt: f64,
     kv_capacity: f64,
 ) -> Option<u64> {
     let d = decode
         .iter_mut()
-        .filter(|d| !d.draining && d.is_ready(t) && d.fits(kv, max_batch, kv_capacity))
+        .filter(|d| !d.draining && d.is_ready(t) && d.has_room(prompt, kv_capacity))
         .min_by(|a, b| a.kv_held().total_cmp(&b.kv_held()))?;
-    d.reserve(kv);
-    Some(d.id)
+    d.reserve(prompt);
+    Some(d.id())
 }

@@ -735,8 +735,10 @@ fn the_prefill_pool_alone_gives_the_prompt_completions_of_a_full_run() {
         };
         let full = sim(&decode).run_prompts_done();
         let alone = sim(&vec![1; minutes]).prefill_only().run_first_tokens();
-        // A decode step of the largest batch at the longest context the trace holds.
-        let longest_step = c.profile.itl(c.max_batch() as f64);
+        // A decode step of the largest batch (this profile times no context), made
+        // longer by the longest prompt a decode replica computes in one.
+        let longest_step =
+            c.profile.itl(c.max_batch() as f64) + 32.0 / c.profile.prefill_rate(32.0);
         for (i, r) in trace.iter().enumerate() {
             if c.prefills_on_decode(r) {
                 continue;
@@ -904,4 +906,37 @@ fn a_prompt_lands_on_the_decode_replica_that_reserved_its_kv_when_it_went_to_pre
     // The four decode together, at 0.04 s a step with all four, for most of their
     // tokens (mean ITL p50 0.034 s); split two and two it was 0.016 s.
     assert!(r.itl_p50 > 0.03, "ITL p50 {}", r.itl_p50);
+}
+
+#[test]
+fn the_decode_scaler_sees_kv_reserved_for_prompts_still_in_prefill() {
+    // Ten 2,000-token prompts at once on one prefill replica computing 1,000 tokens/s:
+    // the last is done at 20 s. Each reserved its prompt's KV on the decode replica when
+    // it was routed, and the engines report that within their usage and on its own.
+    let mut c = cfg();
+    c.profile.prefill_tokens_per_s = vec![(1.0, 1_000.0)];
+    c.profile.kv_tokens = 100_000.0;
+    let trace = steady(0.0, 10, 0.0, 2_000, 5_000);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let run = Sim::new(
+        &c,
+        &trace,
+        Box::new(Static(1)),
+        Box::new(Watching(1, seen.clone())),
+    )
+    .run();
+    assert_eq!(run.unfinished, 0);
+    let seen = seen.lock().unwrap();
+    let at = |t: f64| seen.iter().find(|v| v.t >= t).unwrap().signals.clone();
+    // At 1 s: the first prompt still computing, all ten reserved (20,000 tokens).
+    let s = at(1.0);
+    assert!((s.kv_reserved - 0.2).abs() < 1e-9, "{s:?}");
+    assert!((s.kv_usage - 0.2).abs() < 1e-9, "{s:?}");
+    // At 11 s: five landed and running (7,000 tokens each), five still reserved.
+    let s = at(11.0);
+    assert_eq!(s.running, 5.0, "{s:?}");
+    assert!((s.kv_reserved - 0.1).abs() < 1e-9, "{s:?}");
+    assert!((s.kv_usage - 0.45).abs() < 1e-9, "{s:?}");
+    // Once every prompt is done, nothing is reserved.
+    assert_eq!(seen.last().unwrap().signals.kv_reserved, 0.0);
 }

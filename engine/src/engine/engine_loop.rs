@@ -285,7 +285,6 @@ impl EngineLoop {
             }
         }
         let seqs: Vec<SeqSlice<'_>> = tables.iter().map(|t| SeqSlice { block_table: t }).collect();
-        let context: usize = work.iter().map(|w| w.start + w.len).sum();
         let forwarding = Instant::now();
         let logits = self.backend.forward(&ForwardBatch {
             tokens: &tokens,
@@ -312,7 +311,8 @@ impl EngineLoop {
             target: "preheat_engine::step",
             seqs = work.len(),
             tokens = tokens.len(),
-            context,
+            // Fields are computed only when the event is on.
+            context = work.iter().map(|w| w.start + w.len).sum::<usize>(),
             commands = self.handled.0,
             commands_ms = self.handled.1.as_secs_f64() * 1e3,
             forward_ms = forward.as_secs_f64() * 1e3,

@@ -319,6 +319,7 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             tracing::debug!(
                 target: "preheat_engine::handoff",
                 request = %b.request_id,
+                ok = pulled.is_ok(),
                 reserve_ms = reserved.as_secs_f64() * 1e3,
                 pull_ms = (reserving.elapsed() - reserved).as_secs_f64() * 1e3,
                 "pulled"
