@@ -969,7 +969,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reservation_holds_room_and_keeps_a_draining_replica_until_it_lands() {
+    fn a_reservation_holds_room_in_the_cache_and_keeps_the_replica_from_idling() {
         let mut r = DecodeReplica::new(0.0).with_id(7);
         assert!(r.is_idle());
         r.reserve(60.0);
