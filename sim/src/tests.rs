@@ -852,25 +852,36 @@ impl Autoscaler for Watching {
     }
 }
 
+/// Runs `prefill` fixed prefill replicas and one decode replica that keeps what it saw
+/// at each decision; every request must finish.
+fn run_watching_decode(
+    c: &SimConfig,
+    trace: &[TraceRequest],
+    prefill: u32,
+) -> Vec<autoscalers::PoolView> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let run = Sim::new(
+        c,
+        trace,
+        Box::new(Static(prefill)),
+        Box::new(Watching(1, seen.clone())),
+    )
+    .run();
+    assert_eq!(run.unfinished, 0);
+    let seen = seen.lock().unwrap().clone();
+    seen
+}
+
 #[test]
 fn regression_the_decode_itl_and_token_rate_waited_for_requests_to_finish() {
     // Sixteen long answers on one decode replica: every step at the profile's batch-16
     // ITL, and none of them done in the first minute.
     let c = cfg();
     let trace = steady(0.0, 16, 0.0, 64, 8000);
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let run = Sim::new(
-        &c,
-        &trace,
-        Box::new(Static(2)),
-        Box::new(Watching(1, seen.clone())),
-    )
-    .run();
-    assert_eq!(run.unfinished, 0);
+    let seen = run_watching_decode(&c, &trace, 2);
     let itl = c.profile.itl(16.0);
     let first_done = 7999.0 * itl;
     assert!(first_done > 60.0, "{first_done}");
-    let seen = seen.lock().unwrap();
     let v = seen
         .iter()
         .find(|v| v.t >= 30.0)
@@ -917,16 +928,7 @@ fn the_decode_scaler_sees_kv_reserved_for_prompts_still_in_prefill() {
     c.profile.prefill_tokens_per_s = vec![(1.0, 1_000.0)];
     c.profile.kv_tokens = 100_000.0;
     let trace = steady(0.0, 10, 0.0, 2_000, 5_000);
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let run = Sim::new(
-        &c,
-        &trace,
-        Box::new(Static(1)),
-        Box::new(Watching(1, seen.clone())),
-    )
-    .run();
-    assert_eq!(run.unfinished, 0);
-    let seen = seen.lock().unwrap();
+    let seen = run_watching_decode(&c, &trace, 1);
     let at = |t: f64| seen.iter().find(|v| v.t >= t).unwrap().signals.clone();
     // At 1 s: the first prompt still computing, all ten reserved (20,000 tokens).
     let s = at(1.0);
