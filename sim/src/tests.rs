@@ -868,8 +868,7 @@ fn run_watching_decode(
     )
     .run();
     assert_eq!(run.unfinished, 0);
-    let seen = seen.lock().unwrap().clone();
-    seen
+    seen.lock().unwrap().clone()
 }
 
 #[test]
