@@ -16,9 +16,43 @@ pub fn workspace_root() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
-/// A loopback port free now (bound and released).
+/// A loopback port free now (bound and released), below the kernel's ephemeral range.
+/// A port from that range (what binding port 0 gives) can be taken, between this call
+/// and the server binding it, as the source port of any outgoing connection (a worker
+/// dialling its gateway), and the server then fails with "Address already in use";
+/// a CI run of the attack suite did. Ports are tried from a per-process starting point,
+/// each at most once per process, so the threads of one test binary do not draw the
+/// same one either.
 #[must_use]
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const FLOOR: u32 = 10_000;
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768)
+        .min(u32::from(u16::MAX));
+    if low > FLOOR + 1_000 {
+        let span = low - FLOOR;
+        static START: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        let start = *START.get_or_init(|| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            std::process::id().wrapping_mul(7_919).wrapping_add(nanos)
+        });
+        // A prime stride: successive draws walk the whole range before repeating.
+        for _ in 0..span.min(2_000) {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let port = FLOOR + start.wrapping_add(n.wrapping_mul(7_853)) % span;
+            if let Ok(port) = u16::try_from(port)
+                && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("bind a loopback port")
