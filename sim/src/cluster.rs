@@ -601,8 +601,14 @@ impl DecodeReplica {
         if self.seqs.is_empty() {
             self.clock = self.clock.max(t);
         }
+        self.join(seq, self.steps);
+    }
+
+    /// Puts `seq` in the batch, its KV held, generating its tokens in the steps after
+    /// step count `from`.
+    fn join(&mut self, seq: Seq, from: u64) {
         self.kv_used += seq.kv_tokens;
-        let end_step = self.steps + u64::from(seq.remaining);
+        let end_step = from + u64::from(seq.remaining);
         self.ends += seq.kv_tokens - end_step as f64;
         self.seqs.push(Running {
             end_step,
@@ -623,17 +629,10 @@ impl DecodeReplica {
             self.admit(t, seq);
             return at;
         }
-        self.kv_used += seq.kv_tokens;
-        let end_step = self.steps + 1 + u64::from(seq.remaining);
-        self.ends += seq.kv_tokens - end_step as f64;
         // No token or gap of its own in the step under way.
         self.no_token += 1;
         self.no_gap += 1;
-        self.seqs.push(Running {
-            end_step,
-            req: seq.req,
-            kv_tokens: seq.kv_tokens,
-        });
+        self.join(seq, self.steps + 1);
         // The step under way is timed with it in the batch (a step's time is its
         // batch's here), a fraction of one step's difference. Never before now: the
         // clock can trail `t` by more than a step where steps are timed at their own,
@@ -670,19 +669,12 @@ impl DecodeReplica {
             }
             next
         };
-        self.kv_used += seq.kv_tokens;
         // In the batch from the next step, its first token at the end of step
         // `first_step`: no token counted here, nor a gap, up to then.
         self.no_token += first_step - self.steps;
         self.no_gap += first_step - self.steps;
         self.firsts.push((first_step, seq.req));
-        let end_step = first_step + u64::from(seq.remaining);
-        self.ends += seq.kv_tokens - end_step as f64;
-        self.seqs.push(Running {
-            end_step,
-            req: seq.req,
-            kv_tokens: seq.kv_tokens,
-        });
+        self.join(seq, first_step);
     }
 
     /// Steps until the next sequence completes or a prompt computed here gives its
