@@ -154,6 +154,31 @@ fn simulate_bad_input_is_a_clear_error() {
             ],
             "cannot be used with",
         ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--need-curve",
+                "4",
+                "--frontier",
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--need-curve",
+                "4",
+                "--policy",
+                "kpa",
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--need-curve", "1"],
+            "1 is not in 2..=64",
+        ),
     ] {
         let out = preheat(std::iter::once("simulate").chain(args.iter().copied()));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -337,4 +362,50 @@ fn frontier_and_start_up_sweeps_report_every_point_with_a_plot() {
     );
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.contains("start-up seconds") && plot.contains("SLO attainment %"));
+}
+
+#[test]
+fn need_curve_reports_the_steady_need_by_rate_against_static_peak_with_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    // Ten minutes climbing from one request every 5 s to one a second, 16k-token prompts.
+    let trace = dir.path().join("ramp.jsonl");
+    let mut lines = String::new();
+    let mut t = 0.0f64;
+    while t < 600.0 {
+        lines.push_str(&format!(
+            "{{\"timestamp\":{},\"input_length\":16384,\"output_length\":16,\"hash_ids\":[]}}\n",
+            (t * 1000.0) as u64
+        ));
+        t += 5.0 - 4.0 * t / 600.0;
+    }
+    std::fs::write(&trace, lines).unwrap();
+    let (json, svg) = (dir.path().join("n.json"), dir.path().join("n.svg"));
+    let out = ok([
+        "simulate".as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--need-curve".as_ref(),
+        "2".as_ref(),
+        "--json".as_ref(),
+        json.as_os_str(),
+        "--plot".as_ref(),
+        svg.as_os_str(),
+    ]);
+    assert!(out.contains("static-peak on the trace"), "{out}");
+    assert!(
+        out.contains("each minute at its rate's steady need"),
+        "{out}"
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let points = r["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    assert!(points[0]["rate"].as_f64().unwrap() < points[1]["rate"].as_f64().unwrap());
+    assert_eq!(r["minute_rates"].as_array().unwrap().len(), 10);
+    let total = |k: &str| r[k]["prefill"].as_f64().unwrap() + r[k]["decode"].as_f64().unwrap();
+    let [sp, sd] = [0, 1].map(|i| r["static_peak"][i].as_f64().unwrap());
+    assert_eq!(total("fixed"), (sp + sd) * 600.0);
+    assert!(total("tracking") > 0.0 && total("relaxed") <= total("tracking"));
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("requests/s"));
+    assert!(plot.contains(">steady need</text>"), "the legend");
 }

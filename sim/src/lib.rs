@@ -30,6 +30,7 @@ pub mod day;
 pub mod hpa;
 mod itl_histogram;
 pub mod keda;
+pub mod need;
 mod observe;
 mod per_pool;
 mod prefix_index;

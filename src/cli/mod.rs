@@ -271,6 +271,17 @@ pub struct SimulateArgs {
     /// and report attainment and GPU-seconds against start time.
     #[arg(long, value_delimiter = ',', value_parser = seconds_arg, value_name = "SECONDS")]
     pub startup_s: Vec<f64>,
+    /// Instead of the policies: the fewest fixed replicas that hold a steady hour at
+    /// 99% (`static-peak`'s search), at this many rates from the trace's quietest busy
+    /// minute to its busiest (requests drawn from the trace), and what holding every
+    /// minute at its rate's size would cost against `static-peak` on the trace.
+    #[arg(
+        long,
+        value_name = "POINTS",
+        value_parser = clap::value_parser!(u32).range(2..=64),
+        conflicts_with_all = ["frontier", "startup_s", "policy", "actuation", "start", "standbys", "start_unix"]
+    )]
+    pub need_curve: Option<u32>,
     /// Write the full report (every policy, timelines) as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,

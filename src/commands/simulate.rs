@@ -12,8 +12,12 @@ use preheat_sim::{self as sim, SimConfig, SimReport, StartClass};
 
 use crate::cli::SimulateArgs;
 
+mod need;
 mod sweeps;
 use crate::plot::{Panel, Series, svg};
+
+/// Seconds of steady load each point of `--need-curve` is measured on.
+const NEED_STEADY_S: f64 = 3600.0;
 
 /// A start time longer than this is a typo (an hour to start a replica).
 const MAX_STARTUP_S: f64 = 3600.0;
@@ -118,6 +122,11 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
             "simulation done"
         );
     };
+    if let Some(points) = a.need_curve {
+        let r = sim::need::need_curve(&o.sim, &trace, points as usize, NEED_STEADY_S, &progress);
+        done(r.points.len() + 1);
+        return need::write_need(a, &name, &r);
+    }
     if a.frontier {
         let f = sim::sweep::frontier(&o.policies, &o.sim, &trace, &progress)?;
         done(f.points.len());

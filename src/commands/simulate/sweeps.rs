@@ -1,4 +1,5 @@
-//! `simulate --frontier` and `simulate --startup-s`: their tables, JSON and plots.
+//! `simulate --frontier` and `simulate --startup-s`: their tables, JSON and plots (and
+//! the outputs `--need-curve` shares).
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -14,7 +15,7 @@ fn knob_text(p: &Point) -> String {
     p.knob.map_or_else(|| "-".to_owned(), |k| format!("{k}"))
 }
 
-fn write_outputs<T: serde::Serialize>(
+pub(super) fn write_outputs<T: serde::Serialize>(
     a: &SimulateArgs,
     report: &T,
     plot: impl FnOnce() -> String,
@@ -193,7 +194,7 @@ fn startup_plot(trace: &str, s: &StartupSweep) -> String {
     )
 }
 
-fn short(trace: &str) -> String {
+pub(super) fn short(trace: &str) -> String {
     std::path::Path::new(trace)
         .file_name()
         .map_or_else(|| trace.to_owned(), |f| f.to_string_lossy().into_owned())
