@@ -36,7 +36,6 @@ pub struct Plan {
 impl Plan {
     /// A schedule of replicas per minute, ready the moment they are planned (the
     /// bisection's own kind).
-    #[cfg(test)]
     pub(crate) fn per_minute(per_minute: Vec<u32>) -> Self {
         Plan {
             per_minute,

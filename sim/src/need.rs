@@ -17,8 +17,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde::Serialize;
 
-use crate::config::SimConfig;
+use crate::clairvoyant::Plan;
+use crate::config::{SimConfig, StartClass};
 use crate::day::{DayShape, day};
+use crate::replay::Sim;
 use crate::sizing::static_peak;
 use crate::trace::TraceRequest;
 
@@ -51,6 +53,13 @@ impl PoolSeconds {
     }
 }
 
+/// A minute-by-minute size simulated on the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PlanRun {
+    pub slo_attainment: f64,
+    pub gpu_seconds: f64,
+}
+
 /// The need curve of a trace and what sizing its minutes by it costs.
 #[derive(Clone, Debug, Serialize)]
 pub struct NeedReport {
@@ -64,6 +73,9 @@ pub struct NeedReport {
     /// yardstick every sizing below is charged the same way as).
     pub static_peak: (u32, u32),
     pub static_peak_attainment: f64,
+    /// `static-peak`'s GPU-seconds as simulated (with the drain after the last
+    /// request, which `fixed` leaves out).
+    pub static_peak_gpu_seconds: f64,
     pub fixed: PoolSeconds,
     /// Every minute at the curve's size for its rate.
     pub tracking: PoolSeconds,
@@ -74,7 +86,23 @@ pub struct NeedReport {
     /// `static-peak`'s sizes in proportion to each minute's rate against the busiest
     /// minute's: what tracking would cost if the need grew with the load.
     pub proportional: PoolSeconds,
+    /// `(prefill, decode)`: the factor `relaxed` scales the curve by.
+    pub relax: (f64, f64),
+    /// `tracking` and `relaxed` as whole replicas (each minute's size rounded up, at
+    /// least one) simulated on the trace with every replica ready the moment its
+    /// minute begins: what each sizing attains, and costs, at best.
+    pub tracking_run: Option<PlanRun>,
+    pub relaxed_run: Option<PlanRun>,
+    /// The least factor (to [`SCALED_STEP`]) the curve can be scaled by, both pools
+    /// alike, and still hold the trace at 99% so simulated, with that run: the
+    /// cheapest sizing by each minute's known rate along the curve's shape.
+    pub scaled_run: Option<(f64, PlanRun)>,
 }
+
+/// Attainment the scaled curve must hold on the trace, as `static-peak` does.
+const TARGET: f64 = 0.99;
+/// Resolution of the scaled curve's factor.
+pub const SCALED_STEP: f64 = 0.01;
 
 /// Requests/s in each whole minute from 0 to the last request's, the last minute over
 /// the seconds it covers (at least one).
@@ -195,7 +223,7 @@ pub fn need_curve(
                         progress("static-peak on the trace");
                         let (p, d, r) = static_peak(cfg, trace);
                         *fixed_cell.lock().unwrap_or_else(|e| e.into_inner()) =
-                            Some((p, d, r.slo_attainment));
+                            Some((p, d, r.slo_attainment, r.gpu_seconds));
                         continue;
                     }
                     let rate = grid[i - 1];
@@ -228,11 +256,74 @@ pub fn need_curve(
         .into_iter()
         .flatten()
         .collect();
-    let (sp, sd, static_peak_attainment) = fixed_cell
+    let (sp, sd, static_peak_attainment, static_peak_gpu_seconds) = fixed_cell
         .into_inner()
         .unwrap_or_else(|e| e.into_inner())
-        .unwrap_or((0, 0, 0.0));
-    charge(points, rates, (sp, sd), static_peak_attainment, steady_s)
+        .unwrap_or((0, 0, 0.0, 0.0));
+    let mut r = charge(points, rates, (sp, sd), static_peak_attainment, steady_s);
+    r.static_peak_gpu_seconds = static_peak_gpu_seconds;
+    progress("each minute at its steady need");
+    r.tracking_run = Some(run_plan(cfg, trace, &r, (1.0, 1.0)));
+    progress("each minute at its steady need, relaxed");
+    r.relaxed_run = Some(run_plan(cfg, trace, &r, r.relax));
+    r.scaled_run = least_scale(cfg, trace, &r, progress);
+    r
+}
+
+/// Bisects the factor in `[the smaller relaxation, 1]` for the least that holds
+/// [`TARGET`]; `None` where even the curve itself does not.
+fn least_scale(
+    cfg: &SimConfig,
+    trace: &[TraceRequest],
+    r: &NeedReport,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Option<(f64, PlanRun)> {
+    let full = r.tracking_run?;
+    if full.slo_attainment < TARGET {
+        return None;
+    }
+    let (mut lo, mut hi) = (r.relax.0.min(r.relax.1), 1.0f64);
+    let mut best = (1.0, full);
+    while hi - lo > SCALED_STEP {
+        let mid = f64::midpoint(lo, hi);
+        progress(&format!("each minute at {mid:.3}× its steady need"));
+        let run = run_plan(cfg, trace, r, (mid, mid));
+        if run.slo_attainment >= TARGET {
+            best = (mid, run);
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(best)
+}
+
+/// Each minute of `r` at its rate's need scaled by `relax`, rounded up, simulated on
+/// `trace` with replicas ready the moment they are planned.
+fn run_plan(cfg: &SimConfig, trace: &[TraceRequest], r: &NeedReport, relax: (f64, f64)) -> PlanRun {
+    let mut instant = cfg.clone();
+    instant.start = StartClass::Hot;
+    let instant = instant.with_startup_s(0.0);
+    let (prefill, decode): (Vec<u32>, Vec<u32>) = r
+        .minute_rates
+        .iter()
+        .map(|&rate| {
+            let (p, d) = need_at(&r.points, rate);
+            let whole = |x: f64| (x.ceil().max(1.0)) as u32;
+            (whole(p * relax.0), whole(d * relax.1))
+        })
+        .unzip();
+    let run = Sim::new(
+        &instant,
+        trace,
+        Box::new(Plan::per_minute(prefill)),
+        Box::new(Plan::per_minute(decode)),
+    )
+    .run();
+    PlanRun {
+        slo_attainment: run.slo_attainment,
+        gpu_seconds: run.gpu_seconds,
+    }
 }
 
 /// Charges every minute of `rates` by the curve `points`, and by the fixed and
@@ -277,10 +368,15 @@ pub fn charge(
         minute_rates: rates,
         static_peak,
         static_peak_attainment,
+        static_peak_gpu_seconds: 0.0,
         fixed,
         tracking,
         relaxed,
         proportional,
+        relax: (rp, rd),
+        tracking_run: None,
+        relaxed_run: None,
+        scaled_run: None,
     }
 }
 
@@ -399,8 +495,8 @@ mod tests {
         });
         assert_eq!(
             seen.into_inner().unwrap().len(),
-            4,
-            "three steady loads and the trace"
+            6,
+            "three steady loads, the trace, and two sizings run on it"
         );
         let rates = minute_rates(&trace);
         assert_eq!(r.minute_rates, rates);
@@ -421,5 +517,19 @@ mod tests {
         assert_eq!(r.fixed.total(), f64::from(sp + sd) * minutes);
         assert!(r.relaxed.prefill <= r.tracking.prefill && r.relaxed.decode <= r.tracking.decode);
         assert!(r.tracking.total() > 0.0 && r.proportional.total() > 0.0);
+        // Both sizings ran on the trace; the steady need holds its minutes to 99%.
+        let (tracked, relaxed) = (r.tracking_run.unwrap(), r.relaxed_run.unwrap());
+        assert!(tracked.slo_attainment >= 0.99, "{tracked:?}");
+        assert!(
+            relaxed.gpu_seconds <= tracked.gpu_seconds,
+            "{relaxed:?} {tracked:?}"
+        );
+        assert!(r.static_peak_gpu_seconds > 0.0);
+        let (f, scaled) = r.scaled_run.unwrap();
+        assert!(f <= 1.0 && scaled.slo_attainment >= 0.99, "{f} {scaled:?}");
+        assert!(
+            scaled.gpu_seconds <= tracked.gpu_seconds,
+            "{scaled:?} {tracked:?}"
+        );
     }
 }
