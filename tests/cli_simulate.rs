@@ -392,19 +392,28 @@ fn need_curve_reports_the_steady_need_by_rate_against_static_peak_with_a_plot() 
         svg.as_os_str(),
     ]);
     assert!(out.contains("static-peak on the trace"), "{out}");
-    assert!(
-        out.contains("each minute at its rate's steady need"),
-        "{out}"
-    );
+    assert!(out.contains("run on the trace in whole replicas"), "{out}");
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let points = r["points"].as_array().unwrap();
     assert_eq!(points.len(), 2);
     assert!(points[0]["rate"].as_f64().unwrap() < points[1]["rate"].as_f64().unwrap());
     assert_eq!(r["minute_rates"].as_array().unwrap().len(), 10);
-    let total = |k: &str| r[k]["prefill"].as_f64().unwrap() + r[k]["decode"].as_f64().unwrap();
+    let c = &r["charges"];
+    let total = |k: &str| c[k]["prefill"].as_f64().unwrap() + c[k]["decode"].as_f64().unwrap();
     let [sp, sd] = [0, 1].map(|i| r["static_peak"][i].as_f64().unwrap());
     assert_eq!(total("fixed"), (sp + sd) * 600.0);
     assert!(total("tracking") > 0.0 && total("relaxed") <= total("tracking"));
+    // Sized minute by minute, the need holds the ramp, and so does its least scale.
+    assert!(
+        r["tracking_run"]["slo_attainment"].as_f64().unwrap() >= 0.99,
+        "{r}"
+    );
+    let scaled = &r["scaled_run"];
+    assert!(
+        scaled["run"]["slo_attainment"].as_f64().unwrap() >= 0.99,
+        "{r}"
+    );
+    assert!(scaled["prefill"].as_f64().unwrap() <= 1.0, "{r}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.starts_with("<svg") && plot.contains("requests/s"));
     assert!(plot.contains(">steady need</text>"), "the legend");

@@ -24,7 +24,8 @@ use super::config::{SimConfig, StartClass};
 use super::replay::{Outcome, Sim};
 use super::trace::TraceRequest;
 
-const MINUTE: f64 = 60.0;
+/// Seconds of a planned minute.
+pub(crate) const MINUTE: f64 = 60.0;
 
 /// Replicas per minute of the trace, applied one start-up ahead.
 #[derive(Clone, Debug)]

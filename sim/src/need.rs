@@ -7,36 +7,47 @@
 //! `static-peak`'s own search on steady Poisson hours at rates spanning the trace's
 //! minutes, each drawing its requests from the trace itself; it then charges every
 //! minute of the trace the curve's size at that minute's rate, as a policy would that
-//! knew each minute's rate, started replicas instantly and never paid for learning.
-//! Against `static-peak` on the whole trace, that says what share of the fixed size
-//! scaling can save at best while holding each minute to the SLO, and the proportional
-//! line beside it says what it would save if the need grew with the load.
+//! knew each minute's rate, started replicas instantly and never paid for learning,
+//! and runs those sizes on the trace. Against `static-peak` on the whole trace, that
+//! says what share of the fixed size sizing by load can save at best along the
+//! curve's shape, and the proportional line beside it says what it would save if the
+//! need grew with the load. The curve takes arrivals within a minute as Poisson: on a
+//! trace whose bursts are shorter than that, its sizes miss, and the runs show it.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde::Serialize;
 
-use crate::clairvoyant::Plan;
+use crate::clairvoyant::{MINUTE, Plan};
 use crate::config::{SimConfig, StartClass};
 use crate::day::{DayShape, day};
 use crate::replay::Sim;
 use crate::sizing::static_peak;
 use crate::trace::TraceRequest;
 
-/// Seconds of each minute's bucket.
-const MINUTE_S: f64 = 60.0;
+/// Attainment a sizing must hold on the trace, as `static-peak`'s does.
+const TARGET: f64 = 0.99;
+/// Resolution of a scaled curve's factor.
+pub const SCALED_STEP: f64 = 0.01;
+/// Most requests one steady load holds: a trace whose busiest minute is far busier
+/// than a fleet's (every request at one instant) is measured over a shorter load,
+/// not one that exhausts memory.
+pub const MAX_STEADY_REQUESTS: f64 = 2_000_000.0;
 
 /// The fewest fixed replicas serving a steady load at one rate.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct NeedPoint {
     /// Requests/s of the steady load.
     pub rate: f64,
+    /// `static-peak`'s sizes on it.
     pub prefill: u32,
     pub decode: u32,
     /// What that size attained on it (under 99% only where the pools' maxima did).
     pub slo_attainment: f64,
+    /// Requests in the steady load, and the seconds they came over.
     pub requests: usize,
+    pub seconds: f64,
 }
 
 /// GPU-seconds per pool of one way of sizing the trace's minutes.
@@ -60,52 +71,63 @@ pub struct PlanRun {
     pub gpu_seconds: f64,
 }
 
-/// The need curve of a trace and what sizing its minutes by it costs.
-#[derive(Clone, Debug, Serialize)]
-pub struct NeedReport {
-    /// Seconds of each steady load the curve was measured on.
-    pub steady_s: f64,
-    /// In increasing rate.
-    pub points: Vec<NeedPoint>,
-    /// Requests/s of each minute of the trace (the last one over what it covers).
-    pub minute_rates: Vec<f64>,
-    /// `static-peak` on the trace: its sizes, and those held over every minute (the
-    /// yardstick every sizing below is charged the same way as).
-    pub static_peak: (u32, u32),
-    pub static_peak_attainment: f64,
-    /// `static-peak`'s GPU-seconds as simulated (with the drain after the last
-    /// request, which `fixed` leaves out).
-    pub static_peak_gpu_seconds: f64,
+/// The curve scaled per pool by the least factors that still hold the trace at 99%
+/// (prefill's first, with decode at the curve; then decode's under it), and its run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ScaledRun {
+    pub prefill: f64,
+    pub decode: f64,
+    pub run: PlanRun,
+}
+
+/// Each minute of the trace charged by the curve, and by `static-peak`'s size.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Charges {
+    /// `static-peak`'s size, every minute.
     pub fixed: PoolSeconds,
     /// Every minute at the curve's size for its rate.
     pub tracking: PoolSeconds,
     /// The same, the curve scaled down per pool so that the busiest minute needs no
-    /// more than `static-peak`'s size: the slack a fixed size takes at its busiest
-    /// (missing there, making up for it elsewhere), granted to every minute alike.
+    /// more than `static-peak`'s size: the ratio of the fixed size to a steady load's
+    /// need at the busiest minute's rate, granted to every minute alike.
     pub relaxed: PoolSeconds,
     /// `static-peak`'s sizes in proportion to each minute's rate against the busiest
     /// minute's: what tracking would cost if the need grew with the load.
     pub proportional: PoolSeconds,
     /// `(prefill, decode)`: the factor `relaxed` scales the curve by.
     pub relax: (f64, f64),
-    /// `tracking` and `relaxed` as whole replicas (each minute's size rounded up, at
-    /// least one) simulated on the trace with every replica ready the moment its
-    /// minute begins: what each sizing attains, and costs, at best.
-    pub tracking_run: Option<PlanRun>,
-    pub relaxed_run: Option<PlanRun>,
-    /// The least factor (to [`SCALED_STEP`]) the curve can be scaled by, both pools
-    /// alike, and still hold the trace at 99% so simulated, with that run: the
-    /// cheapest sizing by each minute's known rate along the curve's shape.
-    pub scaled_run: Option<(f64, PlanRun)>,
 }
 
-/// Attainment the scaled curve must hold on the trace, as `static-peak` does.
-const TARGET: f64 = 0.99;
-/// Resolution of the scaled curve's factor.
-pub const SCALED_STEP: f64 = 0.01;
+/// The need curve of a trace and what sizing its minutes by it costs.
+#[derive(Clone, Debug, Serialize)]
+pub struct NeedReport {
+    /// Seconds of each steady load the curve was asked to be measured on (a point's
+    /// own says where [`MAX_STEADY_REQUESTS`] made it shorter).
+    pub steady_s: f64,
+    /// In increasing rate.
+    pub points: Vec<NeedPoint>,
+    /// Requests/s of each minute of the trace.
+    pub minute_rates: Vec<f64>,
+    /// `static-peak` on the trace: its sizes, attainment and GPU-seconds as simulated
+    /// (with the drain after the last request, which `charges.fixed` leaves out).
+    pub static_peak: (u32, u32),
+    pub static_peak_attainment: f64,
+    pub static_peak_gpu_seconds: f64,
+    pub charges: Charges,
+    /// `tracking` and `relaxed` in whole replicas (each minute's size rounded up, at
+    /// least one) simulated on the trace with every replica ready the moment its
+    /// minute begins: what each sizing attains, and costs, at best.
+    pub tracking_run: PlanRun,
+    pub relaxed_run: PlanRun,
+    /// `None` where the curve itself does not hold 99% on the trace.
+    pub scaled_run: Option<ScaledRun>,
+    /// Simulations run on the trace (the steady loads' searches aside).
+    pub trace_runs: usize,
+}
 
-/// Requests/s in each whole minute from 0 to the last request's, the last minute over
-/// the seconds it covers (at least one).
+/// Requests/s in each whole minute from 0 to the last request's. The last minute is
+/// taken over a whole minute too, as every sizing here charges it: a few requests in
+/// its first second are not a burst.
 #[must_use]
 pub fn minute_rates(trace: &[TraceRequest]) -> Vec<f64> {
     let Some(last) = trace
@@ -116,26 +138,13 @@ pub fn minute_rates(trace: &[TraceRequest]) -> Vec<f64> {
     else {
         return Vec::new();
     };
-    let minutes = (last.max(0.0) / MINUTE_S).floor() as usize + 1;
+    let minutes = (last.max(0.0) / MINUTE).floor() as usize + 1;
     let mut counts = vec![0usize; minutes];
     for r in trace.iter().filter(|r| r.t.is_finite()) {
-        let m = ((r.t.max(0.0) / MINUTE_S).floor() as usize).min(minutes - 1);
+        let m = ((r.t.max(0.0) / MINUTE).floor() as usize).min(minutes - 1);
         counts[m] += 1;
     }
-    counts
-        .iter()
-        .enumerate()
-        .map(|(m, &n)| n as f64 / minute_span(m, minutes, last))
-        .collect()
-}
-
-/// Seconds minute `m` of `minutes` covers when the trace ends at `last`.
-fn minute_span(m: usize, minutes: usize, last: f64) -> f64 {
-    if m + 1 < minutes {
-        MINUTE_S
-    } else {
-        (last - m as f64 * MINUTE_S).clamp(1.0, MINUTE_S)
-    }
+    counts.iter().map(|&n| n as f64 / MINUTE).collect()
 }
 
 /// `n` rates from `lo` to `hi`, evenly spaced in their logarithm (the curve bends most
@@ -160,9 +169,9 @@ pub fn rate_grid(lo: f64, hi: f64, n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// The curve's (prefill, decode) size at `rate`: linear between its points, from none
-/// at no load to its first point, its last point's beyond it. Fractional: a yardstick,
-/// not a deployment.
+/// The curve's (prefill, decode) size at `rate`: linear between its points (in
+/// increasing rate), from none at no load to its first point, its last point's beyond
+/// it. Fractional: a yardstick, not a deployment.
 #[must_use]
 pub fn need_at(points: &[NeedPoint], rate: f64) -> (f64, f64) {
     // No load, or a rate that is not a number, needs nothing.
@@ -189,9 +198,10 @@ pub fn need_at(points: &[NeedPoint], rate: f64) -> (f64, f64) {
 }
 
 /// Measures the need curve of `trace` at `points` rates from its quietest busy minute's
-/// to its busiest's (`steady_s` seconds of steady Poisson arrivals each, requests drawn
-/// from the trace, seeded) on every core, and charges the trace's minutes by it.
-/// `progress` is told each steady load as it starts.
+/// to its busiest's (`steady_s` seconds of steady Poisson arrivals each, at most
+/// [`MAX_STEADY_REQUESTS`], requests drawn from the trace, seeded) on every core,
+/// charges the trace's minutes by it and runs those sizes on the trace. `progress` is
+/// told each run as it starts.
 #[must_use]
 pub fn need_curve(
     cfg: &SimConfig,
@@ -207,7 +217,8 @@ pub fn need_curve(
     let grid = rate_grid(lo, hi, points);
     let measured: Mutex<Vec<Option<NeedPoint>>> = Mutex::new(vec![None; grid.len()]);
     let next = AtomicUsize::new(0);
-    // The whole trace's own search runs beside the steady ones.
+    // The whole trace's own search runs beside the steady ones, first: it is the
+    // longest.
     let fixed_cell = Mutex::new(None);
     let jobs = grid.len() + 1;
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
@@ -228,10 +239,11 @@ pub fn need_curve(
                     }
                     let rate = grid[i - 1];
                     progress(&format!("steady load at {rate:.2} req/s"));
+                    let seconds = steady_s.min(MAX_STEADY_REQUESTS / rate);
                     let steady = day(
                         trace,
                         &DayShape {
-                            hours: steady_s / 3600.0,
+                            hours: seconds / 3600.0,
                             peak_rps: rate,
                             swing: 1.0,
                             seed: i as u64,
@@ -245,6 +257,7 @@ pub fn need_curve(
                         decode,
                         slo_attainment: r.slo_attainment,
                         requests: steady.len(),
+                        seconds,
                     });
                 }
             });
@@ -256,128 +269,142 @@ pub fn need_curve(
         .into_iter()
         .flatten()
         .collect();
+    // Job 0 always ran: the scope joined every thread.
     let (sp, sd, static_peak_attainment, static_peak_gpu_seconds) = fixed_cell
         .into_inner()
         .unwrap_or_else(|e| e.into_inner())
         .unwrap_or((0, 0, 0.0, 0.0));
-    let mut r = charge(points, rates, (sp, sd), static_peak_attainment, steady_s);
-    r.static_peak_gpu_seconds = static_peak_gpu_seconds;
+    let charges = charge(&points, &rates, (sp, sd));
+    let plans = Plans {
+        cfg,
+        trace,
+        points: &points,
+        rates: &rates,
+        runs: std::cell::Cell::new(0),
+    };
     progress("each minute at its steady need");
-    r.tracking_run = Some(run_plan(cfg, trace, &r, (1.0, 1.0)));
+    let tracking_run = plans.run((1.0, 1.0));
     progress("each minute at its steady need, relaxed");
-    r.relaxed_run = Some(run_plan(cfg, trace, &r, r.relax));
-    r.scaled_run = least_scale(cfg, trace, &r, progress);
-    r
+    let relaxed_run = plans.run(charges.relax);
+    let scaled_run =
+        (tracking_run.slo_attainment >= TARGET).then(|| plans.least_scale(tracking_run, progress));
+    NeedReport {
+        steady_s,
+        trace_runs: plans.runs.get(),
+        points,
+        minute_rates: rates,
+        static_peak: (sp, sd),
+        static_peak_attainment,
+        static_peak_gpu_seconds,
+        charges,
+        tracking_run,
+        relaxed_run,
+        scaled_run,
+    }
 }
 
-/// Bisects the factor in `[the smaller relaxation, 1]` for the least that holds
-/// [`TARGET`]; `None` where even the curve itself does not.
-fn least_scale(
-    cfg: &SimConfig,
-    trace: &[TraceRequest],
-    r: &NeedReport,
-    progress: &(dyn Fn(&str) + Sync),
-) -> Option<(f64, PlanRun)> {
-    let full = r.tracking_run?;
-    if full.slo_attainment < TARGET {
-        return None;
-    }
-    let (mut lo, mut hi) = (r.relax.0.min(r.relax.1), 1.0f64);
-    let mut best = (1.0, full);
-    while hi - lo > SCALED_STEP {
-        let mid = f64::midpoint(lo, hi);
-        progress(&format!("each minute at {mid:.3}× its steady need"));
-        let run = run_plan(cfg, trace, r, (mid, mid));
-        if run.slo_attainment >= TARGET {
-            best = (mid, run);
-            hi = mid;
-        } else {
-            lo = mid;
+/// The curve's sizes run on the trace, each minute's replicas ready the moment it
+/// begins.
+struct Plans<'a> {
+    cfg: &'a SimConfig,
+    trace: &'a [TraceRequest],
+    points: &'a [NeedPoint],
+    rates: &'a [f64],
+    runs: std::cell::Cell<usize>,
+}
+
+impl Plans<'_> {
+    /// Each minute at its rate's need scaled by `(prefill, decode)`, rounded up (at
+    /// least one, as `clairvoyant`'s plans).
+    fn run(&self, scale: (f64, f64)) -> PlanRun {
+        self.runs.set(self.runs.get() + 1);
+        let mut instant = self.cfg.clone();
+        instant.start = StartClass::Hot;
+        let instant = instant.with_startup_s(0.0);
+        let whole = |x: f64| x.ceil().max(1.0) as u32;
+        let (prefill, decode): (Vec<u32>, Vec<u32>) = self
+            .rates
+            .iter()
+            .map(|&rate| {
+                let (p, d) = need_at(self.points, rate);
+                (whole(p * scale.0), whole(d * scale.1))
+            })
+            .unzip();
+        let run = Sim::new(
+            &instant,
+            self.trace,
+            Box::new(Plan::per_minute(prefill)),
+            Box::new(Plan::per_minute(decode)),
+        )
+        .run();
+        PlanRun {
+            slo_attainment: run.slo_attainment,
+            gpu_seconds: run.gpu_seconds,
         }
     }
-    Some(best)
-}
 
-/// Each minute of `r` at its rate's need scaled by `relax`, rounded up, simulated on
-/// `trace` with replicas ready the moment they are planned.
-fn run_plan(cfg: &SimConfig, trace: &[TraceRequest], r: &NeedReport, relax: (f64, f64)) -> PlanRun {
-    let mut instant = cfg.clone();
-    instant.start = StartClass::Hot;
-    let instant = instant.with_startup_s(0.0);
-    let (prefill, decode): (Vec<u32>, Vec<u32>) = r
-        .minute_rates
-        .iter()
-        .map(|&rate| {
-            let (p, d) = need_at(&r.points, rate);
-            let whole = |x: f64| (x.ceil().max(1.0)) as u32;
-            (whole(p * relax.0), whole(d * relax.1))
-        })
-        .unzip();
-    let run = Sim::new(
-        &instant,
-        trace,
-        Box::new(Plan::per_minute(prefill)),
-        Box::new(Plan::per_minute(decode)),
-    )
-    .run();
-    PlanRun {
-        slo_attainment: run.slo_attainment,
-        gpu_seconds: run.gpu_seconds,
+    /// The least prefill factor in [0, 1] (to [`SCALED_STEP`]) that holds
+    /// [`TARGET`] with decode at the curve, then the least decode factor under it, as
+    /// `static-peak` sizes its pools; `full` is the curve's own run, which holds it.
+    fn least_scale(&self, full: PlanRun, progress: &(dyn Fn(&str) + Sync)) -> ScaledRun {
+        let least = |scaled: &dyn Fn(f64) -> (f64, f64), best: PlanRun| {
+            // `hi` always holds the target; `lo` is not known to.
+            let (mut lo, mut hi, mut best) = (0.0f64, 1.0f64, best);
+            while hi - lo > SCALED_STEP {
+                let mid = f64::midpoint(lo, hi);
+                let scale = scaled(mid);
+                progress(&format!(
+                    "each minute at {:.3}× prefill, {:.3}× decode of its steady need",
+                    scale.0, scale.1
+                ));
+                let run = self.run(scale);
+                if run.slo_attainment >= TARGET {
+                    (hi, best) = (mid, run);
+                } else {
+                    lo = mid;
+                }
+            }
+            (hi, best)
+        };
+        let (prefill, run) = least(&|f| (f, 1.0), full);
+        let (decode, run) = least(&|f| (prefill, f), run);
+        ScaledRun {
+            prefill,
+            decode,
+            run,
+        }
     }
 }
 
 /// Charges every minute of `rates` by the curve `points`, and by the fixed and
-/// proportional sizes of `static_peak`.
+/// proportional sizes of `static_peak`, a whole minute each (a replica held for part
+/// of a minute is held).
 #[must_use]
-pub fn charge(
-    points: Vec<NeedPoint>,
-    rates: Vec<f64>,
-    static_peak: (u32, u32),
-    static_peak_attainment: f64,
-    steady_s: f64,
-) -> NeedReport {
+pub fn charge(points: &[NeedPoint], rates: &[f64], static_peak: (u32, u32)) -> Charges {
     let (sp, sd) = (f64::from(static_peak.0), f64::from(static_peak.1));
     let hi = rates.iter().copied().fold(0.0f64, f64::max);
     // The relaxation scales the curve down only: where the busiest minute needs less
     // than the fixed size, it stays as measured.
-    let (np, nd) = need_at(&points, hi);
+    let (np, nd) = need_at(points, hi);
     let scale = |fixed: f64, need: f64| if need > fixed { fixed / need } else { 1.0 };
     let (rp, rd) = (scale(sp, np), scale(sd, nd));
-    let mut fixed = PoolSeconds::default();
-    let mut tracking = PoolSeconds::default();
-    let mut relaxed = PoolSeconds::default();
-    let mut proportional = PoolSeconds::default();
-    // Every minute is charged a whole minute, the last too: its rate is over the
-    // seconds it covers, and a replica held for part of a minute is held.
-    let span = MINUTE_S;
-    for &rate in &rates {
-        let (p, d) = need_at(&points, rate);
-        let share = if hi > 0.0 { rate / hi } else { 0.0 };
-        fixed.prefill += sp * span;
-        fixed.decode += sd * span;
-        tracking.prefill += p * span;
-        tracking.decode += d * span;
-        relaxed.prefill += p * rp * span;
-        relaxed.decode += d * rd * span;
-        proportional.prefill += sp * share * span;
-        proportional.decode += sd * share * span;
-    }
-    NeedReport {
-        steady_s,
-        points,
-        minute_rates: rates,
-        static_peak,
-        static_peak_attainment,
-        static_peak_gpu_seconds: 0.0,
-        fixed,
-        tracking,
-        relaxed,
-        proportional,
+    let mut c = Charges {
         relax: (rp, rd),
-        tracking_run: None,
-        relaxed_run: None,
-        scaled_run: None,
+        ..Charges::default()
+    };
+    for &rate in rates {
+        let (p, d) = need_at(points, rate);
+        let share = if hi > 0.0 { rate / hi } else { 0.0 };
+        let add = |s: &mut PoolSeconds, prefill: f64, decode: f64| {
+            s.prefill += prefill * MINUTE;
+            s.decode += decode * MINUTE;
+        };
+        add(&mut c.fixed, sp, sd);
+        add(&mut c.tracking, p, d);
+        add(&mut c.relaxed, p * rp, d * rd);
+        add(&mut c.proportional, sp * share, sd * share);
     }
+    c
 }
 
 #[cfg(test)]
@@ -391,7 +418,27 @@ mod tests {
             decode,
             slo_attainment: 0.99,
             requests: 1,
+            seconds: 3600.0,
         }
+    }
+
+    fn at(t: f64) -> TraceRequest {
+        TraceRequest {
+            t,
+            input_tokens: 8192,
+            output_tokens: 20,
+            blocks: Vec::new(),
+        }
+    }
+
+    fn cfg() -> SimConfig {
+        use preheat_scaler::policy::PoolPolicy;
+        use preheat_scaler::profile::Profile;
+        SimConfig::new(
+            PoolPolicy::default(),
+            PoolPolicy::default(),
+            Profile::default(),
+        )
     }
 
     #[test]
@@ -407,22 +454,19 @@ mod tests {
     }
 
     #[test]
-    fn minute_rates_count_each_minute_and_the_last_over_what_it_covers() {
-        let at = |t: f64| TraceRequest {
-            t,
-            input_tokens: 1,
-            output_tokens: 1,
-            blocks: Vec::new(),
-        };
-        // 120 in the first minute, none in the second, 10 in the first 20 s of the third.
+    fn minute_rates_count_each_whole_minute_the_last_too() {
+        // 120 in the first minute, none in the second, 10 in the first 20 s of the
+        // third: a tenth of a request a second over its minute, not a burst.
         let mut trace: Vec<TraceRequest> = (0..120).map(|i| at(f64::from(i) * 0.5)).collect();
         trace.extend((0..10).map(|i| at(120.0 + f64::from(i) * 2.0)));
         let r = minute_rates(&trace);
         assert_eq!(r.len(), 3);
         assert!((r[0] - 2.0).abs() < 1e-12, "{r:?}");
         assert_eq!(r[1], 0.0);
-        assert!((r[2] - 10.0 / 18.0).abs() < 1e-12, "{r:?}");
+        assert!((r[2] - 10.0 / 60.0).abs() < 1e-12, "{r:?}");
         assert!(minute_rates(&[]).is_empty());
+        // A lone late request is one a minute.
+        assert_eq!(minute_rates(&[at(600.2)])[10], 1.0 / 60.0);
     }
 
     #[test]
@@ -440,65 +484,51 @@ mod tests {
 
     #[test]
     fn every_minute_is_charged_its_rates_need_and_the_fixed_size_alike() {
-        // A concave curve: 4 prefill at 1 req/s, 8 at 4 req/s; the day's static-peak
-        // holds 6 (it misses at the busiest minute and makes up elsewhere).
-        let curve = vec![point(1.0, 4, 1), point(4.0, 8, 2)];
-        let r = charge(curve, vec![1.0, 4.0, 2.0], (6, 2), 0.99, 3600.0);
+        // A concave curve: 4 prefill at 1 req/s, 8 at 4 req/s; the trace's
+        // static-peak holds 6/2.
+        let curve = [point(1.0, 4, 1), point(4.0, 8, 2)];
+        let c = charge(&curve, &[1.0, 4.0, 2.0], (6, 2));
         assert_eq!(
-            r.fixed,
+            c.fixed,
             PoolSeconds {
                 prefill: 1080.0,
                 decode: 360.0
             }
         );
         // 4 + 8 + (4 + 4/3) prefill, 1 + 2 + 4/3 decode, a minute each.
-        assert!((r.tracking.prefill - 60.0 * (12.0 + 16.0 / 3.0)).abs() < 1e-9);
-        assert!((r.tracking.decode - 60.0 * (3.0 + 4.0 / 3.0)).abs() < 1e-9);
+        assert!((c.tracking.prefill - 60.0 * (12.0 + 16.0 / 3.0)).abs() < 1e-9);
+        assert!((c.tracking.decode - 60.0 * (3.0 + 4.0 / 3.0)).abs() < 1e-9);
         // Relaxed so the busiest minute needs 6 prefill (× 0.75); decode's 2 already fits.
-        assert!((r.relaxed.prefill - 0.75 * r.tracking.prefill).abs() < 1e-9);
-        assert_eq!(r.relaxed.decode, r.tracking.decode);
+        assert_eq!(c.relax, (0.75, 1.0));
+        assert!((c.relaxed.prefill - 0.75 * c.tracking.prefill).abs() < 1e-9);
+        assert_eq!(c.relaxed.decode, c.tracking.decode);
         // In proportion: 6 × (1 + 4 + 2) / 4 prefill-minutes.
-        assert!((r.proportional.prefill - 60.0 * 6.0 * 7.0 / 4.0).abs() < 1e-9);
-        assert!((r.proportional.decode - 60.0 * 2.0 * 7.0 / 4.0).abs() < 1e-9);
+        assert!((c.proportional.prefill - 60.0 * 6.0 * 7.0 / 4.0).abs() < 1e-9);
+        assert!((c.proportional.decode - 60.0 * 2.0 * 7.0 / 4.0).abs() < 1e-9);
     }
 
     #[test]
-    fn a_swinging_trace_is_measured_at_steady_loads_from_its_quietest_minute_to_its_busiest() {
-        use preheat_scaler::policy::PoolPolicy;
-        use preheat_scaler::profile::Profile;
-        let cfg = SimConfig::new(
-            PoolPolicy::default(),
-            PoolPolicy::default(),
-            Profile::default(),
-        );
-        // Half an hour swinging 8×, of 8k-token prompts: half a replica's prefill at
-        // the trough, a few at the peak.
-        let sizes = [TraceRequest {
-            t: 0.0,
-            input_tokens: 8192,
-            output_tokens: 20,
-            blocks: Vec::new(),
-        }];
+    fn a_swinging_trace_is_measured_at_steady_loads_and_sized_minute_by_minute() {
+        // Half an hour of 8k-token prompts: a quarter hour at 8 req/s (several
+        // replicas' prefill), then 1 req/s (half of one).
         let trace = day(
-            &sizes,
+            &[at(0.0)],
             &DayShape {
                 hours: 0.5,
                 peak_rps: 8.0,
                 swing: 8.0,
-                peak_hour: 0.25,
+                office: Some((0.0, 0.25, 60.0)),
                 ..DayShape::default()
             },
         );
+        let rates = minute_rates(&trace);
+        assert!(rates[5] > 6.0 && rates[25] < 2.0, "{rates:?}");
         let seen = Mutex::new(Vec::new());
-        let r = need_curve(&cfg, &trace, 3, 300.0, &|p| {
+        let r = need_curve(&cfg(), &trace, 3, 300.0, &|p| {
             seen.lock().unwrap().push(p.to_owned());
         });
-        assert_eq!(
-            seen.into_inner().unwrap().len(),
-            6,
-            "three steady loads, the trace, and two sizings run on it"
-        );
-        let rates = minute_rates(&trace);
+        // Three steady loads and the trace's own search, then every run on the trace.
+        assert_eq!(seen.into_inner().unwrap().len(), 4 + r.trace_runs);
         assert_eq!(r.minute_rates, rates);
         assert_eq!(r.points.len(), 3);
         let busiest = rates.iter().copied().fold(0.0, f64::max);
@@ -513,23 +543,42 @@ mod tests {
         assert!(r.points[2].prefill > r.points[0].prefill, "{:?}", r.points);
         let (sp, sd) = r.static_peak;
         assert!(sp >= 1 && sd >= 1 && r.static_peak_attainment >= 0.99);
-        let minutes = rates.len() as f64 * 60.0;
-        assert_eq!(r.fixed.total(), f64::from(sp + sd) * minutes);
-        assert!(r.relaxed.prefill <= r.tracking.prefill && r.relaxed.decode <= r.tracking.decode);
-        assert!(r.tracking.total() > 0.0 && r.proportional.total() > 0.0);
-        // Both sizings ran on the trace; the steady need holds its minutes to 99%.
-        let (tracked, relaxed) = (r.tracking_run.unwrap(), r.relaxed_run.unwrap());
-        assert!(tracked.slo_attainment >= 0.99, "{tracked:?}");
-        assert!(
-            relaxed.gpu_seconds <= tracked.gpu_seconds,
-            "{relaxed:?} {tracked:?}"
+        assert_eq!(
+            r.charges.fixed.total(),
+            f64::from(sp + sd) * rates.len() as f64 * 60.0
         );
-        assert!(r.static_peak_gpu_seconds > 0.0);
-        let (f, scaled) = r.scaled_run.unwrap();
-        assert!(f <= 1.0 && scaled.slo_attainment >= 0.99, "{f} {scaled:?}");
+        // Sized by the minute, the swing costs less than the fixed size holds.
         assert!(
-            scaled.gpu_seconds <= tracked.gpu_seconds,
-            "{scaled:?} {tracked:?}"
+            r.charges.tracking.total() < r.charges.fixed.total(),
+            "{r:?}"
         );
+        assert!(r.tracking_run.slo_attainment >= 0.99, "{r:?}");
+        assert!(
+            r.tracking_run.gpu_seconds < r.static_peak_gpu_seconds,
+            "{r:?}"
+        );
+        // The least scale: bisected per pool (7 halvings each to a 1% step), holding 99%
+        // for no more than the curve itself.
+        let scaled = r.scaled_run.unwrap();
+        assert_eq!(r.trace_runs, 2 + 14);
+        assert!(scaled.prefill <= 1.0 && scaled.decode <= 1.0, "{scaled:?}");
+        assert!(scaled.run.slo_attainment >= 0.99, "{scaled:?}");
+        assert!(
+            scaled.run.gpu_seconds <= r.tracking_run.gpu_seconds,
+            "{scaled:?}"
+        );
+    }
+
+    #[test]
+    fn a_trace_at_one_instant_or_of_one_request_is_measured_without_panicking() {
+        // 200 requests at t = 0: 3.3 req/s over the minute.
+        let burst: Vec<TraceRequest> = (0..200).map(|_| at(0.0)).collect();
+        let r = need_curve(&cfg(), &burst, 4, 60.0, &|_| {});
+        assert_eq!(r.minute_rates.len(), 1);
+        assert_eq!(r.points.len(), 1, "one busy minute, one rate");
+        let r = need_curve(&cfg(), &[at(30.0)], 4, 60.0, &|_| {});
+        assert_eq!(r.points.len(), 1);
+        let r = need_curve(&cfg(), &[], 4, 60.0, &|_| {});
+        assert!(r.points.is_empty() && r.minute_rates.is_empty());
     }
 }

@@ -282,7 +282,8 @@ pub struct SimulateArgs {
         conflicts_with_all = ["frontier", "startup_s", "policy", "actuation", "start", "standbys", "start_unix"]
     )]
     pub need_curve: Option<u32>,
-    /// Write the full report (every policy, timelines) as JSON here.
+    /// Write the full report (every policy, timelines; with `--frontier`, `--startup-s`
+    /// or `--need-curve`, their points) as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Write an SVG plot of load and each policy's replicas over time here.

@@ -124,7 +124,12 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
     };
     if let Some(points) = a.need_curve {
         let r = sim::need::need_curve(&o.sim, &trace, points as usize, NEED_STEADY_S, &progress);
-        done(r.points.len() + 1);
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            steady_loads = r.points.len(),
+            runs_on_the_trace = r.trace_runs,
+            "need curve done"
+        );
         return need::write_need(a, &name, &r);
     }
     if a.frontier {
