@@ -286,7 +286,8 @@ pub struct SimulateArgs {
     /// or `--need-curve`, their points) as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Write an SVG plot of load and each policy's replicas over time here.
+    /// Write an SVG plot here: load and each policy's replicas over time (with
+    /// `--frontier`, `--startup-s` or `--need-curve`, their points).
     #[arg(long)]
     pub plot: Option<PathBuf>,
 }
