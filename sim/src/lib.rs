@@ -32,6 +32,7 @@ mod itl_histogram;
 pub mod keda;
 pub mod need;
 mod observe;
+mod on_cores;
 mod per_pool;
 mod prefix_index;
 pub mod registry;

@@ -14,9 +14,6 @@
 //! need grew with the load. The curve takes arrivals within a minute as Poisson: on a
 //! trace whose bursts are shorter than that, its sizes miss, and the runs show it.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use serde::Serialize;
 
 use crate::clairvoyant::{MINUTE, Plan};
@@ -215,65 +212,50 @@ pub fn need_curve(
     let lo = busy.clone().reduce(f64::min).unwrap_or(0.0);
     let hi = busy.reduce(f64::max).unwrap_or(0.0);
     let grid = rate_grid(lo, hi, points);
-    let measured: Mutex<Vec<Option<NeedPoint>>> = Mutex::new(vec![None; grid.len()]);
-    let next = AtomicUsize::new(0);
-    // The whole trace's own search runs beside the steady ones, first: it is the
-    // longest.
-    let fixed_cell = Mutex::new(None);
-    let jobs = grid.len() + 1;
-    let threads = std::thread::available_parallelism().map_or(1, usize::from);
-    std::thread::scope(|s| {
-        for _ in 0..threads.min(jobs) {
-            s.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= jobs {
-                        break;
-                    }
-                    if i == 0 {
-                        progress("static-peak on the trace");
-                        let (p, d, r) = static_peak(cfg, trace);
-                        *fixed_cell.lock().unwrap_or_else(|e| e.into_inner()) =
-                            Some((p, d, r.slo_attainment, r.gpu_seconds));
-                        continue;
-                    }
-                    let rate = grid[i - 1];
-                    progress(&format!("steady load at {rate:.2} req/s"));
-                    let seconds = steady_s.min(MAX_STEADY_REQUESTS / rate);
-                    let steady = day(
-                        trace,
-                        &DayShape {
-                            hours: seconds / 3600.0,
-                            peak_rps: rate,
-                            swing: 1.0,
-                            seed: i as u64,
-                            ..DayShape::default()
-                        },
-                    );
-                    let (prefill, decode, r) = static_peak(cfg, &steady);
-                    measured.lock().unwrap_or_else(|e| e.into_inner())[i - 1] = Some(NeedPoint {
-                        rate,
-                        prefill,
-                        decode,
-                        slo_attainment: r.slo_attainment,
-                        requests: steady.len(),
-                        seconds,
-                    });
-                }
-            });
+    // The whole trace's own search (job 0) runs beside the steady ones, first: it is
+    // the longest.
+    let order: Vec<usize> = (0..=grid.len()).collect();
+    let mut measured = crate::on_cores::run_ordered(grid.len() + 1, &order, |i| {
+        if i == 0 {
+            progress("static-peak on the trace");
+            let (p, d, r) = static_peak(cfg, trace);
+            return Measured::Fixed(p, d, r.slo_attainment, r.gpu_seconds);
         }
-    });
+        let rate = grid[i - 1];
+        progress(&format!("steady load at {rate:.2} req/s"));
+        let seconds = steady_s.min(MAX_STEADY_REQUESTS / rate);
+        let steady = day(
+            trace,
+            &DayShape {
+                hours: seconds / 3600.0,
+                peak_rps: rate,
+                swing: 1.0,
+                seed: i as u64,
+                ..DayShape::default()
+            },
+        );
+        let (prefill, decode, r) = static_peak(cfg, &steady);
+        Measured::Point(NeedPoint {
+            rate,
+            prefill,
+            decode,
+            slo_attainment: r.slo_attainment,
+            requests: steady.len(),
+            seconds,
+        })
+    })
+    .into_iter();
+    let Some(Measured::Fixed(sp, sd, static_peak_attainment, static_peak_gpu_seconds)) =
+        measured.next()
+    else {
+        unreachable!("job 0 is the trace's own search")
+    };
     let points: Vec<NeedPoint> = measured
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .into_iter()
-        .flatten()
+        .filter_map(|m| match m {
+            Measured::Point(p) => Some(p),
+            Measured::Fixed(..) => None,
+        })
         .collect();
-    // Job 0 always ran: the scope joined every thread.
-    let (sp, sd, static_peak_attainment, static_peak_gpu_seconds) = fixed_cell
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .unwrap_or((0, 0, 0.0, 0.0));
     let charges = charge(&points, &rates, (sp, sd));
     let plans = Plans {
         cfg,
@@ -301,6 +283,13 @@ pub fn need_curve(
         relaxed_run,
         scaled_run,
     }
+}
+
+/// One job of [`need_curve`]'s: `static-peak` on the trace (its sizes, attainment and
+/// GPU-seconds), or a point of the curve.
+enum Measured {
+    Fixed(u32, u32, f64, f64),
+    Point(NeedPoint),
 }
 
 /// The curve's sizes run on the trace, each minute's replicas ready the moment it
@@ -409,6 +398,8 @@ pub fn charge(points: &[NeedPoint], rates: &[f64], static_peak: (u32, u32)) -> C
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
 
     fn point(rate: f64, prefill: u32, decode: u32) -> NeedPoint {

@@ -2,8 +2,7 @@
 //! (policy, knob, settings) on a trace, in parallel: a comparison, a frontier (each
 //! policy's knob swept), a start-up sweep.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use preheat_scaler::policy::Pool;
 use serde::Serialize;
@@ -215,12 +214,6 @@ fn run_one<'a>(
     Ok(r)
 }
 
-/// Threads for a batch of runs: what the machine offers (each run is single-threaded
-/// and independent; results do not depend on the count).
-fn threads() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
-}
-
 /// Runs every spec (on all cores), reports in the specs' order; `progress` is told
 /// each run's label as it starts. `static-peak`'s search runs once, with `base`, for
 /// all the runs that need it (it does not depend on start times or actuation: its
@@ -252,27 +245,13 @@ pub fn run_many(
     };
     let mut order: Vec<usize> = (0..specs.len()).collect();
     order.sort_by_key(|&i| cost_rank(i));
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<PolicyReport, UnknownPolicy>>>> =
-        Mutex::new((0..specs.len()).map(|_| None).collect());
-    std::thread::scope(|s| {
-        for _ in 0..threads().min(specs.len()) {
-            s.spawn(|| {
-                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    let spec = &specs[i];
-                    progress(&label(spec));
-                    let r = run_one(spec, trace, &peak);
-                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
-                }
-            });
-        }
-    });
-    results
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .into_iter()
-        .map(|r| r.expect("every spec was run"))
-        .collect()
+    crate::on_cores::run_ordered(specs.len(), &order, |i| {
+        let spec = &specs[i];
+        progress(&label(spec));
+        run_one(spec, trace, &peak)
+    })
+    .into_iter()
+    .collect()
 }
 
 fn label(spec: &RunSpec) -> String {
