@@ -76,6 +76,16 @@ impl Sim<'_> {
         }
     }
 
+    /// Seconds the latest rate was measured over: none before a second reading, as a
+    /// scrape source reports its first.
+    fn recent_span(&self, oldest: &Counters) -> f64 {
+        if self.t > oldest.t {
+            self.cfg.interval_s.max(1.0)
+        } else {
+            0.0
+        }
+    }
+
     /// Per-second rate of a counter over the window.
     fn window_rate(&self, oldest: &Counters, f: fn(&Counters) -> f64) -> f64 {
         let span = (self.t - oldest.t).max(1.0);
@@ -96,7 +106,7 @@ impl Sim<'_> {
             prompt_rate_peak: self.peak_prompt_rate(),
             peak_span_s: self.cfg.interval_s.max(1.0),
             prompt_rate_recent: self.recent_prompt_rate(),
-            recent_span_s: self.cfg.interval_s.max(1.0),
+            recent_span_s: self.recent_span(oldest),
             prefix_hit_rate: if queries > 0.0 {
                 (self.now.prefix_hits - oldest.prefix_hits) / queries
             } else {
@@ -136,6 +146,7 @@ impl Sim<'_> {
             kv_usage: share(kv + reserved),
             kv_reserved: share(reserved),
             generation_rate: self.window_rate(oldest, |c| c.generated),
+            recent_span_s: self.recent_span(oldest),
             itl_p50: self.now.itl.quantile_since(&oldest.itl, 0.5),
             itl_p90: self.now.itl.quantile_since(&oldest.itl, 0.9),
             ..PoolSignals::default()

@@ -536,7 +536,11 @@ impl PreheatPolicy {
             Pool::Prefill => {
                 let uncached = 1.0 - s.prefix_hit_rate;
                 let rate = s.prompt_rate * uncached;
-                self.demand.observe(t, rate);
+                // A first reading carries no rate: as a zero it made a steady load look
+                // like a ramp from nothing, forecast a lead ahead.
+                if !s.rates_unmeasured() {
+                    self.demand.observe(t, rate);
+                }
                 let ahead = self.demand.forecast(lead).max(rate);
                 let len = o.mean_prompt_len.unwrap_or(self.cfg.default_prompt_len);
                 let per_replica = self.profile.prefill_rate(len);
@@ -640,7 +644,9 @@ impl PreheatPolicy {
             Pool::Decode => {
                 let seqs = s.running + s.waiting + o.held_requests;
                 // Sequence growth tracks the generation rate forecast.
-                self.demand.observe(t, s.generation_rate);
+                if !s.rates_unmeasured() {
+                    self.demand.observe(t, s.generation_rate);
+                }
                 let now_rate = s.generation_rate.max(1e-9);
                 let itl = self.cfg.slo_itl_s * 0.9;
                 let batch = self.profile.max_batch_at(itl);

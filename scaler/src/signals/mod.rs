@@ -63,6 +63,14 @@ impl PoolSignals {
         self.endpoints_ok == 0 && self.endpoints_failed > 0
     }
 
+    /// Endpoints answered, but none has been read twice yet (a scrape source's first
+    /// tick, a replica just up): every rate reads 0 for want of an interval, not for
+    /// want of load. A pool at zero has nothing to read, and its zero is a reading.
+    #[must_use]
+    pub fn rates_unmeasured(&self) -> bool {
+        self.endpoints_ok > 0 && self.recent_span_s <= 0.0
+    }
+
     /// Mean prompt length over the window: prompt tokens per first token. `None`
     /// without a whole request in the window.
     #[must_use]
@@ -184,6 +192,26 @@ mod tests {
         assert_eq!((s.waiting, s.running, s.kv_usage), (4.0, 2.0, 0.5));
         // No endpoints at all (pool at zero) is not blind: it is genuinely empty.
         assert!(!w.tick(2.0, vec![], &[]).is_blind());
+    }
+
+    #[test]
+    fn a_first_scrape_has_no_rates_and_a_pool_at_zero_reads_as_idle() {
+        let at = |prompt: f64| Reading {
+            prompt_tokens: Some(prompt),
+            ..Reading::default()
+        };
+        let mut w = PoolWindows::new(30.0);
+        let s = w.tick(0.0, vec![("a".into(), at(1_000.0))], &[]);
+        assert_eq!(s.prompt_rate, 0.0);
+        assert!(s.rates_unmeasured(), "{s:?}");
+        let s = w.tick(5.0, vec![("a".into(), at(6_000.0))], &[]);
+        assert_eq!((s.prompt_rate, s.recent_span_s), (1_000.0, 5.0));
+        assert!(!s.rates_unmeasured(), "{s:?}");
+        assert!(
+            !PoolWindows::new(30.0)
+                .tick(0.0, vec![], &[])
+                .rates_unmeasured()
+        );
     }
 
     #[test]
