@@ -689,3 +689,59 @@ async fn regression_the_scaler_sized_every_prompt_and_sequence_at_2048_tokens() 
         "32k-token prompts got {pl} prefill replicas and 2k-token prompts {ps} for the same tokens/s"
     );
 }
+
+/// A scaler started beside a pool already serving a steady 40k prompt tokens/s (every
+/// restart, every upgrade): its first scrape has one reading per endpoint and so no
+/// rates, and the policy took those zeros for a load that had just ramped up from
+/// nothing. The forecast it published and sized for then climbed from a fraction of
+/// the load to a multiple of it, one lead (the default minute) ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_a_scaler_started_at_a_steady_load_forecast_a_ramp() {
+    let (prefill, feed) = prefill_taking(40_000.0, 4_096.0).await;
+    let decode = fake(Arc::new(Mutex::new(Some(engine_text(10))))).await;
+    let scaler = Running::start(&[
+        "interval_s=0.25".into(),
+        "window_s=3".into(),
+        format!(
+            "models=[{{name: llama, prefill: {{endpoints: [{prefill}]}}, decode: {{endpoints: [{decode}]}}}}]"
+        ),
+    ])
+    .await;
+    let load = |m: &str, kind: &str| {
+        preheat_scaler::signals::text_format::samples(m)
+            .filter_map(Result::ok)
+            .find(|s| {
+                s.name == preheat_scaler::signals::names::own::LOAD
+                    && s.label("pool") == Some("prefill")
+                    && s.label("kind") == Some(kind)
+            })
+            .map(|s| s.value)
+    };
+    // Read twice a second for 4 s: a false ramp's trend leaves the forecast under the
+    // load while the level climbs, then over it.
+    let mut seen = Vec::new();
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", scaler.http_port))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if let (Some(o), Some(f)) = (load(&m, "observed"), load(&m, "forecast")) {
+            seen.push((o, f));
+        }
+    }
+    feed.abort();
+    scaler.stop().await;
+    assert!(
+        seen.len() >= 6,
+        "prefill's load was not published: {seen:?}"
+    );
+    for &(observed, forecast) in &seen {
+        assert!(
+            (30_000.0..=50_000.0).contains(&observed) && (forecast / observed - 1.0).abs() <= 0.2,
+            "a steady 40k tokens/s: (observed, forecast) {seen:?}"
+        );
+    }
+}
