@@ -1,8 +1,11 @@
 use super::*;
 
+/// `current` replicas, each answering with a second reading (a rate over a 1 s span;
+/// none at zero, as a scrape source reports a pool with nothing to read).
 fn obs(current: u32, f: impl FnOnce(&mut PoolSignals)) -> Observation {
     let mut s = PoolSignals {
         endpoints_ok: current as usize,
+        recent_span_s: if current > 0 { 1.0 } else { 0.0 },
         ..PoolSignals::default()
     };
     f(&mut s);
@@ -453,17 +456,14 @@ fn forecast_adds_capacity_ahead_of_a_ramp() {
     let mut d_ramp = 0;
     let mut d_flat = 0;
     for t in 0..120 {
-        let reading = |rate: f64| {
-            move |s: &mut PoolSignals| {
-                s.prompt_rate = rate;
-                s.recent_span_s = 1.0;
-            }
-        };
         d_ramp = ramp
-            .decide(t as f64, &obs(d_ramp, reading(1_000.0 + 500.0 * t as f64)))
+            .decide(
+                t as f64,
+                &obs(d_ramp, |s| s.prompt_rate = 1_000.0 + 500.0 * t as f64),
+            )
             .desired;
         d_flat = flat
-            .decide(t as f64, &obs(d_flat, reading(60_500.0)))
+            .decide(t as f64, &obs(d_flat, |s| s.prompt_rate = 60_500.0))
             .desired;
     }
     assert!(
@@ -478,11 +478,11 @@ fn regression_a_first_scrape_read_as_zero_load_forecast_a_ramp() {
     // started: its first scrape has no interval, so every rate reads 0. Taken as a
     // reading, the forecast saw 0 → 42k as a ramp and expected more one lead ahead
     // (44.5k here at 5 s; in the simulated steady hour, whose first 5 s brought 63k,
-    // 67–70k for half a minute: 11 prefill replicas held for a stabilisation window
+    // 58–70k for half a minute: 11 prefill replicas held for a stabilisation window
     // where 7 served).
     for pool in [Pool::Prefill, Pool::Decode] {
         let mut p = policy(pool);
-        let mut o = obs(7, |_| {});
+        let mut o = obs(7, |s| s.recent_span_s = 0.0);
         o.measured_startup_s = Some(20.0);
         p.decide(0.0, &o);
         for i in 1..=6 {

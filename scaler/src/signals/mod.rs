@@ -64,8 +64,10 @@ impl PoolSignals {
     }
 
     /// Endpoints answered, but none has been read twice yet (a scrape source's first
-    /// tick, a replica just up): every rate reads 0 for want of an interval, not for
-    /// want of load. A pool at zero has nothing to read, and its zero is a reading.
+    /// tick; a pool whose every replica is new): every rate reads 0 for want of an
+    /// interval, not for want of load. A pool at zero has nothing to read, and its zero
+    /// is a reading. (One new replica beside others with history is not caught: its
+    /// missing rate is summed as 0 into the pool's.)
     #[must_use]
     pub fn rates_unmeasured(&self) -> bool {
         self.endpoints_ok > 0 && self.recent_span_s <= 0.0

@@ -608,10 +608,12 @@ async fn desired_of(
 }
 
 /// A prefill endpoint whose counters grow in real time: `rate` prompt tokens/s in
-/// prompts of `len` tokens (smooth, as a busy replica's look a scrape apart).
+/// prompts of `len` tokens (smooth, as a busy replica's look a scrape apart), read at
+/// the moment each scrape is served so a rate between scrapes is exact. The handle
+/// stops it.
 async fn prefill_taking(rate: f64, len: f64) -> (String, tokio::task::JoinHandle<()>) {
-    let body = Arc::new(Mutex::new(None));
-    let url = fake(body.clone()).await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
     let t0 = Instant::now();
     let text = move || {
         let tokens = t0.elapsed().as_secs_f64() * rate;
@@ -626,14 +628,9 @@ async fn prefill_taking(rate: f64, len: f64) -> (String, tokio::task::JoinHandle
             prompts * 0.5
         )
     };
-    *body.lock().unwrap() = Some(text());
-    let feed = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            *body.lock().unwrap() = Some(text());
-        }
-    });
-    (url, feed)
+    let app = Router::new().route("/metrics", get(move || async move { text() }));
+    let server = tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    (format!("http://{addr}/metrics"), server)
 }
 
 /// Two models' prefill pools take the same 40,000 prompt tokens/s, one in 32k-token
