@@ -112,6 +112,16 @@ impl Running {
         }
     }
 
+    /// The scaler's own `/metrics` text.
+    async fn metrics(&self) -> String {
+        reqwest::get(format!("http://127.0.0.1:{}/metrics", self.http_port))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// Stops the scaler and checks it shut down cleanly.
     async fn stop(self) {
         let _ = self.stop.send(());
@@ -568,12 +578,7 @@ async fn a_scaler_with_no_season_to_keep_is_never_reported_as_not_saving() {
 async fn state_saved(scaler: &Running, ok: impl Fn(f64) -> bool) -> f64 {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", scaler.http_port))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = scaler.metrics().await;
         let saved = preheat_scaler::signals::text_format::samples(&m)
             .filter_map(Result::ok)
             .find(|s| s.name == preheat_scaler::signals::names::own::STATE_SAVED)
@@ -719,12 +724,7 @@ async fn regression_a_scaler_started_at_a_steady_load_forecast_a_ramp() {
     let mut seen = Vec::new();
     for _ in 0..8 {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let m = reqwest::get(format!("http://127.0.0.1:{}/metrics", scaler.http_port))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = scaler.metrics().await;
         if let (Some(o), Some(f)) = (load(&m, "observed"), load(&m, "forecast")) {
             seen.push((o, f));
         }
