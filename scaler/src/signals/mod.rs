@@ -66,8 +66,8 @@ impl PoolSignals {
     /// Endpoints answered, but none has been read twice yet (a scrape source's first
     /// tick; a pool whose every replica is new): every rate reads 0 for want of an
     /// interval, not for want of load. A pool at zero has nothing to read, and its zero
-    /// is a reading. (One new replica beside others with history is not caught: its
-    /// missing rate is summed as 0 into the pool's.)
+    /// is a reading. (A replica that joins others is read over their span, in
+    /// [`PoolWindows::tick`].)
     #[must_use]
     pub fn rates_unmeasured(&self) -> bool {
         self.endpoints_ok > 0 && self.recent_span_s <= 0.0
@@ -123,6 +123,19 @@ impl PoolWindows {
         let (mut ttft, mut itl) = (None, None);
         let (mut queries, mut hits) = (0.0, 0.0);
         let mut kv_n = 0;
+        // Counter rates are the pool's increase over one span, the longest any
+        // endpoint covers: a replica that joined mid-window has served only part of
+        // it. Each over its own span, the newcomer's short life counted at full rate
+        // beside its elders' window, which still holds the load they carried alone:
+        // one replica becoming two read 46% over the load 5 s after the join.
+        let span = self
+            .endpoints
+            .iter()
+            .filter(|(n, _)| answered.contains(n))
+            .map(|(_, w)| w.covered_s())
+            .fold(0.0, f64::max);
+        let mut generated = 0.0;
+        let (mut prompt_tokens, mut first) = (0.0, 0.0);
         for (name, w) in &self.endpoints {
             if !answered.contains(name) {
                 continue;
@@ -136,17 +149,22 @@ impl PoolWindows {
                 kv_n += 1;
             }
             s.queued_prompt_tokens += r.prefill_queue_tokens.unwrap_or(0.0);
-            s.prompt_rate += w.rate(|r| r.prompt_tokens).unwrap_or(0.0);
+            prompt_tokens += w.increase(|r| r.prompt_tokens);
             s.prompt_rate_peak += w.peak_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.peak_span_s = s.peak_span_s.max(w.mean_spacing().unwrap_or(0.0));
             s.prompt_rate_recent += w.last_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.recent_span_s = s.recent_span_s.max(w.mean_spacing().unwrap_or(0.0));
-            s.generation_rate += w.rate(|r| r.generation_tokens).unwrap_or(0.0);
-            s.first_token_rate += w.rate(first_tokens).unwrap_or(0.0);
-            queries += w.rate(|r| r.prefix_queries).unwrap_or(0.0);
-            hits += w.rate(|r| r.prefix_hits).unwrap_or(0.0);
+            generated += w.increase(|r| r.generation_tokens);
+            first += w.increase(first_tokens);
+            queries += w.increase(|r| r.prefix_queries);
+            hits += w.increase(|r| r.prefix_hits);
             ttft = merge(ttft, w.delta_buckets(|r| r.ttft.as_ref()));
             itl = merge(itl, w.delta_buckets(|r| r.itl.as_ref()));
+        }
+        if span > 0.0 {
+            s.prompt_rate = prompt_tokens / span;
+            s.generation_rate = generated / span;
+            s.first_token_rate = first / span;
         }
         if kv_n > 0 {
             s.kv_usage /= kv_n as f64;
@@ -214,6 +232,37 @@ mod tests {
                 .tick(0.0, vec![], &[])
                 .rates_unmeasured()
         );
+    }
+
+    #[test]
+    fn regression_a_replica_that_joined_read_as_more_load() {
+        // One replica takes 40k prompt tokens/s for a minute (read every 5 s, a 60 s
+        // window); a second joins and each then takes half. Each endpoint's rate over
+        // its own span summed the newcomer's 20k with its elder's window, still mostly
+        // the 40k it took alone: 58k 5 s after the join, back to 40k a window later.
+        let at = |prompt: f64| Reading {
+            prompt_tokens: Some(prompt),
+            ..Reading::default()
+        };
+        let mut w = PoolWindows::new(60.0);
+        let mut a = 0.0;
+        for i in 0..12 {
+            w.tick(f64::from(i) * 5.0, vec![("a".into(), at(a))], &[]);
+            a += 40_000.0 * 5.0;
+        }
+        let mut b = 0.0;
+        for i in 12..=30 {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(t, vec![("a".into(), at(a)), ("b".into(), at(b))], &[]);
+            assert!(
+                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.01,
+                "{} tokens/s at {t} s, {} s after the join",
+                s.prompt_rate,
+                t - 60.0
+            );
+            a += 20_000.0 * 5.0;
+            b += 20_000.0 * 5.0;
+        }
     }
 
     #[test]

@@ -38,6 +38,12 @@ impl Window {
     /// Per-second increase of a counter over the window; a decrease is a reset, and
     /// the increase since the reset is counted from zero.
     pub fn rate(&self, f: impl Fn(&Reading) -> Option<f64>) -> Option<f64> {
+        let covered = self.covered_s();
+        (covered > 0.0).then(|| self.increase(f) / covered)
+    }
+
+    /// Increase of a counter over the window (reset-aware like [`Window::rate`]).
+    pub fn increase(&self, f: impl Fn(&Reading) -> Option<f64>) -> f64 {
         let mut total = 0.0;
         let mut prev: Option<f64> = None;
         for (_, r) in &self.points {
@@ -47,8 +53,17 @@ impl Window {
             }
             prev = Some(v);
         }
-        let (t0, t1) = (self.points.front()?.0, self.points.back()?.0);
-        (t1 > t0).then(|| total / (t1 - t0))
+        total
+    }
+
+    /// Seconds from the first reading kept to the last: the window's span once the
+    /// endpoint has been read for that long, less before.
+    #[must_use]
+    pub fn covered_s(&self) -> f64 {
+        match (self.points.front(), self.points.back()) {
+            (Some((t0, _)), Some((t1, _))) => (t1 - t0).max(0.0),
+            _ => 0.0,
+        }
     }
 
     /// Mean seconds between readings.
