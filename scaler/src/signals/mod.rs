@@ -5,7 +5,7 @@ pub mod names;
 pub mod text_format;
 pub mod window;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use self::exposition::Reading;
 use self::window::{Window, merge, window_quantile};
@@ -106,14 +106,22 @@ impl PoolWindows {
         readings: Vec<(String, Reading)>,
         failed: &[String],
     ) -> PoolSignals {
-        let answered: Vec<String> = readings.iter().map(|(n, _)| n.clone()).collect();
+        let answered: BTreeSet<String> = readings.iter().map(|(n, _)| n.clone()).collect();
+        let failed: BTreeSet<&String> = failed.iter().collect();
         self.endpoints
             .retain(|n, _| answered.contains(n) || failed.contains(n));
         for (name, r) in readings {
-            self.endpoints
+            let w = self
+                .endpoints
                 .entry(name)
-                .or_insert_with(|| Window::new(self.span))
-                .push(t, r);
+                .or_insert_with(|| Window::new(self.span));
+            // Back after failing for longer than the window: what it served meanwhile
+            // is not known, and its last reading from before would average it over
+            // the outage. It starts again, as a replica just up.
+            if w.latest().is_some_and(|(last, _)| t - last > self.span) {
+                *w = Window::new(self.span);
+            }
+            w.push(t, r);
         }
         let mut s = PoolSignals {
             endpoints_ok: answered.len(),
@@ -123,24 +131,32 @@ impl PoolWindows {
         let (mut ttft, mut itl) = (None, None);
         let (mut queries, mut hits) = (0.0, 0.0);
         let mut kv_n = 0;
-        // Counter rates are the pool's increase over one span, the longest any
-        // endpoint covers: a replica that joined mid-window has served only part of
-        // it. Each over its own span, the newcomer's short life counted at full rate
-        // beside its elders' window, which still holds the load they carried alone:
-        // one replica becoming two read 46% over the load 5 s after the join.
-        let span = self
+        // A replica that joined mid-window has served only part of it: its increase
+        // counts over the pool's span (the window, or the longest any endpoint has
+        // been read for, if shorter), not over its own short life. Each over its own
+        // span, the newcomer counted at full rate beside its elders' window, which
+        // still holds the load they carried alone: one replica becoming two read 46%
+        // over the load 5 s after the join. An endpoint read for longer (its kept
+        // reading from before the window, a scrape gap) keeps its own span.
+        let pool_span = self
             .endpoints
             .iter()
-            .filter(|(n, _)| answered.contains(n))
-            .map(|(_, w)| w.covered_s())
+            .filter(|(n, _)| answered.contains(*n))
+            .map(|(_, w)| w.covered_s().min(self.span))
             .fold(0.0, f64::max);
-        let mut generated = 0.0;
-        let (mut prompt_tokens, mut first) = (0.0, 0.0);
         for (name, w) in &self.endpoints {
             if !answered.contains(name) {
                 continue;
             }
             let Some((_, r)) = w.latest() else { continue };
+            let over = w.covered_s().max(pool_span);
+            let rate = |f: &dyn Fn(&Reading) -> Option<f64>| {
+                if over > 0.0 {
+                    w.increase(f) / over
+                } else {
+                    0.0
+                }
+            };
             s.waiting += r.waiting.unwrap_or(0.0) + r.gateway_pending.unwrap_or(0.0);
             s.running += r.running.unwrap_or(0.0);
             if let Some(k) = r.kv_usage {
@@ -149,22 +165,17 @@ impl PoolWindows {
                 kv_n += 1;
             }
             s.queued_prompt_tokens += r.prefill_queue_tokens.unwrap_or(0.0);
-            prompt_tokens += w.increase(|r| r.prompt_tokens);
+            s.prompt_rate += rate(&|r| r.prompt_tokens);
             s.prompt_rate_peak += w.peak_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.peak_span_s = s.peak_span_s.max(w.mean_spacing().unwrap_or(0.0));
             s.prompt_rate_recent += w.last_rate(|r| r.prompt_tokens).unwrap_or(0.0);
             s.recent_span_s = s.recent_span_s.max(w.mean_spacing().unwrap_or(0.0));
-            generated += w.increase(|r| r.generation_tokens);
-            first += w.increase(first_tokens);
+            s.generation_rate += rate(&|r| r.generation_tokens);
+            s.first_token_rate += rate(&first_tokens);
             queries += w.increase(|r| r.prefix_queries);
             hits += w.increase(|r| r.prefix_hits);
             ttft = merge(ttft, w.delta_buckets(|r| r.ttft.as_ref()));
             itl = merge(itl, w.delta_buckets(|r| r.itl.as_ref()));
-        }
-        if span > 0.0 {
-            s.prompt_rate = prompt_tokens / span;
-            s.generation_rate = generated / span;
-            s.first_token_rate = first / span;
         }
         if kv_n > 0 {
             s.kv_usage /= kv_n as f64;
@@ -259,6 +270,45 @@ mod tests {
                 "{} tokens/s at {t} s, {} s after the join",
                 s.prompt_rate,
                 t - 60.0
+            );
+            a += 20_000.0 * 5.0;
+            b += 20_000.0 * 5.0;
+        }
+    }
+
+    #[test]
+    fn an_endpoint_back_from_a_long_outage_is_read_as_new() {
+        // Two replicas take 20k prompt tokens/s each; b stops answering for ten minutes
+        // while a takes all 40k, then both take 20k again. Its reading from before the
+        // outage averaged b's rate over it (a tenth of its share for a minute), and read
+        // as the pool's span it made the whole pool read a tenth of the load.
+        let at = |prompt: f64| Reading {
+            prompt_tokens: Some(prompt),
+            ..Reading::default()
+        };
+        let mut w = PoolWindows::new(60.0);
+        let (mut a, mut b) = (0.0, 0.0);
+        for i in 0..12 {
+            w.tick(
+                f64::from(i) * 5.0,
+                vec![("a".into(), at(a)), ("b".into(), at(b))],
+                &[],
+            );
+            a += 20_000.0 * 5.0;
+            b += 20_000.0 * 5.0;
+        }
+        for i in 12..132 {
+            w.tick(f64::from(i) * 5.0, vec![("a".into(), at(a))], &["b".into()]);
+            a += 40_000.0 * 5.0;
+        }
+        for i in 132..=150 {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(t, vec![("a".into(), at(a)), ("b".into(), at(b))], &[]);
+            assert!(
+                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.01,
+                "{} tokens/s at {t} s, {} s after b's return",
+                s.prompt_rate,
+                t - 660.0
             );
             a += 20_000.0 * 5.0;
             b += 20_000.0 * 5.0;
