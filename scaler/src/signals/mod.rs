@@ -227,15 +227,11 @@ mod tests {
 
     #[test]
     fn a_first_scrape_has_no_rates_and_a_pool_at_zero_reads_as_idle() {
-        let at = |prompt: f64| Reading {
-            prompt_tokens: Some(prompt),
-            ..Reading::default()
-        };
         let mut w = PoolWindows::new(30.0);
-        let s = w.tick(0.0, vec![("a".into(), at(1_000.0))], &[]);
+        let s = w.tick(0.0, vec![("a".into(), prompts(1_000.0))], &[]);
         assert_eq!(s.prompt_rate, 0.0);
         assert!(s.rates_unmeasured(), "{s:?}");
-        let s = w.tick(5.0, vec![("a".into(), at(6_000.0))], &[]);
+        let s = w.tick(5.0, vec![("a".into(), prompts(6_000.0))], &[]);
         assert_eq!((s.prompt_rate, s.recent_span_s), (1_000.0, 5.0));
         assert!(!s.rates_unmeasured(), "{s:?}");
         assert!(
@@ -245,74 +241,75 @@ mod tests {
         );
     }
 
+    /// An endpoint's reading of `prompt` prompt tokens served so far.
+    fn prompts(prompt: f64) -> Reading {
+        Reading {
+            prompt_tokens: Some(prompt),
+            ..Reading::default()
+        }
+    }
+
+    /// `ticks` 5 s apart with a and b taking 20k prompt tokens/s each (their counters
+    /// `a` and `b`), checking at each that the pool reads their 40k within 1%.
+    fn both_take_half_of_40k(
+        w: &mut PoolWindows,
+        ticks: std::ops::RangeInclusive<u32>,
+        a: &mut f64,
+        b: &mut f64,
+    ) {
+        for i in ticks {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(
+                t,
+                vec![("a".into(), prompts(*a)), ("b".into(), prompts(*b))],
+                &[],
+            );
+            // (The pool's very first tick has no rate to read.)
+            assert!(
+                i == 0 || (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.01,
+                "{} tokens/s at {t} s",
+                s.prompt_rate
+            );
+            *a += 20_000.0 * 5.0;
+            *b += 20_000.0 * 5.0;
+        }
+    }
+
     #[test]
     fn regression_a_replica_that_joined_read_as_more_load() {
         // One replica takes 40k prompt tokens/s for a minute (read every 5 s, a 60 s
-        // window); a second joins and each then takes half. Each endpoint's rate over
-        // its own span summed the newcomer's 20k with its elder's window, still mostly
-        // the 40k it took alone: 58k 5 s after the join, back to 40k a window later.
-        let at = |prompt: f64| Reading {
-            prompt_tokens: Some(prompt),
-            ..Reading::default()
-        };
+        // window); a second joins at 60 s and each then takes half. Each endpoint's
+        // rate over its own span summed the newcomer's 20k with its elder's window,
+        // still mostly the 40k it took alone: 58k 5 s after the join, back to 40k a
+        // window later.
         let mut w = PoolWindows::new(60.0);
-        let mut a = 0.0;
+        let (mut a, mut b) = (0.0, 0.0);
         for i in 0..12 {
-            w.tick(f64::from(i) * 5.0, vec![("a".into(), at(a))], &[]);
+            w.tick(f64::from(i) * 5.0, vec![("a".into(), prompts(a))], &[]);
             a += 40_000.0 * 5.0;
         }
-        let mut b = 0.0;
-        for i in 12..=30 {
-            let t = f64::from(i) * 5.0;
-            let s = w.tick(t, vec![("a".into(), at(a)), ("b".into(), at(b))], &[]);
-            assert!(
-                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.01,
-                "{} tokens/s at {t} s, {} s after the join",
-                s.prompt_rate,
-                t - 60.0
-            );
-            a += 20_000.0 * 5.0;
-            b += 20_000.0 * 5.0;
-        }
+        both_take_half_of_40k(&mut w, 12..=30, &mut a, &mut b);
     }
 
     #[test]
     fn an_endpoint_back_from_a_long_outage_is_read_as_new() {
         // Two replicas take 20k prompt tokens/s each; b stops answering for ten minutes
-        // while a takes all 40k, then both take 20k again. Its reading from before the
-        // outage averaged b's rate over it (a tenth of its share for a minute), and read
-        // as the pool's span it made the whole pool read a tenth of the load.
-        let at = |prompt: f64| Reading {
-            prompt_tokens: Some(prompt),
-            ..Reading::default()
-        };
+        // while a takes all 40k, then from 660 s both take 20k again. Its reading from
+        // before the outage averaged b's rate over it (a tenth of its share for a
+        // minute), and read as the pool's span it made the whole pool read a tenth of
+        // the load.
         let mut w = PoolWindows::new(60.0);
         let (mut a, mut b) = (0.0, 0.0);
-        for i in 0..12 {
+        both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
+        for i in 12..132 {
             w.tick(
                 f64::from(i) * 5.0,
-                vec![("a".into(), at(a)), ("b".into(), at(b))],
-                &[],
+                vec![("a".into(), prompts(a))],
+                &["b".into()],
             );
-            a += 20_000.0 * 5.0;
-            b += 20_000.0 * 5.0;
-        }
-        for i in 12..132 {
-            w.tick(f64::from(i) * 5.0, vec![("a".into(), at(a))], &["b".into()]);
             a += 40_000.0 * 5.0;
         }
-        for i in 132..=150 {
-            let t = f64::from(i) * 5.0;
-            let s = w.tick(t, vec![("a".into(), at(a)), ("b".into(), at(b))], &[]);
-            assert!(
-                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.01,
-                "{} tokens/s at {t} s, {} s after b's return",
-                s.prompt_rate,
-                t - 660.0
-            );
-            a += 20_000.0 * 5.0;
-            b += 20_000.0 * 5.0;
-        }
+        both_take_half_of_40k(&mut w, 132..=150, &mut a, &mut b);
     }
 
     #[test]
