@@ -99,7 +99,9 @@ impl PoolWindows {
     }
 
     /// Records one tick: `readings` of endpoints that answered, and the names of
-    /// those that failed. Endpoints absent from both (scaled away) are forgotten.
+    /// those that failed. Endpoints absent from both (scaled away) are forgotten once
+    /// their last reading leaves the window; until then what they served in it still
+    /// counts in the pool's rates.
     pub fn tick(
         &mut self,
         t: f64,
@@ -108,8 +110,12 @@ impl PoolWindows {
     ) -> PoolSignals {
         let answered: BTreeSet<String> = readings.iter().map(|(n, _)| n.clone()).collect();
         let failed: BTreeSet<&String> = failed.iter().collect();
-        self.endpoints
-            .retain(|n, _| answered.contains(n) || failed.contains(n));
+        let span = self.span;
+        self.endpoints.retain(|n, w| {
+            answered.contains(n)
+                || failed.contains(n)
+                || w.latest().is_some_and(|(last, _)| t - last < span)
+        });
         for (name, r) in readings {
             let w = self
                 .endpoints
@@ -146,6 +152,17 @@ impl PoolWindows {
             .fold(0.0, f64::max);
         for (name, w) in &self.endpoints {
             if !answered.contains(name) {
+                // Scaled away within the window: the load it served there moved to
+                // the endpoints that remain, whose windows still hold their smaller
+                // share. Without it one replica of two leaving read 22k for a 40k
+                // load 5 s later. (A failing one's load is not known.)
+                if !failed.contains(name) && pool_span > 0.0 {
+                    let since = t - pool_span;
+                    s.prompt_rate += w.increase_since(|r| r.prompt_tokens, since) / pool_span;
+                    s.generation_rate +=
+                        w.increase_since(|r| r.generation_tokens, since) / pool_span;
+                    s.first_token_rate += w.increase_since(first_tokens, since) / pool_span;
+                }
                 continue;
             }
             let Some((_, r)) = w.latest() else { continue };
@@ -310,6 +327,62 @@ mod tests {
             a += 40_000.0 * 5.0;
         }
         both_take_half_of_40k(&mut w, 132..=150, &mut a, &mut b);
+    }
+
+    #[test]
+    fn regression_a_replica_scaled_away_took_its_load_with_it() {
+        // Two replicas take 20k prompt tokens/s each for a minute; at 60 s b is scaled
+        // away and a takes all 40k. b's window left the sum at once while a's still
+        // held mostly its 20k: 22k 5 s later, back to 40k a window later.
+        let mut w = PoolWindows::new(60.0);
+        let (mut a, mut b) = (0.0, 0.0);
+        both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
+        for i in 12..=30 {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(t, vec![("a".into(), prompts(a))], &[]);
+            // What b served after its last scrape is never seen: one interval of its
+            // half, 4% of the window.
+            assert!(
+                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.05,
+                "{} tokens/s at {t} s, {} s after b left",
+                s.prompt_rate,
+                t - 60.0
+            );
+            assert_eq!(s.endpoints_ok, 1);
+            a += 40_000.0 * 5.0;
+        }
+        assert_eq!(
+            w.endpoints.len(),
+            1,
+            "b is forgotten once out of the window"
+        );
+    }
+
+    #[test]
+    fn a_rollout_that_replaces_a_replica_reads_the_same_load() {
+        // b is replaced by c at 60 s (a new pod, a new address); the load stays at 20k
+        // prompt tokens/s on each of two replicas.
+        let mut w = PoolWindows::new(60.0);
+        let (mut a, mut b) = (0.0, 0.0);
+        both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
+        let mut c = 0.0;
+        for i in 12..=30 {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(
+                t,
+                vec![("a".into(), prompts(a)), ("c".into(), prompts(c))],
+                &[],
+            );
+            // As above, b's last interval is never seen.
+            assert!(
+                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.05,
+                "{} tokens/s at {t} s, {} s after the swap",
+                s.prompt_rate,
+                t - 60.0
+            );
+            a += 20_000.0 * 5.0;
+            c += 20_000.0 * 5.0;
+        }
     }
 
     #[test]

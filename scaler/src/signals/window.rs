@@ -44,14 +44,28 @@ impl Window {
 
     /// Increase of a counter over the window (reset-aware like [`Window::rate`]).
     pub fn increase(&self, f: impl Fn(&Reading) -> Option<f64>) -> f64 {
+        self.increase_since(f, f64::NEG_INFINITY)
+    }
+
+    /// Increase of a counter after time `since`, an interval that straddles it
+    /// counted in proportion.
+    pub fn increase_since(&self, f: impl Fn(&Reading) -> Option<f64>, since: f64) -> f64 {
         let mut total = 0.0;
-        let mut prev: Option<f64> = None;
-        for (_, r) in &self.points {
+        let mut prev: Option<(f64, f64)> = None;
+        for (t, r) in &self.points {
             let Some(v) = f(r) else { continue };
-            if let Some(p) = prev {
-                total += if v >= p { v - p } else { v };
+            if let Some((pt, p)) = prev
+                && *t > since
+            {
+                let inc = if v >= p { v - p } else { v };
+                let share = if pt >= since || *t <= pt {
+                    1.0
+                } else {
+                    (t - since) / (t - pt)
+                };
+                total += inc * share;
             }
-            prev = Some(v);
+            prev = Some((*t, v));
         }
         total
     }
@@ -173,6 +187,19 @@ mod tests {
         assert_eq!(w.last_rate(|r| r.prompt_tokens), Some(5.0));
         let d = w.delta_buckets(|r| r.ttft.as_ref()).unwrap();
         assert_eq!(d, vec![(0.5, 5.0), (f64::INFINITY, 6.0)]);
+    }
+
+    #[test]
+    fn an_increase_since_a_time_counts_the_straddling_interval_in_part() {
+        let mut w = Window::new(60.0);
+        for (t, v) in [(0.0, 0.0), (10.0, 100.0), (20.0, 300.0), (30.0, 20.0)] {
+            w.push(t, r(v, &[0.0, 0.0]));
+        }
+        // 10 → 20 s: +200, half of it after 15 s; 20 → 30 s: a reset, +20.
+        assert_eq!(w.increase_since(|r| r.prompt_tokens, 15.0), 120.0);
+        assert_eq!(w.increase_since(|r| r.prompt_tokens, 10.0), 220.0);
+        assert_eq!(w.increase_since(|r| r.prompt_tokens, 30.0), 0.0);
+        assert_eq!(w.increase(|r| r.prompt_tokens), 320.0);
     }
 
     #[test]
