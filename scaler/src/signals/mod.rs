@@ -87,6 +87,9 @@ impl PoolSignals {
 pub struct PoolWindows {
     span: f64,
     endpoints: BTreeMap<String, Window>,
+    /// Windows of endpoints scaled away, kept until their last reading leaves the
+    /// window: apart from the names, which a new pod or standby may reuse.
+    gone: Vec<Window>,
 }
 
 impl PoolWindows {
@@ -95,6 +98,7 @@ impl PoolWindows {
         PoolWindows {
             span: span_secs,
             endpoints: BTreeMap::new(),
+            gone: Vec::new(),
         }
     }
 
@@ -110,12 +114,14 @@ impl PoolWindows {
     ) -> PoolSignals {
         let answered: BTreeSet<String> = readings.iter().map(|(n, _)| n.clone()).collect();
         let failed: BTreeSet<&String> = failed.iter().collect();
+        let (kept, gone): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.endpoints)
+            .into_iter()
+            .partition(|(n, _)| answered.contains(n) || failed.contains(n));
+        self.endpoints = kept;
+        self.gone.extend(gone.into_values());
         let span = self.span;
-        self.endpoints.retain(|n, w| {
-            answered.contains(n)
-                || failed.contains(n)
-                || w.latest().is_some_and(|(last, _)| t - last < span)
-        });
+        self.gone
+            .retain(|w| w.latest().is_some_and(|(last, _)| t - last < span));
         for (name, r) in readings {
             let w = self
                 .endpoints
@@ -150,19 +156,20 @@ impl PoolWindows {
             .filter(|(n, _)| answered.contains(*n))
             .map(|(_, w)| w.covered_s().min(self.span))
             .fold(0.0, f64::max);
+        // Scaled away within the window: the load it served there moved to the
+        // endpoints that remain, whose windows still hold their smaller share.
+        // Without it one replica of two leaving read 22k for a 40k load 5 s later.
+        // (A failing endpoint's load while it fails is not known.)
+        if pool_span > 0.0 {
+            let since = t - pool_span;
+            for w in &self.gone {
+                s.prompt_rate += w.increase_since(|r| r.prompt_tokens, since) / pool_span;
+                s.generation_rate += w.increase_since(|r| r.generation_tokens, since) / pool_span;
+                s.first_token_rate += w.increase_since(first_tokens, since) / pool_span;
+            }
+        }
         for (name, w) in &self.endpoints {
             if !answered.contains(name) {
-                // Scaled away within the window: the load it served there moved to
-                // the endpoints that remain, whose windows still hold their smaller
-                // share. Without it one replica of two leaving read 22k for a 40k
-                // load 5 s later. (A failing one's load is not known.)
-                if !failed.contains(name) && pool_span > 0.0 {
-                    let since = t - pool_span;
-                    s.prompt_rate += w.increase_since(|r| r.prompt_tokens, since) / pool_span;
-                    s.generation_rate +=
-                        w.increase_since(|r| r.generation_tokens, since) / pool_span;
-                    s.first_token_rate += w.increase_since(first_tokens, since) / pool_span;
-                }
                 continue;
             }
             let Some((_, r)) = w.latest() else { continue };
@@ -329,6 +336,53 @@ mod tests {
         both_take_half_of_40k(&mut w, 132..=150, &mut a, &mut b);
     }
 
+    /// The 40k two replicas served, as read at `t` after b's last scrape at 55 s: what
+    /// b served from then until it left at 60 s is never seen (5 s of its 20k over the
+    /// 60 s window), until b's readings leave the window.
+    fn read_with_b_unseen(t: f64) -> f64 {
+        if t < 120.0 {
+            40_000.0 - 20_000.0 * 5.0 / 60.0
+        } else {
+            40_000.0
+        }
+    }
+
+    #[test]
+    fn a_name_reused_within_the_window_is_a_new_endpoint() {
+        // b leaves at 60 s and, 10 s later, a new process answers at b's address
+        // with its counter at 0 (a pod IP reused). It starts a window of its own; the
+        // old b's readings count as a departed endpoint's until they leave the window,
+        // so the load is read once, and as a whole but for b's unseen last interval.
+        let mut w = PoolWindows::new(60.0);
+        let (mut a, mut b) = (0.0, 0.0);
+        both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
+        for i in 12..14 {
+            w.tick(f64::from(i) * 5.0, vec![("a".into(), prompts(a))], &[]);
+            a += 40_000.0 * 5.0;
+        }
+        let mut b2 = 0.0;
+        for i in 14..=40 {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(
+                t,
+                vec![("a".into(), prompts(a)), ("b".into(), prompts(b2))],
+                &[],
+            );
+            assert!(
+                (s.prompt_rate / read_with_b_unseen(t) - 1.0).abs() < 0.005,
+                "{} tokens/s at {t} s for a 40k load",
+                s.prompt_rate
+            );
+            a += 20_000.0 * 5.0;
+            b2 += 20_000.0 * 5.0;
+        }
+        assert_eq!(
+            w.gone.len(),
+            0,
+            "the old b is forgotten a window after its last reading"
+        );
+    }
+
     #[test]
     fn regression_a_replica_scaled_away_took_its_load_with_it() {
         // Two replicas take 20k prompt tokens/s each for a minute; at 60 s b is scaled
@@ -340,10 +394,8 @@ mod tests {
         for i in 12..=30 {
             let t = f64::from(i) * 5.0;
             let s = w.tick(t, vec![("a".into(), prompts(a))], &[]);
-            // What b served after its last scrape is never seen: one interval of its
-            // half, 4% of the window.
             assert!(
-                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.05,
+                (s.prompt_rate / read_with_b_unseen(t) - 1.0).abs() < 0.005,
                 "{} tokens/s at {t} s, {} s after b left",
                 s.prompt_rate,
                 t - 60.0
@@ -373,9 +425,8 @@ mod tests {
                 vec![("a".into(), prompts(a)), ("c".into(), prompts(c))],
                 &[],
             );
-            // As above, b's last interval is never seen.
             assert!(
-                (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.05,
+                (s.prompt_rate / read_with_b_unseen(t) - 1.0).abs() < 0.005,
                 "{} tokens/s at {t} s, {} s after the swap",
                 s.prompt_rate,
                 t - 60.0

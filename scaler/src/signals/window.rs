@@ -58,6 +58,7 @@ impl Window {
                 && *t > since
             {
                 let inc = if v >= p { v - p } else { v };
+                // (`t > pt` always here; the guard keeps a zero out of the divisor.)
                 let share = if pt >= since || *t <= pt {
                     1.0
                 } else {
