@@ -273,30 +273,43 @@ mod tests {
         }
     }
 
-    /// `ticks` 5 s apart with a and b taking 20k prompt tokens/s each (their counters
-    /// `a` and `b`), checking at each that the pool reads their 40k within 1%.
+    /// `ticks` 5 s apart with the readings `serve` gives (it advances its counters
+    /// after each), checking the pool's prompt rate within 0.5% of what `expect` says
+    /// for (tick, time), where it says anything.
+    fn check_reads(
+        w: &mut PoolWindows,
+        ticks: std::ops::RangeInclusive<u32>,
+        mut serve: impl FnMut() -> Vec<(String, Reading)>,
+        expect: impl Fn(u32, f64) -> Option<f64>,
+    ) {
+        for i in ticks {
+            let t = f64::from(i) * 5.0;
+            let s = w.tick(t, serve(), &[]);
+            if let Some(want) = expect(i, t) {
+                assert!(
+                    (s.prompt_rate / want - 1.0).abs() < 0.005,
+                    "{} tokens/s at {t} s, {want} expected",
+                    s.prompt_rate
+                );
+            }
+        }
+    }
+
+    /// `ticks` with a and b taking 20k prompt tokens/s each (their counters `a` and
+    /// `b`): the pool reads their 40k from its second tick (its first has no rate).
     fn both_take_half_of_40k(
         w: &mut PoolWindows,
         ticks: std::ops::RangeInclusive<u32>,
         a: &mut f64,
         b: &mut f64,
     ) {
-        for i in ticks {
-            let t = f64::from(i) * 5.0;
-            let s = w.tick(
-                t,
-                vec![("a".into(), prompts(*a)), ("b".into(), prompts(*b))],
-                &[],
-            );
-            // (The pool's very first tick has no rate to read.)
-            assert!(
-                i == 0 || (s.prompt_rate / 40_000.0 - 1.0).abs() < 0.01,
-                "{} tokens/s at {t} s",
-                s.prompt_rate
-            );
+        let serve = || {
+            let r = vec![("a".into(), prompts(*a)), ("b".into(), prompts(*b))];
             *a += 20_000.0 * 5.0;
             *b += 20_000.0 * 5.0;
-        }
+            r
+        };
+        check_reads(w, ticks, serve, |i, _| (i > 0).then_some(40_000.0));
     }
 
     #[test]
@@ -347,6 +360,15 @@ mod tests {
         }
     }
 
+    /// `ticks` with the readings `serve` gives, read as [`read_with_b_unseen`].
+    fn reads_40k_but_b_unseen(
+        w: &mut PoolWindows,
+        ticks: std::ops::RangeInclusive<u32>,
+        serve: impl FnMut() -> Vec<(String, Reading)>,
+    ) {
+        check_reads(w, ticks, serve, |_, t| Some(read_with_b_unseen(t)));
+    }
+
     #[test]
     fn a_name_reused_within_the_window_is_a_new_endpoint() {
         // b leaves at 60 s and, 10 s later, a new process answers at b's address
@@ -361,21 +383,12 @@ mod tests {
             a += 40_000.0 * 5.0;
         }
         let mut b2 = 0.0;
-        for i in 14..=40 {
-            let t = f64::from(i) * 5.0;
-            let s = w.tick(
-                t,
-                vec![("a".into(), prompts(a)), ("b".into(), prompts(b2))],
-                &[],
-            );
-            assert!(
-                (s.prompt_rate / read_with_b_unseen(t) - 1.0).abs() < 0.005,
-                "{} tokens/s at {t} s for a 40k load",
-                s.prompt_rate
-            );
+        reads_40k_but_b_unseen(&mut w, 14..=40, || {
+            let r = vec![("a".into(), prompts(a)), ("b".into(), prompts(b2))];
             a += 20_000.0 * 5.0;
             b2 += 20_000.0 * 5.0;
-        }
+            r
+        });
         assert_eq!(
             w.gone.len(),
             0,
@@ -391,23 +404,12 @@ mod tests {
         let mut w = PoolWindows::new(60.0);
         let (mut a, mut b) = (0.0, 0.0);
         both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
-        for i in 12..=30 {
-            let t = f64::from(i) * 5.0;
-            let s = w.tick(t, vec![("a".into(), prompts(a))], &[]);
-            assert!(
-                (s.prompt_rate / read_with_b_unseen(t) - 1.0).abs() < 0.005,
-                "{} tokens/s at {t} s, {} s after b left",
-                s.prompt_rate,
-                t - 60.0
-            );
-            assert_eq!(s.endpoints_ok, 1);
+        reads_40k_but_b_unseen(&mut w, 12..=30, || {
+            let r = vec![("a".into(), prompts(a))];
             a += 40_000.0 * 5.0;
-        }
-        assert_eq!(
-            w.endpoints.len(),
-            1,
-            "b is forgotten once out of the window"
-        );
+            r
+        });
+        assert!(w.gone.is_empty(), "b is forgotten once out of the window");
     }
 
     #[test]
@@ -418,22 +420,12 @@ mod tests {
         let (mut a, mut b) = (0.0, 0.0);
         both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
         let mut c = 0.0;
-        for i in 12..=30 {
-            let t = f64::from(i) * 5.0;
-            let s = w.tick(
-                t,
-                vec![("a".into(), prompts(a)), ("c".into(), prompts(c))],
-                &[],
-            );
-            assert!(
-                (s.prompt_rate / read_with_b_unseen(t) - 1.0).abs() < 0.005,
-                "{} tokens/s at {t} s, {} s after the swap",
-                s.prompt_rate,
-                t - 60.0
-            );
+        reads_40k_but_b_unseen(&mut w, 12..=30, || {
+            let r = vec![("a".into(), prompts(a)), ("c".into(), prompts(c))];
             a += 20_000.0 * 5.0;
             c += 20_000.0 * 5.0;
-        }
+            r
+        });
     }
 
     #[test]
