@@ -114,11 +114,10 @@ impl PoolWindows {
     ) -> PoolSignals {
         let answered: BTreeSet<String> = readings.iter().map(|(n, _)| n.clone()).collect();
         let failed: BTreeSet<&String> = failed.iter().collect();
-        let (kept, gone): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.endpoints)
-            .into_iter()
-            .partition(|(n, _)| answered.contains(n) || failed.contains(n));
-        self.endpoints = kept;
-        self.gone.extend(gone.into_values());
+        let departed = self
+            .endpoints
+            .extract_if(.., |n, _| !answered.contains(n) && !failed.contains(n));
+        self.gone.extend(departed.map(|(_, w)| w));
         let span = self.span;
         self.gone
             .retain(|w| w.latest().is_some_and(|(last, _)| t - last < span));
