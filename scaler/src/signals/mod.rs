@@ -114,10 +114,16 @@ impl PoolWindows {
     ) -> PoolSignals {
         let answered: BTreeSet<String> = readings.iter().map(|(n, _)| n.clone()).collect();
         let failed: BTreeSet<&String> = failed.iter().collect();
-        let departed = self
+        // (`BTreeMap::extract_if` is newer than the crate's MSRV.)
+        let departed: Vec<String> = self
             .endpoints
-            .extract_if(.., |n, _| !answered.contains(n) && !failed.contains(n));
-        self.gone.extend(departed.map(|(_, w)| w));
+            .keys()
+            .filter(|n| !answered.contains(*n) && !failed.contains(n))
+            .cloned()
+            .collect();
+        for name in departed {
+            self.gone.extend(self.endpoints.remove(&name));
+        }
         let span = self.span;
         self.gone
             .retain(|w| w.latest().is_some_and(|(last, _)| t - last < span));
