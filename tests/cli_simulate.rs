@@ -418,3 +418,43 @@ fn need_curve_reports_the_steady_need_by_rate_against_static_peak_with_a_plot() 
     assert!(plot.starts_with("<svg") && plot.contains("requests/s"));
     assert!(plot.contains(">steady need</text>"), "the legend");
 }
+
+/// `simulate --set models.0.prefill.headroom=0.8` without `--config` was refused
+/// ("models: at least one model is required"), so the simulator's knobs could only be
+/// turned by writing a scaler config file. It now starts from one model at the shipped
+/// defaults, and the override is honoured.
+#[test]
+fn regression_simulate_set_without_a_config_was_refused() {
+    let trace = testdata().join("traces/mooncake_synthetic.jsonl");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--policy",
+            "preheat",
+        ];
+        args.extend_from_slice(extra);
+        let out = ok(args);
+        let row = out
+            .lines()
+            .find(|l| l.starts_with("preheat "))
+            .unwrap_or_else(|| panic!("no preheat row in:\n{out}"))
+            .to_owned();
+        let gpu_s: f64 = row.split_whitespace().nth(2).unwrap().parse().unwrap();
+        gpu_s
+    };
+    let shipped = run(&[]);
+    let lower = run(&[
+        "--set",
+        "models.0.prefill.headroom=0.8",
+        "--set",
+        "models.0.decode.headroom=0.8",
+    ]);
+    assert!(
+        lower < shipped * 0.97,
+        "headroom 0.8 spent {lower} GPU-s against {shipped} at the shipped 1.0"
+    );
+    // The shipped defaults, restated, change nothing.
+    assert_eq!(run(&["--set", "models.0.prefill.headroom=1"]), shipped);
+}

@@ -226,7 +226,9 @@ pub struct SimulateArgs {
     /// (default: the scaler's shipped defaults).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Override a config value, as for `scaler run` (repeatable).
+    /// Override a config value, as for `scaler run` (repeatable); without `--config`,
+    /// `models.0` is one model at the shipped defaults
+    /// (`--set models.0.prefill.headroom=0.8`).
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub overrides: Vec<String>,
     /// Prompts shorter than this many tokens are prefilled on the decode replica that

@@ -28,6 +28,10 @@ struct Options {
     policies: Vec<String>,
 }
 
+/// The scaler config `simulate` overrides when no `--config` is given: one model whose
+/// pools keep the shipped defaults.
+const DEFAULT_MODEL: &str = "models=[{name: default, prefill: {}, decode: {}}]";
+
 fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     let mut errs = Vec::new();
     let profile = match &a.profile {
@@ -39,7 +43,15 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     let (mut prefill, mut decode, mut interval, mut window) =
         (PoolPolicy::default(), PoolPolicy::default(), None, None);
     if a.config.is_some() || !a.overrides.is_empty() {
-        match Config::load_policies(a.config.as_deref(), &a.overrides) {
+        // Without a file, overrides apply to one model at the shipped defaults, the
+        // model the simulator runs when nothing is given.
+        let overrides: Vec<String> = match a.config {
+            Some(_) => a.overrides.clone(),
+            None => std::iter::once(DEFAULT_MODEL.to_owned())
+                .chain(a.overrides.iter().cloned())
+                .collect(),
+        };
+        match Config::load_policies(a.config.as_deref(), &overrides) {
             Ok(c) => {
                 let m = &c.models[0];
                 prefill = m.prefill.policy.clone();

@@ -289,6 +289,17 @@ fn apply_override(root: &mut Value, spec: &str) -> std::result::Result<(), Strin
     for (i, part) in parts.iter().enumerate() {
         let last = i + 1 == parts.len();
         if cur.is_null() {
+            // No map in the config has numeric keys: an index into a list that is not
+            // there would otherwise become a map, which serde refuses without naming
+            // the flag or the list.
+            if part.parse::<usize>().is_ok() {
+                return Err(format!(
+                    "--set {path}: there is no list at `{}` to take entry {part} from \
+                     (give the list in the config file, or set `{}=[...]`)",
+                    parts[..i].join("."),
+                    parts[..i].join(".")
+                ));
+            }
             *cur = Value::Object(serde_json::Map::new());
         }
         cur = match cur {
@@ -340,8 +351,11 @@ impl Config {
             tree = Value::Object(serde_json::Map::new());
         }
         for o in overrides {
-            if let Err(e) = apply_override(&mut tree, o) {
-                errs.push(e);
+            // A refused override leaves no trace (the nodes it made on its way).
+            let mut next = tree.clone();
+            match apply_override(&mut next, o) {
+                Ok(()) => tree = next,
+                Err(e) => errs.push(e),
             }
         }
         let cfg: Config = match serde_json::from_value(tree) {

@@ -157,3 +157,18 @@ fn a_state_file_needs_a_directory_that_is_there() {
     let e = load(YAML, &[&at(dir.path())]).unwrap_err().to_string();
     assert!(e.contains("is not a file name"), "{e}");
 }
+
+/// `--set models.0.prefill.headroom=0.8` with no `models` list made a map with a key
+/// "0", and serde then said "invalid type: map, expected a sequence", naming neither
+/// the flag nor the list.
+#[test]
+fn regression_a_list_entry_set_without_its_list_read_as_a_map() {
+    let err = Config::load_policies(None, &["models.0.prefill.headroom=0.8".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--set models.0.prefill.headroom") && err.contains("no list at `models`"),
+        "{err}"
+    );
+    assert!(!err.contains("expected a sequence"), "{err}");
+}
