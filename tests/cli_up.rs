@@ -884,3 +884,94 @@ async fn kube_api(
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
     (url, asked)
 }
+
+/// A scheduled floor given to `up` with `--set` holds the prefill pool up with no
+/// traffic at all, as the same key does in the chart's scaler config; keys `up` wires
+/// itself, and keys no policy has, are refused by name before anything is staged.
+#[test]
+fn up_set_takes_a_scheduled_floor_and_refuses_what_up_wires_itself() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = preheat([
+        "up",
+        "--cache-dir",
+        cache.path().to_str().unwrap(),
+        "--set",
+        "grpc_listen=0.0.0.0:1",
+        "--set",
+        "models.0.prefill.bogus=1",
+        "--set",
+        "models.0.decode.endpoints=[http://x/metrics]",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    for want in [
+        "--set grpc_listen",
+        "--set models.0.prefill.bogus",
+        "--set models.0.decode.endpoints",
+    ] {
+        assert!(err.contains(want), "{want} missing from: {err}");
+    }
+    assert!(
+        !cache.path().join("cluster-token").exists(),
+        "refused before starting anything"
+    );
+
+    let ports = Ports::free();
+    let cache = tempfile::tempdir().unwrap();
+    let _up = spawn_up(
+        cache.path(),
+        &ports,
+        &[
+            "--idle-grace",
+            "3s",
+            "--set",
+            "models.0.prefill.schedule=[{cron: '* * * * *', duration_s: 3600, min_replicas: 1}]",
+        ],
+        Stdio::null(),
+    );
+    let gwi = format!("http://127.0.0.1:{}", ports.gateway_internal);
+    let token_file = cache.path().join("cluster-token");
+    rt().block_on(async {
+        let t0 = Instant::now();
+        let keda = loop {
+            if let Ok(c) =
+                ExternalScalerClient::connect(format!("http://127.0.0.1:{}", ports.scaler)).await
+            {
+                break c;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "scaler never listened"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let c = reqwest::Client::new();
+        loop {
+            let active = |pool: &'static str| {
+                let mut keda = keda.clone();
+                async move {
+                    keda.is_active(sref(pool))
+                        .await
+                        .map(|r| r.into_inner().result)
+                }
+            };
+            let (prefill, decode) = (active("prefill").await, active("decode").await);
+            if prefill.as_ref().is_ok_and(|a| *a)
+                && decode.as_ref().is_ok_and(|a| !*a)
+                && token_file.exists()
+                && workers(&c, &gwi, &token_file).await == (1, 0)
+            {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "the floor never brought prefill up with no traffic: prefill active \
+                 {prefill:?}, decode active {decode:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // Held, not a passing decision: still one prefill worker past the idle grace.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(workers(&c, &gwi, &token_file).await, (1, 0));
+    });
+}

@@ -173,6 +173,12 @@ pub struct UpArgs {
     /// promotes them first.
     #[arg(long, default_value_t = 1)]
     pub standbys: u32,
+    /// Set a pool's policy key in the scaler config `up` runs, as `scaler run --set`
+    /// does (repeatable): `models.0.prefill.schedule=[{cron: "0 8 * * 1-5",
+    /// duration_s: 36000, min_replicas: 1}]`, `models.0.decode.headroom=1.2`. Only
+    /// the pools' policy keys: addresses, sources and the model come from `up` itself.
+    #[arg(long = "set", value_name = "PATH=VALUE")]
+    pub overrides: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -332,13 +332,22 @@ impl Config {
         Self::load_checked(path, overrides, false)
     }
 
+    /// A config built in code (local mode's) with `--set` overrides applied, validated
+    /// as [`Config::load`] validates a file (`sources`: its metrics sources and files
+    /// too, or only the pools' policies as [`Config::load_policies`] does); every
+    /// problem at once.
+    pub fn with_overrides(self, overrides: &[String], sources: bool) -> Result<Self> {
+        let tree = serde_json::to_value(&self)
+            .map_err(|e| ScalerError::Config(vec![format!("config: {e}")]))?;
+        Self::from_tree(tree, overrides, sources)
+    }
+
     fn load_checked(
         path: Option<&std::path::Path>,
         overrides: &[String],
         sources: bool,
     ) -> Result<Self> {
-        let mut errs = Vec::new();
-        let mut tree: Value = match path {
+        let tree: Value = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| ScalerError::Config(vec![format!("{}: {e}", p.display())]))?;
@@ -347,6 +356,12 @@ impl Config {
             }
             None => Value::Object(serde_json::Map::new()),
         };
+        Self::from_tree(tree, overrides, sources)
+    }
+
+    /// `tree` with `overrides` applied, parsed and validated.
+    fn from_tree(mut tree: Value, overrides: &[String], sources: bool) -> Result<Self> {
+        let mut errs = Vec::new();
         if tree.is_null() {
             tree = Value::Object(serde_json::Map::new());
         }

@@ -172,3 +172,47 @@ fn regression_a_list_entry_set_without_its_list_read_as_a_map() {
     );
     assert!(!err.contains("expected a sequence"), "{err}");
 }
+
+/// Local mode builds its config in code; `up --set` changes it as `scaler run --set`
+/// changes a file, and a config that takes no override comes back as it went in.
+#[test]
+fn a_config_built_in_code_takes_overrides_and_round_trips() {
+    let built = load(YAML, &[]).unwrap();
+    assert_eq!(built.clone().with_overrides(&[], true).unwrap(), built);
+    let c = built
+        .clone()
+        .with_overrides(
+            &[
+                "models.0.prefill.schedule=[{cron: '0 8 * * 1-5', duration_s: 36000, min_replicas: 2}]"
+                    .into(),
+                "window_s=90".into(),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(c.window_s, 90.0);
+    let floors = &c.models[0].prefill.policy.schedule;
+    assert_eq!(floors.len(), 1);
+    assert_eq!(
+        (floors[0].cron.as_str(), floors[0].min_replicas),
+        ("0 8 * * 1-5", 2)
+    );
+    assert_eq!(c.models[0].decode, built.models[0].decode);
+    // Every problem at once, each named.
+    let err = built
+        .with_overrides(
+            &[
+                "models.0.prefill.bogus=1".into(),
+                "models.0.decode.min_replicas=99".into(),
+                "models.3.x=1".into(),
+            ],
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("models.3.x") && err.contains("index 3 out of range"),
+        "{err}"
+    );
+    assert!(err.contains("bogus"), "{err}");
+}

@@ -57,6 +57,8 @@ struct Options {
     slo_ttft: f64,
     slo_itl: f64,
     standbys: u32,
+    /// `--set` overrides of the pools' policies.
+    overrides: Vec<String>,
 }
 
 fn options(a: &UpArgs) -> anyhow::Result<Options> {
@@ -95,6 +97,11 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
             ));
         }
     }
+    errs.extend(
+        a.overrides
+            .iter()
+            .filter_map(|o| policy_override_problem(o)),
+    );
     if let Some(m) = &a.model
         && !m.exists()
     {
@@ -125,6 +132,26 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
         slo_ttft: a.slo_ttft,
         slo_itl: a.slo_itl,
         standbys: a.standbys,
+        overrides: a.overrides.clone(),
+    })
+}
+
+/// Why `up` refuses a `--set`, if it does: it takes the pools' policy keys
+/// (`models.0.prefill.*`, `models.0.decode.*`); the rest of its scaler config (its
+/// addresses, the pools' sources, the model's name) is wired to the stack it starts.
+fn policy_override_problem(spec: &str) -> Option<String> {
+    let path = spec.split_once('=').map_or(spec, |(p, _)| p);
+    let keys = serde_json::to_value(PoolPolicy::default()).ok()?;
+    let ok = match path.split('.').collect::<Vec<_>>().as_slice() {
+        ["models", "0", "prefill" | "decode", key, ..] => keys.get(*key).is_some(),
+        _ => false,
+    };
+    (!ok).then(|| {
+        format!(
+            "--set {path}: `up` takes only the pools' policy keys (models.0.prefill.KEY, \
+             models.0.decode.KEY); its addresses, the pools' sources and the model come \
+             from its own flags"
+        )
     })
 }
 
@@ -180,11 +207,16 @@ pub(crate) struct Setup {
 pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
     let o = options(a)?;
     let source = stage(&o)?;
+    // The policies the scaler will run: this run's flags and `--set`.
+    let cfg = scaler_config(&o, "http://127.0.0.1:1/metrics", &o.cache, false)?;
+    let [m] = &cfg.models[..] else {
+        bail!("scaler config: one model expected");
+    };
     Ok(Setup {
         profile: measured_profile(&source, o.kv_cache_mib)?,
         snapshot: source,
-        prefill: pool_policy(&o, o.limits[0]),
-        decode: pool_policy(&o, o.limits[1]),
+        prefill: m.prefill.policy.clone(),
+        decode: m.decode.policy.clone(),
     })
 }
 
@@ -194,8 +226,14 @@ pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
 const STATE_FILE: &str = "scaler-state.json";
 
 /// The scaler's config for this machine: both pools' endpoints come from the driver at
-/// run time (`run_with`), quick ticks, this run's SLOs and limits.
-fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result<Config> {
+/// run time (`run_with`), quick ticks, this run's SLOs and limits, then `--set`;
+/// checked as a file would be (`files`: the token and state files' places too).
+fn scaler_config(
+    o: &Options,
+    gw_url: &str,
+    token_file: &Path,
+    files: bool,
+) -> anyhow::Result<Config> {
     let pool = |limits| PoolConfig {
         policy: pool_policy(o, limits),
         ..PoolConfig::default()
@@ -220,15 +258,14 @@ fn scaler_config(o: &Options, gw_url: &str, token_file: &Path) -> anyhow::Result
         }],
         ..Config::default()
     };
-    let problems = cfg.problems(true);
-    if !problems.is_empty() {
-        bail!("scaler config: {}", problems.join("; "));
-    }
-    Ok(cfg)
+    cfg.with_overrides(&o.overrides, files)
+        .map_err(|e| anyhow::anyhow!("scaler {e}"))
 }
 
 pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
+    // A bad `--set` is refused before the model is staged and profiled.
+    scaler_config(&o, "http://127.0.0.1:1/metrics", &o.cache, false)?;
     let started = Instant::now();
     let source = stage(&o)?;
     let profile = measured_profile(&source, o.kv_cache_mib)?;
@@ -326,7 +363,7 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        let cfg = scaler_config(&o, &gw_url, &token_file)?;
+        let cfg = scaler_config(&o, &gw_url, &token_file, true)?;
         let shared = pools
             .iter()
             .map(|p| (MODEL.to_owned(), p.pool, Arc::clone(&p.endpoints)))
