@@ -115,18 +115,7 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let t0 = Instant::now();
-        let mut keda = loop {
-            if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{sport}")).await
-            {
-                break c;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "scaler never listened"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let mut keda = keda_client(sport).await;
         // Idle: both pools inactive once the grace has passed.
         let mut decode = keda
             .stream_is_active(sref("decode"))
@@ -303,6 +292,21 @@ fn spawn_up(cache: &std::path::Path, ports: &Ports, args: &[&str], stderr: Stdio
         .spawn()
         .unwrap();
     Up(child)
+}
+
+/// KEDA's client of the scaler `up` runs on `port`, once it listens.
+async fn keda_client(port: u16) -> ExternalScalerClient<tonic::transport::Channel> {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{port}")).await {
+            return c;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "scaler never listened"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -933,18 +937,7 @@ fn up_set_takes_a_scheduled_floor_and_refuses_what_up_wires_itself() {
     let token_file = cache.path().join("cluster-token");
     rt().block_on(async {
         let t0 = Instant::now();
-        let keda = loop {
-            if let Ok(c) =
-                ExternalScalerClient::connect(format!("http://127.0.0.1:{}", ports.scaler)).await
-            {
-                break c;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "scaler never listened"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let keda = keda_client(ports.scaler).await;
         let c = reqwest::Client::new();
         loop {
             let active = |pool: &'static str| {
