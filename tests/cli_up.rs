@@ -905,6 +905,10 @@ fn up_set_takes_a_scheduled_floor_and_refuses_what_up_wires_itself() {
         "models.0.prefill.bogus=1",
         "--set",
         "models.0.decode.endpoints=[http://x/metrics]",
+        "--set",
+        "models.0.prefill.max_replicas=8",
+        "--set",
+        "models.0.decode.headroom",
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
@@ -912,12 +916,29 @@ fn up_set_takes_a_scheduled_floor_and_refuses_what_up_wires_itself() {
         "--set grpc_listen",
         "--set models.0.prefill.bogus",
         "--set models.0.decode.endpoints",
+        // The driver holds the pool within the flag's limit whatever the scaler asks.
+        "--set models.0.prefill.max_replicas: give it as `up --prefill-max`",
+        "--set \"models.0.decode.headroom\": expected path=value",
     ] {
         assert!(err.contains(want), "{want} missing from: {err}");
     }
+    // A value that parses but is wrong is refused before anything is staged too.
+    let out = preheat([
+        "up",
+        "--cache-dir",
+        cache.path().to_str().unwrap(),
+        "--set",
+        "models.0.prefill.headroom=-1",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !cache.path().join("cluster-token").exists(),
-        "refused before starting anything"
+        !out.status.success() && err.contains("headroom must be > 0"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(cache.path()).unwrap().count(),
+        0,
+        "refused before anything was staged"
     );
 
     let ports = Ports::free();

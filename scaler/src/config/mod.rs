@@ -337,6 +337,16 @@ impl Config {
     /// too, or only the pools' policies as [`Config::load_policies`] does); every
     /// problem at once.
     pub fn with_overrides(self, overrides: &[String], sources: bool) -> Result<Self> {
+        // Nothing to apply: checked as built (JSON holds neither a non-finite number
+        // nor a path that is not UTF-8, which the checks name better than serde).
+        if overrides.is_empty() {
+            let problems = self.problems(sources);
+            return if problems.is_empty() {
+                Ok(self)
+            } else {
+                Err(ScalerError::Config(problems))
+            };
+        }
         let tree = serde_json::to_value(&self)
             .map_err(|e| ScalerError::Config(vec![format!("config: {e}")]))?;
         Self::from_tree(tree, overrides, sources)

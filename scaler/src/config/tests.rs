@@ -198,14 +198,11 @@ fn a_config_built_in_code_takes_overrides_and_round_trips() {
         ("0 8 * * 1-5", 2)
     );
     assert_eq!(c.models[0].decode, built.models[0].decode);
-    // Every problem at once, each named.
+    // The refused overrides and what serde refuses, together, each named.
     let err = built
+        .clone()
         .with_overrides(
-            &[
-                "models.0.prefill.bogus=1".into(),
-                "models.0.decode.min_replicas=99".into(),
-                "models.3.x=1".into(),
-            ],
+            &["models.0.prefill.bogus=1".into(), "models.3.x=1".into()],
             true,
         )
         .unwrap_err()
@@ -215,4 +212,10 @@ fn a_config_built_in_code_takes_overrides_and_round_trips() {
         "{err}"
     );
     assert!(err.contains("bogus"), "{err}");
+    // Values that parse are checked as a file's are.
+    let err = built
+        .with_overrides(&["models.0.decode.min_replicas=99".into()], true)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("min_replicas 99 > max_replicas 16"), "{err}");
 }

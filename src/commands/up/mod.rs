@@ -97,6 +97,11 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
             ));
         }
     }
+    for (flag, v) in [("slo-ttft", a.slo_ttft), ("slo-itl", a.slo_itl)] {
+        if !(v.is_finite() && v > 0.0) {
+            errs.push(format!("--{flag} {v}: give a time above zero"));
+        }
+    }
     errs.extend(
         a.overrides
             .iter()
@@ -137,22 +142,33 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
 }
 
 /// Why `up` refuses a `--set`, if it does: it takes the pools' policy keys
-/// (`models.0.prefill.*`, `models.0.decode.*`); the rest of its scaler config (its
-/// addresses, the pools' sources, the model's name) is wired to the stack it starts.
+/// (`models.0.prefill.*`, `models.0.decode.*`) except those its own flags give (the
+/// driver holds each pool within `--{pool}-min/max` whatever the scaler asks); the
+/// rest of its scaler config (its addresses, the pools' sources, the model's name) is
+/// wired to the stack it starts.
 fn policy_override_problem(spec: &str) -> Option<String> {
-    let path = spec.split_once('=').map_or(spec, |(p, _)| p);
-    let keys = serde_json::to_value(PoolPolicy::default()).ok()?;
-    let ok = match path.split('.').collect::<Vec<_>>().as_slice() {
-        ["models", "0", "prefill" | "decode", key, ..] => keys.get(*key).is_some(),
-        _ => false,
+    let Some((path, _)) = spec.split_once('=') else {
+        return Some(format!("--set {spec:?}: expected path=value"));
     };
-    (!ok).then(|| {
-        format!(
+    let keys = serde_json::to_value(PoolPolicy::default()).unwrap_or_default();
+    match path.split('.').collect::<Vec<_>>().as_slice() {
+        ["models", "0", pool @ ("prefill" | "decode"), key, ..] if keys.get(*key).is_some() => {
+            let flag = match *key {
+                "min_replicas" => format!("--{pool}-min"),
+                "max_replicas" => format!("--{pool}-max"),
+                "idle_grace_s" => "--idle-grace".to_owned(),
+                "slo_ttft_s" => "--slo-ttft".to_owned(),
+                "slo_itl_s" => "--slo-itl".to_owned(),
+                _ => return None,
+            };
+            Some(format!("--set {path}: give it as `up {flag}`"))
+        }
+        _ => Some(format!(
             "--set {path}: `up` takes only the pools' policy keys (models.0.prefill.KEY, \
              models.0.decode.KEY); its addresses, the pools' sources and the model come \
              from its own flags"
-        )
-    })
+        )),
+    }
 }
 
 /// The warm-pool agent's view of this machine: one model, staged into `<cache>/node`
