@@ -127,4 +127,85 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         }
     }
     assert!(checked >= 7, "{checked} configs checked");
+    // The simulator's `--actuation keda` models HPA and KEDA as the chart renders them:
+    // the shipped values' ScaledObjects say what the model must be.
+    let default = dump.path().join("default");
+    let objects: Vec<serde_json::Value> = std::fs::read_dir(&default)
+        .unwrap()
+        .flatten()
+        .filter(|f| f.file_name().to_string_lossy().starts_with("scaledobject-"))
+        .map(|f| serde_json::from_slice(&std::fs::read(f.path()).unwrap()).unwrap())
+        .collect();
+    assert_eq!(objects.len(), 2, "one ScaledObject per pool");
+    for so in &objects {
+        check_hpa_model_matches(so);
+    }
+}
+
+/// One rendered ScaledObject against `preheat_sim`'s KEDA model (`KedaSettings`'
+/// defaults, `HpaBehavior::CHART`).
+fn check_hpa_model_matches(so: &serde_json::Value) {
+    use preheat_sim::hpa::HpaBehavior;
+    let name = so["metadata"]["name"].as_str().unwrap_or("?");
+    let model = preheat_sim::keda::KedaSettings::default();
+    assert_eq!(model.behavior, HpaBehavior::CHART);
+    let b = &so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"];
+    let num = |v: &serde_json::Value| -> f64 {
+        v.as_f64()
+            .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+            .unwrap_or_else(|| panic!("{name}: not a number: {v}"))
+    };
+    let policy = |dir: &str, kind: &str| -> (f64, f64) {
+        let p = b[dir]["policies"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["type"] == kind))
+            .unwrap_or_else(|| panic!("{name}: no {dir} {kind} policy in {b}"));
+        (num(&p["value"]), num(&p["periodSeconds"]))
+    };
+    let c = HpaBehavior::CHART;
+    assert_eq!(num(&b["scaleUp"]["tolerance"]), c.up_tolerance, "{name}");
+    assert_eq!(
+        num(&b["scaleDown"]["tolerance"]),
+        c.down_tolerance,
+        "{name}"
+    );
+    // The model has no scale-up stabilisation: the chart must render none.
+    assert_eq!(
+        num(&b["scaleUp"]["stabilizationWindowSeconds"]),
+        0.0,
+        "{name}"
+    );
+    assert_eq!(
+        num(&b["scaleDown"]["stabilizationWindowSeconds"]),
+        c.down_stabilization_s,
+        "{name}"
+    );
+    assert_eq!(
+        policy("scaleUp", "Percent"),
+        (c.up_percent, c.up_period_s),
+        "{name}"
+    );
+    assert_eq!(
+        policy("scaleUp", "Pods"),
+        (f64::from(c.up_pods), c.up_period_s),
+        "{name}"
+    );
+    assert_eq!(
+        policy("scaleDown", "Pods"),
+        (
+            f64::from(c.down_pods.expect("the chart limits scale-down")),
+            c.down_period_s
+        ),
+        "{name}"
+    );
+    assert_eq!(
+        b["scaleDown"]["policies"].as_array().map(Vec::len),
+        Some(1),
+        "{name}: the model has one scale-down policy"
+    );
+    assert_eq!(
+        num(&so["spec"]["cooldownPeriod"]),
+        model.cooldown_s,
+        "{name}"
+    );
 }

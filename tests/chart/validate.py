@@ -397,6 +397,12 @@ def check_variant(variant, values, defaults, schema, dump):
     check_dashboard(variant, merged, by_kind)
     check_monitoring(variant, merged, by_kind)
     if dump:
+        # The simulator's KEDA model is checked against these (tests/chart.rs).
+        for o in by_kind.get("ScaledObject", []):
+            d = os.path.join(dump, variant)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"scaledobject-{o['metadata']['name']}.json"), "w") as f:
+                json.dump(o, f)
         for o in by_kind.get("PrometheusRule", []):
             d = os.path.join(dump, variant)
             os.makedirs(d, exist_ok=True)
