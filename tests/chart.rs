@@ -1,7 +1,8 @@
 //! The Helm chart: Helm's own strict lint and rendering (helm-python-sdk, Helm's Go SDK),
 //! every object validated against the Kubernetes and KEDA schemas (tests/chart/
-//! validate.py), and the rendered scaler and warm-pool configs accepted by the real
-//! parsers of those components.
+//! validate.py), the rendered scaler and warm-pool configs accepted by the real
+//! parsers of those components, and the ScaledObjects' HPA behaviour what the
+//! simulator's KEDA model assumes.
 
 mod harness;
 

@@ -44,7 +44,8 @@ impl HpaBehavior {
     };
 
     /// What the chart renders for the pools' ScaledObjects
-    /// (`charts/preheat/templates/scaledobjects.yaml`, `values.yaml` `keda.*`).
+    /// (`charts/preheat/templates/scaledobjects.yaml`, `values.yaml` `keda.*`);
+    /// `tests/chart.rs` holds the rendered objects to it.
     pub const CHART: HpaBehavior = HpaBehavior {
         up_tolerance: 0.01,
         down_tolerance: 0.05,
