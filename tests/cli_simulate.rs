@@ -179,6 +179,29 @@ fn simulate_bad_input_is_a_clear_error() {
             vec!["--trace", bad.to_str().unwrap(), "--need-curve", "1"],
             "1 is not in 2..=64",
         ),
+        // Keys that configure a deployment are not a simulation's: refused by name.
+        (
+            vec!["--trace", bad.to_str().unwrap(), "--set", "mode=direct"],
+            "--set mode: a simulation reads only",
+        ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--set",
+                "models.1.prefill.headroom=2",
+            ],
+            "--set models.1.prefill.headroom: a simulation reads only",
+        ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--set",
+                "profile=/nonexistent-profile.json",
+            ],
+            "profile /nonexistent-profile.json",
+        ),
     ] {
         let out = preheat(std::iter::once("simulate").chain(args.iter().copied()));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -457,4 +480,55 @@ fn regression_simulate_set_without_a_config_was_refused() {
     );
     // The shipped defaults, restated, change nothing.
     assert_eq!(run(&["--set", "models.0.prefill.headroom=1"]), shipped);
+}
+
+/// A scaler config's profile is the one its scaler sizes with, so the simulation uses
+/// it too (it was silently ignored: the default profile ran); `--profile` names another.
+#[test]
+fn a_scaler_configs_profile_is_simulated_unless_profile_names_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = testdata().join("traces/mooncake_synthetic.jsonl");
+    let profile = |name: &str| {
+        let p = dir.path().join(format!("{name}.json"));
+        std::fs::write(
+            &p,
+            serde_json::json!({
+                "source": name,
+                "prefill_tokens_per_s": [[128, 9000], [512, 14000], [2048, 16000], [8192, 12000], [32768, 7000]],
+                "decode_itl_s": [[1, 0.008], [16, 0.011], [64, 0.018], [128, 0.028], [256, 0.048]],
+                "kv_tokens": 450000,
+                "startup_s": {"cold": 300, "staged": 60, "hot": 3, "standby": 2}
+            })
+            .to_string(),
+        )
+        .unwrap();
+        p
+    };
+    let (scalers, flags) = (profile("the-scalers"), profile("the-flags"));
+    let config = dir.path().join("scaler.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "profile: {}\nmodels:\n  - name: m\n    prefill: {{}}\n    decode: {{}}\n",
+            scalers.display()
+        ),
+    )
+    .unwrap();
+    let base = [
+        "simulate",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policy",
+        "preheat",
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    let out = ok(base);
+    assert!(out.contains("profile: the-scalers"), "{out}");
+    assert!(out.contains("replicas start in 3 s"), "{out}");
+    let out = ok(base
+        .iter()
+        .copied()
+        .chain(["--profile", flags.to_str().unwrap()]));
+    assert!(out.contains("profile: the-flags"), "{out}");
 }

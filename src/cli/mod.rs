@@ -228,13 +228,14 @@ pub struct SimulateArgs {
     /// Capacity profile JSON (`preheat engine profile`); default: the GPU-class profile.
     #[arg(long)]
     pub profile: Option<PathBuf>,
-    /// Scaler YAML config whose first model's pool settings the simulation uses
-    /// (default: the scaler's shipped defaults).
+    /// Scaler YAML config whose first model's pool settings, tick, window and profile
+    /// (unless `--profile`) the simulation uses (default: the scaler's shipped
+    /// defaults); its other keys configure a deployment and are not read.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Override a config value, as for `scaler run` (repeatable); without `--config`,
-    /// `models.0` is one model at the shipped defaults
-    /// (`--set models.0.prefill.headroom=0.8`).
+    /// Override a config value, as for `scaler run` (repeatable): the keys the
+    /// simulation reads, others refused; without `--config`, `models.0` is one model
+    /// at the shipped defaults (`--set models.0.prefill.headroom=0.8`).
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub overrides: Vec<String>,
     /// Prompts shorter than this many tokens are prefilled on the decode replica that

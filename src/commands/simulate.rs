@@ -32,16 +32,33 @@ struct Options {
 /// pools keep the shipped defaults.
 const DEFAULT_MODEL: &str = "models=[{name: default, prefill: {}, decode: {}}]";
 
+/// Why `simulate` refuses a `--set`, if it does: of a scaler config it reads the first
+/// model's pools, the tick, the window and the profile; the rest configures a
+/// deployment (addresses, sources, `mode`: see `--actuation`), which a simulation has
+/// none of.
+fn sim_override_problem(spec: &str) -> Option<String> {
+    let path = spec.split_once('=').map_or(spec, |(p, _)| p);
+    let read = matches!(
+        path.split('.').collect::<Vec<_>>().as_slice(),
+        ["models"]
+            | ["models", "0", "prefill" | "decode", ..]
+            | ["interval_s" | "window_s" | "profile"]
+    );
+    (!read).then(|| {
+        format!(
+            "--set {path}: a simulation reads only the first model's pools \
+             (models.0.prefill.KEY, models.0.decode.KEY), interval_s, window_s and \
+             profile of a scaler config"
+        )
+    })
+}
+
 fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     let mut errs = Vec::new();
-    let profile = match &a.profile {
-        Some(p) => Profile::from_file(p)
-            .map_err(|e| errs.push(e.to_string()))
-            .ok(),
-        None => Some(Profile::default()),
-    };
+    let mut profile_file = a.profile.clone();
     let (mut prefill, mut decode, mut interval, mut window) =
         (PoolPolicy::default(), PoolPolicy::default(), None, None);
+    errs.extend(a.overrides.iter().filter_map(|o| sim_override_problem(o)));
     if a.config.is_some() || !a.overrides.is_empty() {
         // Without a file, overrides apply to one model at the shipped defaults, the
         // model the simulator runs when nothing is given.
@@ -58,10 +75,18 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
                 decode = m.decode.policy.clone();
                 interval = Some(c.interval_s);
                 window = Some(c.window_s);
+                // The scaler's profile, unless `--profile` names another.
+                profile_file = profile_file.or(c.profile);
             }
             Err(e) => errs.push(e.to_string()),
         }
     }
+    let profile = match &profile_file {
+        Some(p) => Profile::from_file(p)
+            .map_err(|e| errs.push(e.to_string()))
+            .ok(),
+        None => Some(Profile::default()),
+    };
     if let Some(s) = a.slo_ttft {
         prefill.slo_ttft_s = s;
         decode.slo_ttft_s = s;
