@@ -205,6 +205,16 @@ fn check_hpa_model_matches(so: &serde_json::Value) {
         "{name}: the model has one scale-down policy"
     );
     assert_eq!(
+        b["scaleUp"]["policies"].as_array().map(Vec::len),
+        Some(2),
+        "{name}: the model has two scale-up policies"
+    );
+    // ...and takes the larger change, HPA's default.
+    for dir in ["scaleUp", "scaleDown"] {
+        let select = b[dir]["selectPolicy"].as_str().unwrap_or("Max");
+        assert_eq!(select, "Max", "{name}: {dir}.selectPolicy");
+    }
+    assert_eq!(
         num(&so["spec"]["cooldownPeriod"]),
         model.cooldown_s,
         "{name}"

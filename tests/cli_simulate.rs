@@ -198,6 +198,15 @@ fn simulate_bad_input_is_a_clear_error() {
                 "--trace",
                 bad.to_str().unwrap(),
                 "--set",
+                "models.0.prefill.endpoints=[http://p0/metrics]",
+            ],
+            "--set models.0.prefill.endpoints: a simulation reads only",
+        ),
+        (
+            vec![
+                "--trace",
+                bad.to_str().unwrap(),
+                "--set",
                 "profile=/nonexistent-profile.json",
             ],
             "profile /nonexistent-profile.json",

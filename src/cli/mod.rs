@@ -225,7 +225,8 @@ pub struct SimulateArgs {
     /// Policies to compare, comma-separated, or all.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
     pub policy: Vec<PolicyFlag>,
-    /// Capacity profile JSON (`preheat engine profile`); default: the GPU-class profile.
+    /// Capacity profile JSON (`preheat engine profile`); default: the scaler config's
+    /// `profile`, else the GPU-class profile.
     #[arg(long)]
     pub profile: Option<PathBuf>,
     /// Scaler YAML config whose first model's pool settings, tick, window and profile
@@ -234,8 +235,9 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Override a config value, as for `scaler run` (repeatable): the keys the
-    /// simulation reads, others refused; without `--config`, `models.0` is one model
-    /// at the shipped defaults (`--set models.0.prefill.headroom=0.8`).
+    /// simulation reads (the first model's pool policies, interval_s, window_s,
+    /// profile), others refused; without `--config`, `models.0` is one model at the
+    /// shipped defaults (`--set models.0.prefill.headroom=0.8`).
     #[arg(long = "set", value_name = "PATH=VALUE")]
     pub overrides: Vec<String>,
     /// Prompts shorter than this many tokens are prefilled on the decode replica that

@@ -399,7 +399,8 @@ impl Config {
     }
 
     /// Every semantic problem of a parsed config (`sources`: also where each pool's
-    /// metrics come from and, in direct mode, what it scales).
+    /// metrics come from, in direct mode what it scales, and the files this host must
+    /// hold: TLS PEMs, the state file's directory).
     #[must_use]
     pub fn problems(&self, sources: bool) -> Vec<String> {
         let mut e = Vec::new();
@@ -439,7 +440,9 @@ impl Config {
                 self.prometheus_scrape_interval_s * 2.0
             ));
         }
-        if let Some(t) = &self.tls {
+        // A simulation of a deployed config (`load_policies`) runs where its TLS files
+        // are not.
+        if sources && let Some(t) = &self.tls {
             for (n, p) in [
                 ("tls.cert", Some(&t.cert)),
                 ("tls.key", Some(&t.key)),

@@ -256,4 +256,13 @@ fn missing_pem_files_are_config_errors() {
         e.contains("tls.cert: /nonexistent/srv.pem") && e.contains("tls.key"),
         "{e}"
     );
+    // The simulator reads a deployed config's policies where its PEMs are not.
+    Config::load_policies(
+        None,
+        &[
+            "tls={cert: /nonexistent/srv.pem, key: /nonexistent/srv.key}".into(),
+            "models=[{name: llama, prefill: {}, decode: {}}]".into(),
+        ],
+    )
+    .expect("policies load without the host's TLS files");
 }
