@@ -38,12 +38,9 @@ const DEFAULT_MODEL: &str = "models=[{name: default, prefill: {}, decode: {}}]";
 /// none of.
 fn sim_override_problem(spec: &str) -> Option<String> {
     let path = spec.split_once('=').map_or(spec, |(p, _)| p);
-    // A pool's policy keys; its source keys (endpoints, selector, ...) are a
-    // deployment's.
-    let policy = serde_json::to_value(PoolPolicy::default()).unwrap_or_default();
     let read = match path.split('.').collect::<Vec<_>>().as_slice() {
         ["models"] | ["models", "0"] | ["interval_s" | "window_s" | "profile"] => true,
-        ["models", "0", "prefill" | "decode", key, ..] => policy.get(*key).is_some(),
+        ["models", "0", "prefill" | "decode", key, ..] => PoolPolicy::has_key(key),
         _ => false,
     };
     (!read).then(|| {

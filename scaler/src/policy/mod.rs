@@ -178,6 +178,13 @@ impl Default for PoolPolicy {
 }
 
 impl PoolPolicy {
+    /// Whether `key` names one of these settings as a config file spells it (a pool's
+    /// other keys say where its metrics come from: a deployment's, not a policy's).
+    #[must_use]
+    pub fn has_key(key: &str) -> bool {
+        serde_json::to_value(PoolPolicy::default()).is_ok_and(|v| v.get(key).is_some())
+    }
+
     /// The TTFT target of a prompt of `len` tokens.
     #[must_use]
     pub fn ttft_slo_for(&self, len: f64) -> f64 {

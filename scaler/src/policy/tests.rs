@@ -880,3 +880,20 @@ fn regression_a_pool_at_zero_woke_at_the_size_of_its_last_busy_window() {
     let d = p.decide(36_000.0, &o);
     assert_eq!((d.desired, d.active), (1, true), "{d:?}");
 }
+
+#[test]
+fn a_policy_key_is_one_a_config_file_spells() {
+    for key in ["headroom", "schedule", "max_replicas", "season_period_s"] {
+        assert!(PoolPolicy::has_key(key), "{key}");
+    }
+    for key in [
+        "endpoints",
+        "selector",
+        "deployment",
+        "metrics_port",
+        "Headroom",
+        "",
+    ] {
+        assert!(!PoolPolicy::has_key(key), "{key}");
+    }
+}

@@ -150,9 +150,8 @@ fn policy_override_problem(spec: &str) -> Option<String> {
     let Some((path, _)) = spec.split_once('=') else {
         return Some(format!("--set {spec:?}: expected path=value"));
     };
-    let keys = serde_json::to_value(PoolPolicy::default()).unwrap_or_default();
     match path.split('.').collect::<Vec<_>>().as_slice() {
-        ["models", "0", pool @ ("prefill" | "decode"), key, ..] if keys.get(*key).is_some() => {
+        ["models", "0", pool @ ("prefill" | "decode"), key, ..] if PoolPolicy::has_key(key) => {
             let flag = match *key {
                 "min_replicas" => format!("--{pool}-min"),
                 "max_replicas" => format!("--{pool}-max"),
