@@ -82,20 +82,18 @@ pub struct SimConfig {
     pub local_prefill_below: Option<u32>,
 }
 
-/// The scaler's shipped tick and metric window, seconds.
-const SCALER_DEFAULTS: (f64, f64) = (5.0, 60.0);
-
 impl SimConfig {
     pub fn new(prefill: PoolPolicy, decode: PoolPolicy, profile: Profile) -> Self {
+        // The scaler's own tick and window, so that a run with a config file (which
+        // carries them) and one without read the same signals.
+        let scaler = preheat_scaler::config::Config::default();
         SimConfig {
             prefill,
             decode,
             profile,
             start: StartClass::Hot,
-            // The scaler's own tick and window, so that a run with a config file
-            // (which carries them) and one without read the same signals.
-            interval_s: SCALER_DEFAULTS.0,
-            window_s: SCALER_DEFAULTS.1,
+            interval_s: scaler.interval_s,
+            window_s: scaler.window_s,
             max_drain_s: 1800.0,
             sample_s: 10.0,
             standbys: 1,
@@ -146,17 +144,5 @@ impl SimConfig {
     /// Whether a finished request's mean inter-token latency met the ITL target.
     pub(crate) fn itl_met(&self, itl: Option<f64>) -> bool {
         itl.is_none_or(|i| i <= self.decode.slo_itl_s + 1e-9)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    /// `simulate` takes the tick and window from a config when one is given (or any
-    /// `--set`), and these otherwise: they must be the scaler's defaults, or a `--set`
-    /// of anything would change every result.
-    #[test]
-    fn the_simulators_tick_and_window_are_the_scalers_defaults() {
-        let c = preheat_scaler::config::Config::default();
-        assert_eq!(super::SCALER_DEFAULTS, (c.interval_s, c.window_s));
     }
 }
