@@ -38,11 +38,10 @@ const DEFAULT_MODEL: &str = "models=[{name: default, prefill: {}, decode: {}}]";
 /// none of.
 fn sim_override_problem(spec: &str) -> Option<String> {
     let path = spec.split_once('=').map_or(spec, |(p, _)| p);
-    let read = match path.split('.').collect::<Vec<_>>().as_slice() {
-        ["models"] | ["models", "0"] | ["interval_s" | "window_s" | "profile"] => true,
-        ["models", "0", "prefill" | "decode", key, ..] => PoolPolicy::has_key(key),
-        _ => false,
-    };
+    let read = matches!(
+        path,
+        "models" | "models.0" | "interval_s" | "window_s" | "profile"
+    ) || Config::first_model_policy_key(path).is_some();
     (!read).then(|| {
         format!(
             "--set {path}: a simulation reads only the first model's pools \

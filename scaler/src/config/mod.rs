@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::policy::PoolPolicy;
+use crate::policy::{Pool, PoolPolicy};
 use crate::{Result, ScalerError};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -340,12 +340,7 @@ impl Config {
         // Nothing to apply: checked as built (JSON holds neither a non-finite number
         // nor a path that is not UTF-8, which the checks name better than serde).
         if overrides.is_empty() {
-            let problems = self.problems(sources);
-            return if problems.is_empty() {
-                Ok(self)
-            } else {
-                Err(ScalerError::Config(problems))
-            };
+            return self.validated(Vec::new(), sources);
         }
         let tree = serde_json::to_value(&self)
             .map_err(|e| ScalerError::Config(vec![format!("config: {e}")]))?;
@@ -390,12 +385,32 @@ impl Config {
                 return Err(ScalerError::Config(errs));
             }
         };
-        errs.extend(cfg.problems(sources));
+        cfg.validated(errs, sources)
+    }
+
+    /// `self` unless it or the steps before (`errs`) found problems: all of them.
+    fn validated(self, mut errs: Vec<String>, sources: bool) -> Result<Self> {
+        errs.extend(self.problems(sources));
         if errs.is_empty() {
-            Ok(cfg)
+            Ok(self)
         } else {
             Err(ScalerError::Config(errs))
         }
+    }
+
+    /// The pool and policy key a `--set` path names (`models.0.prefill.headroom`,
+    /// `models.0.decode.schedule.0.cron`), if it names one of the first model's pool
+    /// policy keys: what local mode and the simulator take of a scaler config.
+    #[must_use]
+    pub fn first_model_policy_key(path: &str) -> Option<(Pool, &str)> {
+        let mut parts = path.split('.');
+        let (Some("models"), Some("0"), Some(pool), Some(key)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return None;
+        };
+        let pool = Pool::parse(pool)?;
+        PoolPolicy::has_key(key).then_some((pool, key))
     }
 
     /// Every semantic problem of a parsed config (`sources`: also where each pool's

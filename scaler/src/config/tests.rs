@@ -219,3 +219,25 @@ fn a_config_built_in_code_takes_overrides_and_round_trips() {
         .to_string();
     assert!(err.contains("min_replicas 99 > max_replicas 16"), "{err}");
 }
+
+#[test]
+fn a_set_path_names_a_first_model_policy_key_or_not() {
+    use crate::policy::Pool;
+    for (path, want) in [
+        (
+            "models.0.prefill.headroom",
+            Some((Pool::Prefill, "headroom")),
+        ),
+        (
+            "models.0.decode.schedule.0.cron",
+            Some((Pool::Decode, "schedule")),
+        ),
+        ("models.0.prefill.endpoints", None),
+        ("models.1.prefill.headroom", None),
+        ("models.0.prefill", None),
+        ("models.0.name", None),
+        ("window_s", None),
+    ] {
+        assert_eq!(Config::first_model_policy_key(path), want, "{path}");
+    }
+}

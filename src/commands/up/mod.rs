@@ -150,9 +150,10 @@ fn policy_override_problem(spec: &str) -> Option<String> {
     let Some((path, _)) = spec.split_once('=') else {
         return Some(format!("--set {spec:?}: expected path=value"));
     };
-    match path.split('.').collect::<Vec<_>>().as_slice() {
-        ["models", "0", pool @ ("prefill" | "decode"), key, ..] if PoolPolicy::has_key(key) => {
-            let flag = match *key {
+    match Config::first_model_policy_key(path) {
+        Some((pool, key)) => {
+            let pool = pool.as_str();
+            let flag = match key {
                 "min_replicas" => format!("--{pool}-min"),
                 "max_replicas" => format!("--{pool}-max"),
                 "idle_grace_s" => "--idle-grace".to_owned(),
@@ -162,7 +163,7 @@ fn policy_override_problem(spec: &str) -> Option<String> {
             };
             Some(format!("--set {path}: give it as `up {flag}`"))
         }
-        _ => Some(format!(
+        None => Some(format!(
             "--set {path}: `up` takes only the pools' policy keys (models.0.prefill.KEY, \
              models.0.decode.KEY); its addresses, the pools' sources and the model come \
              from its own flags"
@@ -223,7 +224,7 @@ pub(crate) fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
     let o = options(a)?;
     let source = stage(&o)?;
     // The policies the scaler will run: this run's flags and `--set`.
-    let cfg = scaler_config(&o, "http://127.0.0.1:1/metrics", &o.cache, false)?;
+    let cfg = policies_config(&o)?;
     let [m] = &cfg.models[..] else {
         bail!("scaler config: one model expected");
     };
@@ -277,10 +278,16 @@ fn scaler_config(
         .map_err(|e| anyhow::anyhow!("scaler {e}"))
 }
 
+/// The scaler config with this run's pool policies, before the gateway and token it
+/// will name exist: for the policies alone, and to check `--set` early.
+fn policies_config(o: &Options) -> anyhow::Result<Config> {
+    scaler_config(o, "http://127.0.0.1:1/metrics", &o.cache, false)
+}
+
 pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
     // A bad `--set` is refused before the model is staged and profiled.
-    scaler_config(&o, "http://127.0.0.1:1/metrics", &o.cache, false)?;
+    policies_config(&o)?;
     let started = Instant::now();
     let source = stage(&o)?;
     let profile = measured_profile(&source, o.kv_cache_mib)?;
