@@ -317,6 +317,20 @@ mod tests {
         check_reads(w, ticks, serve, |i, _| (i > 0).then_some(40_000.0));
     }
 
+    /// `ticks` 5 s apart with a alone answering and taking 40k prompt tokens/s (its
+    /// counter `a`), `failed` failing; the reads are not checked.
+    fn a_alone_takes_40k(
+        w: &mut PoolWindows,
+        ticks: std::ops::Range<u32>,
+        a: &mut f64,
+        failed: &[String],
+    ) {
+        for i in ticks {
+            w.tick(f64::from(i) * 5.0, vec![("a".into(), prompts(*a))], failed);
+            *a += 40_000.0 * 5.0;
+        }
+    }
+
     #[test]
     fn regression_a_replica_that_joined_read_as_more_load() {
         // One replica takes 40k prompt tokens/s for a minute (read every 5 s, a 60 s
@@ -326,10 +340,7 @@ mod tests {
         // window later.
         let mut w = PoolWindows::new(60.0);
         let (mut a, mut b) = (0.0, 0.0);
-        for i in 0..12 {
-            w.tick(f64::from(i) * 5.0, vec![("a".into(), prompts(a))], &[]);
-            a += 40_000.0 * 5.0;
-        }
+        a_alone_takes_40k(&mut w, 0..12, &mut a, &[]);
         both_take_half_of_40k(&mut w, 12..=30, &mut a, &mut b);
     }
 
@@ -343,14 +354,7 @@ mod tests {
         let mut w = PoolWindows::new(60.0);
         let (mut a, mut b) = (0.0, 0.0);
         both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
-        for i in 12..132 {
-            w.tick(
-                f64::from(i) * 5.0,
-                vec![("a".into(), prompts(a))],
-                &["b".into()],
-            );
-            a += 40_000.0 * 5.0;
-        }
+        a_alone_takes_40k(&mut w, 12..132, &mut a, &["b".into()]);
         both_take_half_of_40k(&mut w, 132..=150, &mut a, &mut b);
     }
 
@@ -383,10 +387,7 @@ mod tests {
         let mut w = PoolWindows::new(60.0);
         let (mut a, mut b) = (0.0, 0.0);
         both_take_half_of_40k(&mut w, 0..=11, &mut a, &mut b);
-        for i in 12..14 {
-            w.tick(f64::from(i) * 5.0, vec![("a".into(), prompts(a))], &[]);
-            a += 40_000.0 * 5.0;
-        }
+        a_alone_takes_40k(&mut w, 12..14, &mut a, &[]);
         let mut b2 = 0.0;
         reads_40k_but_b_unseen(&mut w, 14..=40, || {
             let r = vec![("a".into(), prompts(a)), ("b".into(), prompts(b2))];
