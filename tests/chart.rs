@@ -45,6 +45,10 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
     for variant in std::fs::read_dir(dump.path()).unwrap().flatten() {
         let scaler = variant.path().join("scaler.yaml");
         let text = std::fs::read_to_string(&scaler).unwrap();
+        // `simulate --config` reads the rendered config as it is, off the cluster,
+        // where its TLS files and state volume are not.
+        let policies = preheat_scaler::config::Config::load_policies(Some(&scaler), &[])
+            .unwrap_or_else(|e| panic!("{} as simulate reads it: {e}", scaler.display()));
         let mounted = format!("{}/", tls.path().display());
         let state_dir = format!("{}/", state.path().display());
         std::fs::write(
@@ -55,6 +59,7 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         .unwrap();
         let cfg = preheat_scaler::config::Config::load(Some(&scaler), &[])
             .unwrap_or_else(|e| panic!("{}: {e}", scaler.display()));
+        assert_eq!(policies.models, cfg.models, "{}", scaler.display());
         assert_eq!(cfg.models.len(), 1);
         // The state file is kept unless the values turn it off (one variant does).
         let stateless = variant
