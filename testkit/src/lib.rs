@@ -352,3 +352,50 @@ mod tests {
         }
     }
 }
+
+/// Load for stress loops: `n` threads spinning until this is dropped, so a test that
+/// races its own processes for the CPU (a busy second core, as while other test
+/// binaries compile) can be run many times under the conditions that made it fail.
+#[derive(Debug)]
+#[must_use = "the load stops when this is dropped"]
+pub struct BusyCores {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl BusyCores {
+    pub fn start(n: usize) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut x = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+                    }
+                })
+            })
+            .collect();
+        BusyCores { stop, threads }
+    }
+}
+
+impl Drop for BusyCores {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// How many times a stress loop runs its case: `PREHEAT_STRESS_RUNS`, else `default`.
+#[must_use]
+pub fn stress_runs(default: usize) -> usize {
+    std::env::var("PREHEAT_STRESS_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
