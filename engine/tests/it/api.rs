@@ -708,6 +708,25 @@ async fn disconnected_client_case() {
     let first = r.chunk().await.unwrap().unwrap();
     assert!(String::from_utf8_lossy(&first).contains("data:"));
     drop(r);
+    // The gauges are set after each engine step, and the first token goes out within
+    // the step: read right after it, they may not count the request yet. So the abort
+    // is awaited first, then the gauges it leaves behind.
+    let aborted = |text: &str| {
+        text.lines().any(|l| {
+            l.starts_with("vllm:request_success_total")
+                && l.contains("finished_reason=\"abort\"")
+                && l.ends_with(" 1")
+        })
+    };
+    let mut text = String::new();
+    for _ in 0..500 {
+        text = s.metrics_text().await;
+        if aborted(&text) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(aborted(&text), "expected one aborted request:\n{text}");
     let mut left = f64::MAX;
     for _ in 0..200 {
         left = s.metric("vllm:kv_cache_usage_perc").await
@@ -718,14 +737,6 @@ async fn disconnected_client_case() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(left, 0.0, "blocks of a disconnected client were not freed");
-    let text = s.metrics_text().await;
-    let aborted = text.lines().find(|l| {
-        l.starts_with("vllm:request_success_total") && l.contains("finished_reason=\"abort\"")
-    });
-    assert!(
-        aborted.is_some_and(|l| l.ends_with(" 1")),
-        "expected one aborted request:\n{text}"
-    );
     assert!(
         s.metric("vllm:generation_tokens_total").await < 500.0,
         "the request ran to completion instead of being cancelled"
