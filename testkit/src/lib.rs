@@ -373,7 +373,9 @@ impl BusyCores {
                 std::thread::spawn(move || {
                     let mut x = 0u64;
                     while !stop.load(Ordering::Relaxed) {
-                        x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+                        x = std::hint::black_box(
+                            x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1),
+                        );
                     }
                 })
             })
