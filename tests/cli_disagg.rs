@@ -496,3 +496,229 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
         );
     });
 }
+
+/// The README's "Disaggregated serving" example as written: a gateway that knows its
+/// model, one prefill and one decode worker on SmolLM2, then `bench serve` replaying
+/// 200 requests of the Azure code trace at 10×. Every request must complete: workers
+/// that are merely busy make a request wait at the gateway, they do not fail it.
+#[test]
+fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
+    let Some(model) = preheat_testkit::smollm2_gguf() else {
+        return;
+    };
+    let m = model.to_str().unwrap();
+    let (port, internal) = (free_port().to_string(), free_port().to_string());
+    let gw_internal = format!("http://127.0.0.1:{internal}");
+    let _gateway = spawn(&[
+        "engine",
+        "gateway",
+        "--model",
+        m,
+        "--port",
+        &port,
+        "--internal-port",
+        &internal,
+    ]);
+    // The README leaves the KV port at its default (--port + 1); a test takes a free
+    // one, as another test's process may hold that one.
+    let (pport, kport, dport) = (
+        free_port().to_string(),
+        free_port().to_string(),
+        free_port().to_string(),
+    );
+    let _prefill = spawn(&[
+        "engine",
+        "prefill",
+        "--model",
+        m,
+        "--port",
+        &pport,
+        "--kv-port",
+        &kport,
+        "--gateway",
+        &gw_internal,
+    ]);
+    let _decode = spawn(&[
+        "engine",
+        "decode",
+        "--model",
+        m,
+        "--port",
+        &dport,
+        "--gateway",
+        &gw_internal,
+    ]);
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        wait_for(
+            "both workers registered and the prefill worker announced",
+            120,
+            async || {
+                workers(&c, &gw_internal)
+                    .await
+                    .iter()
+                    .any(|w| w["prefill_peers"] == 1)
+            },
+        )
+        .await;
+    });
+    let trace = preheat_testkit::testdata().join("traces/azure_code_2023.csv");
+    let out = harness::preheat([
+        "bench",
+        "serve",
+        "--url",
+        &format!("http://127.0.0.1:{port}"),
+        "--trace",
+        trace.to_str().unwrap(),
+        "--speedup",
+        "10",
+        "--token-scale",
+        "0.05",
+        "--max-requests",
+        "200",
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "bench serve printed no report ({e}):\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    eprintln!(
+        "README example: {} requests, {} failed, {:.1} s, TTFT p50 {} p99 {}",
+        report["requests"],
+        report["failed"],
+        report["duration_s"].as_f64().unwrap_or(0.0),
+        report["ttft_p50"],
+        report["ttft_p99"]
+    );
+    assert_eq!(
+        (report["requests"].as_u64(), report["failed"].as_u64()),
+        (Some(200), Some(0)),
+        "errors: {}",
+        report["errors"]
+    );
+    assert!(out.status.success(), "bench serve exited {}", out.status);
+}
+
+/// A decode worker killed (SIGKILL) while it runs requests whose clients have had
+/// nothing yet (not streamed): each is run again on the other decode worker and
+/// completes. Before, each failed with "decode worker …: error sending request" or
+/// "failed mid-stream". A seeded sample replayed answers as it would have.
+#[test]
+fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
+    let (_gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::piped());
+    let (_prefill, _) = worker("prefill", "llama-tiny", &gwi);
+    let mut decode = vec![
+        worker("decode", "llama-tiny", &gwi),
+        worker("decode", "llama-tiny", &gwi),
+    ];
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let ready = async |n: usize| {
+            wait_for("the workers registered, the prefill worker announced to each decode worker", 60, async || {
+                let w = workers(&c, &gwi).await;
+                w.len() == n + 1 && w.iter().filter(|w| w["prefill_peers"] == 1).count() == n
+            })
+            .await;
+        };
+        ready(2).await;
+        let running = async |port: u16| -> f64 {
+            let Ok(r) = c.get(format!("http://127.0.0.1:{port}/metrics")).send().await else {
+                return 0.0;
+            };
+            r.text()
+                .await
+                .unwrap_or_default()
+                .lines()
+                .find(|l| l.starts_with("vllm:num_requests_running"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        let replays = async || -> f64 {
+            let t = c.get(format!("{gw}/metrics")).send().await.unwrap().text().await.unwrap();
+            t.lines()
+                .find(|l| l.starts_with("preheat:gateway_replays_total"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        let body = |i: u32| {
+            let prompt: Vec<u32> = (1..24).map(|t| t + 3 * i).collect();
+            json!({"prompt": prompt, "max_tokens": 480, "temperature": 1.0, "seed": i, "ignore_eos": true})
+        };
+        let post_all = |bodies: Vec<Value>| {
+            let (c, url) = (c.clone(), format!("{gw}/v1/completions"));
+            tokio::spawn(futures_util::future::join_all(bodies.into_iter().map(move |b| {
+                let (c, url) = (c.clone(), url.clone());
+                async move {
+                    let r = c.post(url).json(&b).send().await.unwrap();
+                    (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+                }
+            })))
+        };
+        // Under load: 32 requests over both decode workers, one killed while it runs
+        // its share.
+        let load = post_all((0..32).map(body).collect());
+        let doomed = decode[0].1;
+        wait_for("both decode workers running requests", 30, async || {
+            running(doomed).await > 0.0 && running(decode[1].1).await > 0.0
+        })
+        .await;
+        let (mut dead, _) = decode.remove(0);
+        dead.0.kill().unwrap();
+        let _ = dead.0.wait();
+        let answers = tokio::time::timeout(Duration::from_secs(120), load)
+            .await
+            .expect("requests still open 120 s after the kill")
+            .unwrap();
+        let lost: Vec<&Value> = answers.iter().filter(|(st, _)| *st != 200).map(|(_, r)| r).collect();
+        assert!(lost.is_empty(), "{} of 32 requests failed: {lost:?}", lost.len());
+        for (i, (_, a)) in answers.iter().enumerate() {
+            assert_eq!(a["usage"]["completion_tokens"], 480, "request {i}: {a}");
+        }
+        let replayed_under_load = replays().await;
+        assert!(replayed_under_load >= 1.0, "the kill found nothing to replay");
+
+        // A seeded sample replays to the same answer. Alone, so that the reference and
+        // the replay run in batches of one (a batch's shape changes the logits' last
+        // bits, which can flip a sample), each after the prompt is cached.
+        decode.push(worker("decode", "llama-tiny", &gwi));
+        ready(2).await;
+        let one = || post_all(vec![body(99)]);
+        let warm = one().await.unwrap();
+        assert_eq!(warm[0].0, 200, "{}", warm[0].1);
+        let reference = one().await.unwrap().remove(0).1;
+        let replayed = one();
+        let ports: Vec<u16> = decode.iter().map(|d| d.1).collect();
+        let mut busy = None;
+        wait_for("the seeded request running", 30, async || {
+            for (i, p) in ports.iter().enumerate() {
+                if running(*p).await > 0.0 {
+                    busy = Some(i);
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
+        let (mut dead, _) = decode.remove(busy.unwrap());
+        dead.0.kill().unwrap();
+        let _ = dead.0.wait();
+        let (st, a) = tokio::time::timeout(Duration::from_secs(60), replayed)
+            .await
+            .expect("the seeded request still open 60 s after the kill")
+            .unwrap()
+            .remove(0);
+        assert_eq!(st, 200, "{a}");
+        assert_eq!(
+            replays().await,
+            replayed_under_load + 1.0,
+            "the seeded request finished before the kill"
+        );
+        assert_eq!(
+            a["choices"][0]["text"], reference["choices"][0]["text"],
+            "the seeded request sampled another answer on its replay"
+        );
+    });
+}
