@@ -39,6 +39,9 @@ pub mod names {
     pub const GATEWAY_PENDING: &str = "preheat:gateway_pending_requests";
     /// Workers in a gateway's rotation, by `role` (prefill, decode).
     pub const GATEWAY_WORKERS: &str = "preheat:gateway_workers";
+    /// Gateway: requests run again from the start after their decode worker was lost
+    /// (killed, crashed, cut off) before they finished.
+    pub const GATEWAY_REPLAYS: &str = "preheat:gateway_replays_total";
     /// OpenAI API requests accepted, by API key (a short hash of it).
     pub const API_KEY_REQUESTS: &str = preheat_edge::api_keys::REQUESTS_METRIC;
 
@@ -64,6 +67,7 @@ pub mod names {
         START_TIME,
         GATEWAY_PENDING,
         GATEWAY_WORKERS,
+        GATEWAY_REPLAYS,
         API_KEY_REQUESTS,
     ];
 }

@@ -118,6 +118,9 @@ pub struct Scheduler {
     pub prefix_queries: u64,
     pub prefix_hits: u64,
     pub preemptions: u64,
+    /// Sequences whose blocks are reserved while their K/V comes from a prefill
+    /// worker: each will run on arrival, so each holds a running slot already.
+    pub reserved_seqs: usize,
 }
 
 impl Scheduler {
@@ -130,7 +133,15 @@ impl Scheduler {
             prefix_queries: 0,
             prefix_hits: 0,
             preemptions: 0,
+            reserved_seqs: 0,
         }
+    }
+
+    /// Whether a sequence could start running now, counting the slots reservations
+    /// hold.
+    #[must_use]
+    pub fn has_running_slot(&self) -> bool {
+        self.running.len() + self.reserved_seqs < self.config.max_running
     }
 
     #[must_use]
@@ -271,7 +282,7 @@ impl Scheduler {
             i += 1;
         }
         // Admit waiting sequences while budget, slots and blocks last.
-        while budget > 0 && self.running.len() < self.config.max_running {
+        while budget > 0 && self.has_running_slot() {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
@@ -367,6 +378,24 @@ mod tests {
             }
         }
         work
+    }
+
+    /// Sequences whose K/V is on its way hold running slots: waiting ones are not
+    /// admitted into them, so the arrivals are never refused after their prefill.
+    #[test]
+    fn reserved_sequences_hold_running_slots() {
+        let mut s = sched(64, 64);
+        s.reserved_seqs = 7;
+        for id in 0..3 {
+            s.add(SeqState::new(id, vec![1, 2, 3]));
+        }
+        s.schedule();
+        assert_eq!(s.num_running(), 1, "one slot of eight was free");
+        assert_eq!(s.num_waiting(), 2);
+        assert!(!s.has_running_slot());
+        s.reserved_seqs = 5;
+        s.schedule();
+        assert_eq!(s.num_running(), 3);
     }
 
     #[test]

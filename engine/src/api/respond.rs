@@ -159,6 +159,11 @@ async fn collect_one(mut run: Run) -> Result<Output> {
             Some(Event::Error(err)) => return Err(err),
             // Only prefill-only requests ship K/V; nothing to show a client.
             Some(Event::KvReady(_)) => {}
+            // Nothing has reached the client yet: the sequence starts over.
+            Some(Event::Replayed(_)) => {
+                text.clear();
+                tokens.clear();
+            }
             None => {
                 return Err(EngineError::Internal(
                     "the engine dropped the request".into(),
@@ -464,6 +469,18 @@ pub(super) fn sse_stream(
                 st.done = true;
             }
             Some((_, Event::KvReady(_))) => {}
+            // A choice that has sent nothing yet starts over; one whose chunks the
+            // client has cannot take them back, and the stream ends with the error.
+            Some((i, Event::Replayed(err))) => {
+                let c = &mut st.choices[i];
+                if c.first {
+                    c.off = 0;
+                    c.tools = st.tools.as_deref().map(|t| t.stream(CallIds::new(&st.id, i)));
+                } else {
+                    out.push(ApiError(err).body());
+                    st.done = true;
+                }
+            }
             // Every sequence's events ended, some before it finished.
             None => {
                 out.push(ApiError(EngineError::Internal("the engine dropped the request".into())).body());

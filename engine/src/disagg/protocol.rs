@@ -195,7 +195,9 @@ impl WireEvent {
                 cached_tokens: usage.cached_tokens,
             },
             Event::Error(e) => WireEvent::Error(WireError::from_engine(&e, false)),
-            Event::KvReady(_) => return None,
+            // Neither crosses the wire: K/V has its own transfer, and only a gateway
+            // replays.
+            Event::KvReady(_) | Event::Replayed(_) => return None,
         })
     }
 

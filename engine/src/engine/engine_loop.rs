@@ -166,10 +166,21 @@ impl EngineLoop {
                 arrival,
             } => self.resume(id, *msg, constraint, blocks, out, arrival),
             Command::Reserve { blocks, reply } => {
-                let got = self.sched.pool.allocate(blocks);
+                // A reserved sequence runs as soon as its K/V lands: without a running
+                // slot for it, it would be refused after its prompt was computed.
+                let got = if self.sched.has_running_slot() {
+                    self.sched.pool.allocate(blocks)
+                } else {
+                    None
+                };
                 let n = got.as_ref().map_or(0, Vec::len);
                 match reply.send(got) {
-                    Ok(()) => self.reserved += n,
+                    Ok(()) => {
+                        self.reserved += n;
+                        if n > 0 {
+                            self.sched.reserved_seqs += 1;
+                        }
+                    }
                     // The requester is gone: give the blocks back.
                     Err(Some(b)) => self.sched.pool.release(&b),
                     Err(None) => {}
@@ -179,6 +190,9 @@ impl EngineLoop {
                 // Only reservations are released by command: a drift is a bug here.
                 debug_assert!(self.reserved >= blocks.len(), "released more than reserved");
                 self.reserved = self.reserved.saturating_sub(blocks.len());
+                if !blocks.is_empty() {
+                    self.sched.reserved_seqs = self.sched.reserved_seqs.saturating_sub(1);
+                }
                 self.sched.pool.release(&blocks);
             }
             Command::Abort(id) => {
@@ -454,11 +468,16 @@ impl EngineLoop {
         if let Some(b) = &reserved {
             debug_assert!(self.reserved >= b.len(), "resumed more than reserved");
             self.reserved = self.reserved.saturating_sub(b.len());
+            if !b.is_empty() {
+                self.sched.reserved_seqs = self.sched.reserved_seqs.saturating_sub(1);
+            }
         }
         let busy = EngineError::Overloaded {
             retry_after_secs: 1,
         };
-        if self.sched.num_running() >= self.sched.config.max_running {
+        // A reserved sequence's slot was held for it; only an unreserved one can
+        // find none.
+        if reserved.is_none() && !self.sched.has_running_slot() {
             if let Some(b) = &reserved {
                 self.sched.pool.release(b);
             }

@@ -397,7 +397,7 @@ impl Engine {
             match h.events.recv().await {
                 Some(Event::KvReady(m)) => return Ok(*m),
                 Some(Event::Error(err)) => return Err(err),
-                Some(Event::Delta { .. }) => {}
+                Some(Event::Delta { .. } | Event::Replayed(_)) => {}
                 Some(Event::Finished { .. }) | None => {
                     return Err(EngineError::Internal("prefill ended without K/V".into()));
                 }

@@ -60,6 +60,11 @@ pub enum Event {
     /// Prefill-only requests: the prompt's K/V and the first token, ready to ship to a
     /// decode worker (a `Finished` follows).
     KvReady(Box<KvMessage>),
+    /// A gateway lost the worker running this sequence (the error says how) and runs
+    /// it again from the start elsewhere: what came before this event is void. A
+    /// consumer that has shown none of it to its client discards it and goes on; one
+    /// that has (a stream under way) ends with this error instead.
+    Replayed(EngineError),
 }
 
 /// A request as the engine takes it: already tokenised.

@@ -54,6 +54,7 @@ async fn tokens(mut h: RequestHandle) -> Result<Vec<u32>, EngineError> {
             Some(Event::Finished { .. }) => return Ok(out),
             Some(Event::Error(e)) => return Err(e),
             Some(Event::KvReady(_)) => panic!("a decode request shipped K/V"),
+            Some(Event::Replayed(e)) => panic!("an engine replayed a request: {e}"),
             None => panic!("engine dropped the request"),
         }
     }

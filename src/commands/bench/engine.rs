@@ -122,7 +122,8 @@ fn engine_throughput(
             match ev {
                 Event::Delta { tokens, .. } => generated += tokens.len(),
                 Event::Finished { .. } => break,
-                Event::Error(e) => return Err(e.into()),
+                // A replay (only a gateway sends one) would void the measurement.
+                Event::Error(e) | Event::Replayed(e) => return Err(e.into()),
                 Event::KvReady(_) => {}
             }
         }

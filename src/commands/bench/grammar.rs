@@ -49,7 +49,8 @@ fn generate(
                 out.extend(tokens.iter().map(|t| t.id));
             }
             Event::Finished { .. } => break,
-            Event::Error(e) => return Err(e.into()),
+            // A replay (only a gateway sends one) would void the measurement.
+            Event::Error(e) | Event::Replayed(e) => return Err(e.into()),
             Event::KvReady(_) => {}
         }
     }

@@ -201,6 +201,9 @@ pub struct Gateway {
     pending: IntGauge,
     /// `preheat:gateway_workers{role}`: the rotation's size.
     workers_gauge: prometheus::IntGaugeVec,
+    /// `preheat:gateway_replays_total`: requests run again after a decode worker was
+    /// lost.
+    replays: prometheus::IntCounter,
     front: OnceLock<()>,
     /// This gateway's id in its announcements to decode workers (a restarted gateway
     /// gets a new one; its old list expires there).
@@ -264,6 +267,7 @@ impl Gateway {
         let _ = metrics
             .registry
             .register(Box::new(self.workers_gauge.clone()));
+        let _ = metrics.registry.register(Box::new(self.replays.clone()));
         {
             let mut g = self.lock();
             g.compat = Some(info.compat.clone());
@@ -433,8 +437,14 @@ pub async fn run(
         &["role"],
     )
     .map_err(|e| EngineError::Internal(e.to_string()))?;
+    let replays = prometheus::IntCounter::new(
+        crate::metrics::names::GATEWAY_REPLAYS,
+        "Requests run again from the start after their decode worker was lost",
+    )
+    .map_err(|e| EngineError::Internal(e.to_string()))?;
     let gw = Arc::new(Gateway {
         workers_gauge,
+        replays,
         reg: Mutex::new(Registry::default()),
         // A worker that does not accept a connection within seconds is not there.
         client: preheat_edge::client::internal()

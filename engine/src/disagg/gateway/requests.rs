@@ -97,6 +97,17 @@ impl Gateway {
         got
     }
 
+    /// Runs one request on the workers, retrying what a client need never see:
+    /// - a prefill worker that fails before the first token: another prefill worker,
+    ///   then a prefill on the decode worker itself;
+    /// - a decode worker that is draining, unreachable or has no room now: another one;
+    ///   with none free, the request waits at the gateway (counted in
+    ///   `preheat:gateway_pending_requests`, which the scaler reads) and tries again,
+    ///   within the hold time;
+    /// - a decode worker lost before the request finished: the request runs again
+    ///   elsewhere from the start, after an [`Event::Replayed`] when output had come
+    ///   (a consumer that showed none of it discards it; a stream under way ends with
+    ///   the error). With a `seed`, the replay samples the same answer.
     pub(super) async fn serve_request(
         self: Arc<Self>,
         id: u64,
@@ -110,21 +121,28 @@ impl Gateway {
         let hashes = block_hashes(&req.prompt, bs);
         // What the decode worker reserves before the K/V flows.
         let blocks = req.prompt.len().div_ceil(bs);
-        let mut excluded: Vec<String> = Vec::new();
-        // Decode workers that turned the request away before starting it (draining).
-        let mut refused: Vec<String> = Vec::new();
-        // Two tries on prefill workers, then prefill on the decode worker itself.
-        for attempt in 0..3 {
-            let decode = match self.wait_decode(blocks, &refused).await {
+        let mut tries = Tries::new(self.opts.hold_timeout);
+        loop {
+            if let Err(e) = self.wait_while_busy(&mut tries).await {
+                return fail(e);
+            }
+            let decode = match self.wait_decode(blocks, &tries.passed_over()).await {
                 Ok(d) => d,
                 Err(e) => return fail(e),
             };
-            let disagg = attempt < 2 && req.prompt.len() >= self.opts.disagg_min_tokens;
+            let disagg = tries.prefill_failures < MAX_PREFILL_TRIES
+                && req.prompt.len() >= self.opts.disagg_min_tokens;
             if disagg {
                 self.await_announcement(&decode.id).await;
             }
             let mut prefill = if disagg {
-                self.pick(WorkerRole::Prefill, &hashes, 0, &excluded, Some(&decode.id))
+                self.pick(
+                    WorkerRole::Prefill,
+                    &hashes,
+                    0,
+                    &tries.failed_prefill,
+                    Some(&decode.id),
+                )
             } else {
                 None
             };
@@ -142,140 +160,260 @@ impl Gateway {
                 .cluster_token(self.token())
                 .json(&body)
                 .send();
-            let resp = match tokio::time::timeout(self.opts.stream_idle_timeout, sent).await {
-                Ok(Ok(r)) => r,
-                // Not connected: nothing was sent, another decode worker takes it.
-                Ok(Err(e)) if e.is_connect() && attempt < 2 => {
-                    tracing::warn!(decode = %decode.url, error = %e, "decode worker unreachable; trying another");
-                    self.drop_worker(&decode.id, "unreachable");
-                    refused.push(decode.id.clone());
-                    continue;
+            let lost = match tokio::time::timeout(self.opts.stream_idle_timeout, sent).await {
+                Ok(Ok(resp)) if resp.status().is_success() => {
+                    // The K/V has been pulled: the prefill worker is done with it.
+                    if let Some(p) = prefill.take() {
+                        self.lock()
+                            .prefix
+                            .0
+                            .entry(p.id)
+                            .or_default()
+                            .remember(&hashes);
+                    }
+                    match self.relay(&decode, resp, &out, &mut tries).await {
+                        Relayed::Done => return,
+                        Relayed::Failed(e) => return fail(e),
+                        Relayed::Lost(e) => e,
+                    }
                 }
+                Ok(Ok(resp)) => {
+                    match self
+                        .refused(&decode, prefill.as_ref(), resp, &mut tries)
+                        .await
+                    {
+                        Ok(()) => continue,
+                        Err(e) => return fail(e),
+                    }
+                }
+                // Nothing came back: whether it never connected or died with the
+                // request in hand, the client has had nothing from it.
                 Ok(Err(e)) => {
                     self.drop_worker(&decode.id, "unreachable");
-                    return fail(EngineError::Unavailable(format!(
-                        "decode worker {}: {e}",
+                    EngineError::Unavailable(format!("decode worker {}: {e}", decode.url))
+                }
+                Err(_) => {
+                    self.drop_worker(&decode.id, "no answer");
+                    EngineError::Unavailable(format!(
+                        "decode worker {} did not answer within {} s",
+                        decode.url,
+                        self.opts.stream_idle_timeout.as_secs()
+                    ))
+                }
+            };
+            // The decode worker is gone before the request finished: run it again.
+            tries.refused.push(decode.id.clone());
+            if tries.replays >= MAX_REPLAYS {
+                return fail(lost);
+            }
+            tries.replays += 1;
+            self.replays.inc();
+            tracing::warn!(decode = %decode.url, error = %lost, replay = tries.replays, "decode worker lost before the request finished; replaying it elsewhere");
+            if std::mem::take(&mut tries.forwarded) && out.send(Event::Replayed(lost)).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// While every decode worker has answered "no room now" and none other is free:
+    /// waits (counted as pending) with a growing pause, then lets them be asked again;
+    /// past the hold time, the request fails.
+    async fn wait_while_busy(&self, tries: &mut Tries) -> Result<()> {
+        if tries.busy.is_empty() || self.has_worker(WorkerRole::Decode, &tries.passed_over()) {
+            return Ok(());
+        }
+        if Instant::now() >= tries.busy_deadline {
+            return Err(EngineError::Overloaded {
+                retry_after_secs: 1,
+            });
+        }
+        self.pending.inc();
+        tokio::time::sleep(tries.busy_pause).await;
+        self.pending.dec();
+        tries.busy_pause = (tries.busy_pause * 2).min(MAX_BUSY_PAUSE);
+        tries.busy.clear();
+        Ok(())
+    }
+
+    /// A decode worker's refusal (an error status before any event): `Ok` where the
+    /// request can be tried again, with the worker or prefill worker at fault set
+    /// aside; the client's error otherwise.
+    async fn refused(
+        &self,
+        decode: &Picked,
+        prefill: Option<&Picked>,
+        resp: reqwest::Response,
+        tries: &mut Tries,
+    ) -> Result<()> {
+        let status = resp.status();
+        let w: WireError = match read_capped(resp, MAX_ERROR_BYTES).await {
+            Ok(b) => serde_json::from_slice(&b).ok(),
+            Err(_) => None,
+        }
+        .unwrap_or(WireError {
+            class: "internal".into(),
+            message: format!("decode worker answered HTTP {status}"),
+            prefill_failed: false,
+            unannounced: false,
+        });
+        if !w.prefill_failed {
+            // A worker draining for scale-down refuses new work: the request has not
+            // started, so another decode worker takes it.
+            if status == StatusCode::SERVICE_UNAVAILABLE && tries.refusals < MAX_REFUSALS {
+                tries.refusals += 1;
+                tracing::info!(decode = %decode.url, "decode worker refused (draining); trying another");
+                tries.refused.push(decode.id.clone());
+                return Ok(());
+            }
+            // No room in this decode worker now (its cache, its batch or its queue):
+            // nothing has started, so another one takes it, or it waits for room.
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                tracing::debug!(decode = %decode.url, "decode worker had no room; trying another or waiting");
+                tries.busy.push(decode.id.clone());
+                return Ok(());
+            }
+            return Err(w.into_engine());
+        }
+        // The decode worker lacks the list naming that prefill worker (it restarted at
+        // the same address): tell it again; the prefill worker is not at fault.
+        if w.unannounced && tries.refusals < MAX_REFUSALS {
+            tries.refusals += 1;
+            tracing::info!(decode = %decode.url, "decode worker did not know the prefill worker; announcing again");
+            self.forget_told(&decode.id);
+            return Ok(());
+        }
+        if tries.prefill_failures < MAX_PREFILL_TRIES {
+            tries.prefill_failures += 1;
+            if let Some(p) = prefill {
+                tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
+                tries.failed_prefill.push(p.id.clone());
+            }
+            return Ok(());
+        }
+        Err(w.into_engine())
+    }
+
+    /// Streams a decode worker's events to `out` until the request ends. `Lost` when
+    /// the worker went away first (the request may be replayed).
+    async fn relay(
+        &self,
+        decode: &Picked,
+        resp: reqwest::Response,
+        out: &tokio::sync::mpsc::UnboundedSender<Event>,
+        tries: &mut Tries,
+    ) -> Relayed {
+        let mut stream = resp.bytes_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            let next = tokio::time::timeout(self.opts.stream_idle_timeout, stream.next()).await;
+            let chunk = match next {
+                Ok(Some(Ok(c))) => c,
+                Ok(Some(Err(e))) => {
+                    self.drop_worker(&decode.id, "stream broke");
+                    return Relayed::Lost(EngineError::Unavailable(format!(
+                        "decode worker {} failed mid-stream: {e}",
+                        decode.url
+                    )));
+                }
+                Ok(None) => {
+                    self.drop_worker(&decode.id, "stream ended early");
+                    return Relayed::Lost(EngineError::Unavailable(format!(
+                        "decode worker {} ended the stream early",
                         decode.url
                     )));
                 }
                 Err(_) => {
-                    self.drop_worker(&decode.id, "no answer");
-                    return fail(EngineError::Unavailable(format!(
-                        "decode worker {} did not answer within {} s",
-                        decode.url,
-                        self.opts.stream_idle_timeout.as_secs()
-                    )));
-                }
-            };
-            if !resp.status().is_success() {
-                let status = resp.status();
-                let w: WireError = match read_capped(resp, MAX_ERROR_BYTES).await {
-                    Ok(b) => serde_json::from_slice(&b).ok(),
-                    Err(_) => None,
-                }
-                .unwrap_or(WireError {
-                    class: "internal".into(),
-                    message: format!("decode worker answered HTTP {status}"),
-                    prefill_failed: false,
-                    unannounced: false,
-                });
-                // A worker draining for scale-down refuses new work: the request has not
-                // started, so another decode worker takes it.
-                if status == StatusCode::SERVICE_UNAVAILABLE && !w.prefill_failed && attempt < 2 {
-                    tracing::info!(decode = %decode.url, "decode worker refused (draining); trying another");
-                    refused.push(decode.id.clone());
-                    continue;
-                }
-                // No room in this decode worker's cache for the prompt's K/V now (it
-                // reserves before pulling): nothing has started, so another decode
-                // worker with room takes it. Only a pool with no other answers 429.
-                if status == StatusCode::TOO_MANY_REQUESTS && !w.prefill_failed && attempt < 2 {
-                    refused.push(decode.id.clone());
-                    if self.has_worker(WorkerRole::Decode, &refused) {
-                        tracing::info!(decode = %decode.url, "decode worker had no room; trying another");
-                        continue;
-                    }
-                    return fail(w.into_engine());
-                }
-                // The decode worker lacks the list naming that prefill worker (it
-                // restarted at the same address): tell it again; the prefill worker is
-                // not at fault.
-                if w.prefill_failed && w.unannounced && attempt < 2 {
-                    tracing::info!(decode = %decode.url, "decode worker did not know the prefill worker; announcing again");
-                    self.forget_told(&decode.id);
-                    continue;
-                }
-                if w.prefill_failed && attempt < 2 {
-                    if let Some(p) = &prefill {
-                        tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
-                        excluded.push(p.id.clone());
-                    }
-                    continue;
-                }
-                return fail(w.into_engine());
-            }
-            // The K/V has been pulled: the prefill worker is done with this request.
-            if let Some(p) = prefill.take() {
-                self.lock()
-                    .prefix
-                    .0
-                    .entry(p.id)
-                    .or_default()
-                    .remember(&hashes);
-            }
-            let mut stream = resp.bytes_stream();
-            let mut buf: Vec<u8> = Vec::new();
-            loop {
-                let next = tokio::time::timeout(self.opts.stream_idle_timeout, stream.next()).await;
-                let chunk = match next {
-                    Ok(Some(Ok(c))) => c,
-                    Ok(Some(Err(e))) => {
-                        self.drop_worker(&decode.id, "stream broke");
-                        return fail(EngineError::Unavailable(format!(
-                            "decode worker {} failed mid-stream: {e}",
-                            decode.url
-                        )));
-                    }
-                    Ok(None) => {
-                        self.drop_worker(&decode.id, "stream ended early");
-                        return fail(EngineError::Unavailable(format!(
-                            "decode worker {} ended the stream early",
-                            decode.url
-                        )));
-                    }
-                    Err(_) => {
-                        self.drop_worker(&decode.id, "stream stalled");
-                        return fail(EngineError::Unavailable(format!(
-                            "decode worker {} stalled",
-                            decode.url
-                        )));
-                    }
-                };
-                buf.extend_from_slice(&chunk);
-                if buf.len() > MAX_EVENT_LINE && !buf.contains(&b'\n') {
-                    self.drop_worker(&decode.id, "oversized event");
-                    return fail(EngineError::Internal(format!(
-                        "decode worker {} sent an event line over {MAX_EVENT_LINE} bytes",
+                    self.drop_worker(&decode.id, "stream stalled");
+                    return Relayed::Lost(EngineError::Unavailable(format!(
+                        "decode worker {} stalled",
                         decode.url
                     )));
                 }
-                while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
-                    let line: Vec<u8> = buf.drain(..=pos).collect();
-                    let ev = match serde_json::from_slice::<WireEvent>(&line) {
-                        Ok(w) => w.into_event(),
-                        Err(e) => {
-                            return fail(EngineError::Internal(format!(
-                                "decode worker sent garbage: {e}"
-                            )));
-                        }
-                    };
-                    let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
-                    if out.send(ev).is_err() || end {
-                        return;
+            };
+            buf.extend_from_slice(&chunk);
+            if buf.len() > MAX_EVENT_LINE && !buf.contains(&b'\n') {
+                self.drop_worker(&decode.id, "oversized event");
+                return Relayed::Failed(EngineError::Internal(format!(
+                    "decode worker {} sent an event line over {MAX_EVENT_LINE} bytes",
+                    decode.url
+                )));
+            }
+            while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=pos).collect();
+                let ev = match serde_json::from_slice::<WireEvent>(&line) {
+                    Ok(w) => w.into_event(),
+                    Err(e) => {
+                        return Relayed::Failed(EngineError::Internal(format!(
+                            "decode worker sent garbage: {e}"
+                        )));
                     }
+                };
+                let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
+                tries.forwarded |= matches!(ev, Event::Delta { .. });
+                if out.send(ev).is_err() || end {
+                    return Relayed::Done;
                 }
             }
         }
-        fail(EngineError::Internal("no attempt left".into()));
     }
+}
+
+/// Tries on other decode workers after one refused, for want of room aside.
+const MAX_REFUSALS: usize = 4;
+/// Prefill workers tried before the decode worker prefills the prompt itself.
+const MAX_PREFILL_TRIES: usize = 2;
+/// Decode workers lost (killed, crashed, cut off) before one request finished, after
+/// which it fails: a request that kills its workers should not kill the pool.
+const MAX_REPLAYS: usize = 3;
+/// The longest pause between asks while every decode worker is busy.
+const MAX_BUSY_PAUSE: Duration = Duration::from_secs(1);
+
+/// What one request has been through on its way to a worker.
+#[derive(Debug)]
+struct Tries {
+    /// Decode workers set aside for this request: draining, unreachable, lost.
+    refused: Vec<String>,
+    /// Decode workers that had no room when last asked (asked again after a pause).
+    busy: Vec<String>,
+    /// Prefill workers that failed this request.
+    failed_prefill: Vec<String>,
+    prefill_failures: usize,
+    refusals: usize,
+    replays: usize,
+    /// Output has gone to the consumer since the last replay.
+    forwarded: bool,
+    busy_pause: Duration,
+    /// When waiting for room ends.
+    busy_deadline: Instant,
+}
+
+impl Tries {
+    fn new(hold: Duration) -> Self {
+        Tries {
+            refused: Vec::new(),
+            busy: Vec::new(),
+            failed_prefill: Vec::new(),
+            prefill_failures: 0,
+            refusals: 0,
+            replays: 0,
+            forwarded: false,
+            busy_pause: Duration::from_millis(20),
+            busy_deadline: Instant::now() + hold,
+        }
+    }
+
+    /// Decode workers not to ask now.
+    fn passed_over(&self) -> Vec<String> {
+        self.refused.iter().chain(&self.busy).cloned().collect()
+    }
+}
+
+/// How relaying a decode worker's stream ended.
+enum Relayed {
+    /// Finished, failed as the worker said, or the consumer went away.
+    Done,
+    /// The worker broke the protocol: not retried.
+    Failed(EngineError),
+    /// The worker went away first.
+    Lost(EngineError),
 }
