@@ -48,6 +48,8 @@ type Task = tokio::task::JoinHandle<preheat_engine::Result<()>>;
 /// A gateway and its workers in this process, stopped together.
 struct Stack {
     url: String,
+    /// Where workers register.
+    internal: String,
     /// Each worker's role and URL, in the order asked for.
     workers: Vec<(WorkerRole, String)>,
     client: reqwest::Client,
@@ -111,6 +113,7 @@ impl Stack {
         }
         Stack {
             url,
+            internal,
             workers,
             client,
             stop,
@@ -188,8 +191,8 @@ async fn regression_requests_between_two_load_reports_all_went_to_one_worker() {
 
 /// A decode worker with no room to reserve for a prompt's K/V answers 429, and the
 /// gateway passed that to the client although another decode worker had room: a
-/// request failed that the pool could serve. Now it goes to another decode worker,
-/// and only a pool with no other decode worker answers 429.
+/// request failed that the pool could serve. Now it goes to another decode worker, or
+/// waits at the gateway for room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regression_a_decode_worker_without_room_failed_a_request_another_could_take() {
     // One prefill worker; a decode worker with room and one whose cache is one block.
@@ -209,5 +212,70 @@ async fn regression_a_decode_worker_without_room_failed_a_request_another_could_
         "preheat:requests_rejected_total",
     );
     assert!(refused >= 1.0, "the small decode worker was never tried");
+    s.stop().await;
+}
+
+/// A decode worker that takes a request and dies (here: takes the connection, reads
+/// the request and drops it), three times over: the request is replayed twice, then
+/// fails with the reason. A request that crashes its workers takes down no more than
+/// three, and its client is not left waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_decode_workers_all_die_fails_after_two_replays() {
+    let s = Stack::start(&[]).await;
+    let info = gateway::model_info(
+        &preheat_testkit::model_fixture("llama-tiny"),
+        16,
+        Some("tiny"),
+    )
+    .unwrap();
+    for i in 0..3 {
+        let (l, url) = listen().await;
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = l.accept().await {
+                use tokio::io::AsyncReadExt;
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+            }
+        });
+        let r = s
+            .client
+            .post(format!("{}/internal/register", s.internal))
+            .json(
+                &serde_json::json!({"id": format!("dying-{i}"), "role": "decode", "url": url,
+                  "model": "tiny", "compat": info.compat,
+                  "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            r.status().is_success(),
+            "{}",
+            r.text().await.unwrap_or_default()
+        );
+    }
+    let t0 = Instant::now();
+    let r = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .json(&serde_json::json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    let body = r.text().await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("decode worker"), "{body}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let replays = metric_sum(
+        &scrape(&s.client, &s.url).await,
+        "preheat:gateway_replays_total",
+    );
+    assert_eq!(replays, 2.0);
     s.stop().await;
 }

@@ -364,7 +364,7 @@ const MAX_REFUSALS: usize = 4;
 const MAX_PREFILL_TRIES: usize = 2;
 /// Decode workers lost (killed, crashed, cut off) before one request finished, after
 /// which it fails: a request that kills its workers should not kill the pool.
-const MAX_REPLAYS: usize = 3;
+const MAX_REPLAYS: usize = 2;
 /// The longest pause between asks while every decode worker is busy.
 const MAX_BUSY_PAUSE: Duration = Duration::from_secs(1);
 
