@@ -279,3 +279,36 @@ async fn a_request_whose_decode_workers_all_die_fails_after_two_replays() {
     assert_eq!(replays, 2.0);
     s.stop().await;
 }
+
+/// A client that gave up while its request was held (no decode worker yet) left the
+/// held count up for good: the request's task is dropped at its wait, and the count
+/// was taken back only after it. The scaler reads that count as waiting requests, so
+/// a pool could never go back to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_a_client_that_gave_up_while_held_stayed_counted_as_pending() {
+    let s = Stack::start(&[]).await;
+    let held = s
+        .client
+        .post(format!("{}/v1/completions", s.url))
+        .json(&serde_json::json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
+        .timeout(Duration::from_millis(500))
+        .send()
+        .await;
+    assert!(held.is_err(), "the request was not held: {held:?}");
+    let pending = async || {
+        metric_sum(
+            &scrape(&s.client, &s.url).await,
+            "preheat:gateway_pending_requests",
+        )
+    };
+    let t0 = Instant::now();
+    while pending().await != 0.0 && t0.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        pending().await,
+        0.0,
+        "a request nobody waits for is still counted"
+    );
+    s.stop().await;
+}
