@@ -73,7 +73,7 @@ impl Gateway {
         if let Some(why) = self.opts.outage.reason() {
             return Err(outage(why));
         }
-        self.pending.inc();
+        let _held = Held::count(&self.pending);
         let deadline = Instant::now() + self.opts.hold_timeout;
         let got = loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -93,7 +93,6 @@ impl Gateway {
                 });
             }
         };
-        self.pending.dec();
         got
     }
 
@@ -227,9 +226,10 @@ impl Gateway {
                 retry_after_secs: 1,
             });
         }
-        self.pending.inc();
-        tokio::time::sleep(tries.busy_pause).await;
-        self.pending.dec();
+        {
+            let _held = Held::count(&self.pending);
+            tokio::time::sleep(tries.busy_pause).await;
+        }
         tries.busy_pause = (tries.busy_pause * 2).min(MAX_BUSY_PAUSE);
         tries.busy.clear();
         Ok(())
@@ -416,4 +416,22 @@ enum Relayed {
     Failed(EngineError),
     /// The worker went away first.
     Lost(EngineError),
+}
+
+/// One request counted in `preheat:gateway_pending_requests` while this lives: a
+/// request's task is dropped wherever it waits when its client goes away, and the
+/// count must go with it.
+struct Held<'a>(&'a IntGauge);
+
+impl<'a> Held<'a> {
+    fn count(g: &'a IntGauge) -> Self {
+        g.inc();
+        Held(g)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
