@@ -75,16 +75,16 @@ impl Gateway {
         }
         let _held = Held::count(&self.pending);
         let deadline = Instant::now() + self.opts.hold_timeout;
-        let got = loop {
+        loop {
             tokio::time::sleep(Duration::from_millis(50)).await;
             if let Some(p) = self.pick(WorkerRole::Decode, &[], blocks, exclude, None) {
-                break Ok(p);
+                return Ok(p);
             }
             if let Some(why) = self.opts.outage.reason() {
-                break Err(outage(why));
+                return Err(outage(why));
             }
             if Instant::now() >= deadline {
-                break Err(EngineError::NoWorkers {
+                return Err(EngineError::NoWorkers {
                     message: format!(
                         "no decode worker became available within the hold time ({} s); the pool may still be starting",
                         self.opts.hold_timeout.as_secs()
@@ -92,8 +92,7 @@ impl Gateway {
                     retry_after_secs: self.opts.hold_timeout.as_secs().clamp(1, 30),
                 });
             }
-        };
-        got
+        }
     }
 
     /// Runs one request on the workers, retrying what a client need never see:
