@@ -8,8 +8,8 @@
 //! ScaledObjects driven by a KEDA + HPA emulation over the scaler's real gRPC
 //! (`tests/cluster/keda.rs`). Each scenario is its own test; they run one at a time.
 //!
-//! Needs Docker and the Helm SDK (`.ci/fetch-tools`); without them each test says so and
-//! passes (CI sets PREHEAT_REQUIRE_FETCHED, which turns that into a failure).
+//! Needs Docker and the Helm SDK (`.ci/fetch-tools`); without them each test fails
+//! naming what is missing (or, under `PREHEAT_ALLOW_SKIP=1`, says so and passes).
 //!
 //! Why one file over 600 lines: each scenario reads top to bottom as an operator would
 //! run it against the same emulated cluster, and the scenarios share its set-up here.
@@ -46,13 +46,15 @@ fn image() -> Option<&'static str> {
         .arg("info")
         .output()
         .is_ok_and(|o| o.status.success());
-    if !preheat_testkit::present_or_skip(docker, "a Docker daemon", "the rust-docker machine")
-        || !preheat_testkit::present_or_skip(
-            root.join(".cache/python/helm_python").exists(),
-            "helm-python-sdk in .cache/python",
-            ".ci/fetch-tools",
-        )
-    {
+    if !preheat_testkit::present_or_skip(
+        docker,
+        "a Docker daemon",
+        "a running Docker Engine (`docker info` answers)",
+    ) || !preheat_testkit::present_or_skip(
+        root.join(".cache/python/helm_python").exists(),
+        "helm-python-sdk in .cache/python",
+        ".ci/fetch-tools",
+    ) {
         return None;
     }
     let ok = *BUILT.get_or_init(|| {
