@@ -22,6 +22,12 @@ fn worker(role: &str, model: &str, gw: &str) -> (Proc, u16) {
     harness::disagg_worker(role, &model_fixture(model), gw, 16, Stdio::piped())
 }
 
+/// A worker of the tiny fixture whose log goes nowhere (a piped one that nobody reads
+/// blocks once the pipe fills).
+fn quiet_worker(role: &str, gw: &str) -> (Proc, u16) {
+    harness::disagg_worker(role, &model_fixture("llama-tiny"), gw, 16, Stdio::null())
+}
+
 async fn workers(c: &reqwest::Client, gw: &str) -> Vec<Value> {
     match c
         .get(format!("{gw}/internal/workers"))
@@ -509,7 +515,8 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
     let m = model.to_str().unwrap();
     let (port, internal) = (free_port().to_string(), free_port().to_string());
     let gw_internal = format!("http://127.0.0.1:{internal}");
-    let _gateway = spawn(&[
+    let quiet = |args: &[&str]| harness::spawn(args, Stdio::null());
+    let _gateway = quiet(&[
         "engine",
         "gateway",
         "--model",
@@ -526,7 +533,7 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
         free_port().to_string(),
         free_port().to_string(),
     );
-    let _prefill = spawn(&[
+    let _prefill = quiet(&[
         "engine",
         "prefill",
         "--model",
@@ -538,7 +545,7 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
         "--gateway",
         &gw_internal,
     ]);
-    let _decode = spawn(&[
+    let _decode = quiet(&[
         "engine",
         "decode",
         "--model",
@@ -608,12 +615,9 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
 /// "failed mid-stream". A seeded sample replayed answers as it would have.
 #[test]
 fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
-    let (_gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::piped());
-    let (_prefill, _) = worker("prefill", "llama-tiny", &gwi);
-    let mut decode = vec![
-        worker("decode", "llama-tiny", &gwi),
-        worker("decode", "llama-tiny", &gwi),
-    ];
+    let (_gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::null());
+    let (_prefill, _) = quiet_worker("prefill", &gwi);
+    let mut decode = vec![quiet_worker("decode", &gwi), quiet_worker("decode", &gwi)];
     rt().block_on(async {
         let c = reqwest::Client::new();
         let ready = async |n: usize| {
@@ -683,7 +687,7 @@ fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
         // A seeded sample replays to the same answer. Alone, so that the reference and
         // the replay run in batches of one (a batch's shape changes the logits' last
         // bits, which can flip a sample), each after the prompt is cached.
-        decode.push(worker("decode", "llama-tiny", &gwi));
+        decode.push(quiet_worker("decode", &gwi));
         ready(2).await;
         let one = || post_all(vec![body(99)]);
         let warm = one().await.unwrap();
@@ -691,17 +695,17 @@ fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
         let reference = one().await.unwrap().remove(0).1;
         let replayed = one();
         let ports: Vec<u16> = decode.iter().map(|d| d.1).collect();
+        // Polled without a pause: alone, the request runs for a fraction of a second.
+        let t0 = Instant::now();
         let mut busy = None;
-        wait_for("the seeded request running", 30, async || {
+        while busy.is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "the seeded request never ran");
             for (i, p) in ports.iter().enumerate() {
                 if running(*p).await > 0.0 {
                     busy = Some(i);
-                    return true;
                 }
             }
-            false
-        })
-        .await;
+        }
         let (mut dead, _) = decode.remove(busy.unwrap());
         dead.0.kill().unwrap();
         let _ = dead.0.wait();

@@ -29,7 +29,8 @@ pub mod names {
     /// allocated for remote K/V; an autoscaler subtracts it to see decode's own load.
     pub const KV_CACHE_RESERVED: &str = "preheat:kv_cache_reserved_perc";
     /// Requests refused because the queue was full, or (a decode worker) the KV cache
-    /// had no room to reserve for a prompt's K/V.
+    /// had no room, or the batch no running slot, to reserve for a prompt's K/V. A
+    /// gateway holds such a request and asks again: this counts the asks.
     pub const REJECTED: &str = "preheat:requests_rejected_total";
     pub const STARTUP_PHASE: &str = "preheat:startup_phase_seconds";
     /// Unix time the replica's current start began (process start, or promotion of a
@@ -259,7 +260,7 @@ impl EngineMetrics {
             rejected: reg!(
                 IntCounter,
                 REJECTED,
-                "Requests refused with 429: the queue was full, or (decode) no KV room to reserve for a prompt"
+                "Requests refused with 429: the queue was full, or (decode) no KV room or running slot to reserve for a prompt; a gateway asks again, so one request may count more than once"
             ),
             success,
             ttft: hist(TTFT, "Time to first token", TTFT_BUCKETS),

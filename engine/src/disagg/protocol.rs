@@ -121,6 +121,10 @@ pub struct WireError {
     /// prefill worker itself is not at fault.
     #[serde(default)]
     pub unannounced: bool,
+    /// The request can never run on this decode worker (its prompt and `max_tokens`
+    /// exceed what the worker's cache holds): one with a larger cache may take it.
+    #[serde(default)]
+    pub too_large: bool,
 }
 
 impl WireError {
@@ -137,6 +141,7 @@ impl WireError {
             message: e.to_string(),
             prefill_failed,
             unannounced: false,
+            too_large: false,
         }
     }
 

@@ -191,6 +191,10 @@ impl EngineLoop {
                 debug_assert!(self.reserved >= blocks.len(), "released more than reserved");
                 self.reserved = self.reserved.saturating_sub(blocks.len());
                 if !blocks.is_empty() {
+                    debug_assert!(
+                        self.sched.reserved_seqs > 0,
+                        "released more reservations than made"
+                    );
                     self.sched.reserved_seqs = self.sched.reserved_seqs.saturating_sub(1);
                 }
                 self.sched.pool.release(&blocks);
@@ -469,6 +473,10 @@ impl EngineLoop {
             debug_assert!(self.reserved >= b.len(), "resumed more than reserved");
             self.reserved = self.reserved.saturating_sub(b.len());
             if !b.is_empty() {
+                debug_assert!(
+                    self.sched.reserved_seqs > 0,
+                    "resumed more reservations than made"
+                );
                 self.sched.reserved_seqs = self.sched.reserved_seqs.saturating_sub(1);
             }
         }
@@ -478,9 +486,6 @@ impl EngineLoop {
         // A reserved sequence's slot was held for it; only an unreserved one can
         // find none.
         if reserved.is_none() && !self.sched.has_running_slot() {
-            if let Some(b) = &reserved {
-                self.sched.pool.release(b);
-            }
             return refuse(self, busy);
         }
         let blocks = match reserved {

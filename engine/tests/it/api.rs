@@ -686,7 +686,7 @@ async fn a_disconnected_client_is_aborted_and_its_blocks_freed() {
 /// The case above, 200 times beside a busy core (as while other test binaries
 /// compile), where it once failed by chance; `PREHEAT_STRESS_RUNS` sets the count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "stress loop: 200 runs under load, about a minute; run with --ignored"]
+#[ignore = "stress loop: 200 runs under load, about 15 s; run with --ignored"]
 async fn a_disconnected_client_is_aborted_and_its_blocks_freed_200_times_under_load() {
     let _load = preheat_testkit::BusyCores::start(1);
     for _ in 0..preheat_testkit::stress_runs(200) {

@@ -184,11 +184,30 @@ impl Gateway {
                         Err(e) => return fail(e),
                     }
                 }
-                // Nothing came back: whether it never connected or died with the
-                // request in hand, the client has had nothing from it.
+                // Never connected: nothing was sent, so another decode worker takes
+                // it (a refusal, not a replay).
+                Ok(Err(e)) if e.is_connect() && tries.refusals < MAX_REFUSALS => {
+                    tracing::warn!(decode = %decode.url, error = %e, "decode worker unreachable; trying another");
+                    self.drop_worker(&decode.id, "unreachable");
+                    tries.refusals += 1;
+                    tries.refused.push(decode.id.clone());
+                    continue;
+                }
+                // Died with the request in hand: the client has had nothing from it.
                 Ok(Err(e)) => {
                     self.drop_worker(&decode.id, "unreachable");
                     EngineError::Unavailable(format!("decode worker {}: {e}", decode.url))
+                }
+                // Headers wait for the K/V: with a prefill worker named, a silent
+                // decode worker is most likely waiting on a backlogged prefill. That
+                // prefill worker is set aside (then the prompt is prefilled on the decode
+                // worker itself), and the decode worker, likely healthy, is kept.
+                Err(_) if prefill.is_some() && tries.prefill_failures < MAX_PREFILL_TRIES => {
+                    let p = prefill.take().map(|p| p.id).unwrap_or_default();
+                    tracing::warn!(decode = %decode.url, prefill = %p, "no K/V within the stream's idle time; prefilling elsewhere");
+                    tries.prefill_failures += 1;
+                    tries.failed_prefill.push(p);
+                    continue;
                 }
                 Err(_) => {
                     self.drop_worker(&decode.id, "no answer");
@@ -199,12 +218,15 @@ impl Gateway {
                     ))
                 }
             };
-            // The decode worker is gone before the request finished: run it again.
+            // The decode worker is gone before the request finished: run it again, with
+            // the hold time and the pause for room started anew.
             tries.refused.push(decode.id.clone());
             if tries.replays >= MAX_REPLAYS {
                 return fail(lost);
             }
             tries.replays += 1;
+            tries.busy_deadline = Instant::now() + self.opts.hold_timeout;
+            tries.busy_pause = FIRST_BUSY_PAUSE;
             self.replays.inc();
             tracing::warn!(decode = %decode.url, error = %lost, replay = tries.replays, "decode worker lost before the request finished; replaying it elsewhere");
             if std::mem::take(&mut tries.forwarded) && out.send(Event::Replayed(lost)).is_err() {
@@ -254,7 +276,20 @@ impl Gateway {
             message: format!("decode worker answered HTTP {status}"),
             prefill_failed: false,
             unannounced: false,
+            too_large: false,
         });
+        // Longer than this worker's whole cache: another worker may be larger; with
+        // none, the client learns the limit at once.
+        if w.too_large {
+            tries.refused.push(decode.id.clone());
+            if tries.refusals < MAX_REFUSALS
+                && self.has_worker(WorkerRole::Decode, &tries.passed_over())
+            {
+                tries.refusals += 1;
+                return Ok(());
+            }
+            return Err(w.into_engine());
+        }
         if !w.prefill_failed {
             // A worker draining for scale-down refuses new work: the request has not
             // started, so another decode worker takes it.
@@ -357,14 +392,17 @@ impl Gateway {
     }
 }
 
-/// Tries on other decode workers after one refused, for want of room aside.
+/// Tries on other decode workers after one refused (draining, unreachable) or lacked
+/// the prefill worker's announcement; a refusal for want of room is not counted (the
+/// hold time bounds those).
 const MAX_REFUSALS: usize = 4;
 /// Prefill workers tried before the decode worker prefills the prompt itself.
 const MAX_PREFILL_TRIES: usize = 2;
 /// Decode workers lost (killed, crashed, cut off) before one request finished, after
 /// which it fails: a request that kills its workers should not kill the pool.
 const MAX_REPLAYS: usize = 2;
-/// The longest pause between asks while every decode worker is busy.
+/// The first and the longest pause between asks while every decode worker is busy.
+const FIRST_BUSY_PAUSE: Duration = Duration::from_millis(20);
 const MAX_BUSY_PAUSE: Duration = Duration::from_secs(1);
 
 /// What one request has been through on its way to a worker.
@@ -396,7 +434,7 @@ impl Tries {
             refusals: 0,
             replays: 0,
             forwarded: false,
-            busy_pause: Duration::from_millis(20),
+            busy_pause: FIRST_BUSY_PAUSE,
             busy_deadline: Instant::now() + hold,
         }
     }

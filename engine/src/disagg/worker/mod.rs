@@ -268,6 +268,18 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                     false,
                 );
             }
+            // What could never run here is refused as the local path refuses it
+            // (400), before anything is reserved: asked again, it would only wait.
+            // Marked as this worker's limit, so the gateway may try a larger one.
+            let req = GenerateRequest {
+                prompt: b.prompt.clone(),
+                params: b.params.clone(),
+            };
+            if let Err(err) = crate::engine::request::check(&req, e.vocab_size(), e.max_model_len) {
+                let mut w = WireError::from_engine(&err, false);
+                w.too_large = b.prompt.len() + b.params.max_tokens > e.max_model_len;
+                return (StatusCode::BAD_REQUEST, Json(w)).into_response();
+            }
             let blocks = b.prompt.len().div_ceil(e.kv_layout().block_size);
             // Room first: nothing flows unless it can land.
             let reserving = std::time::Instant::now();
