@@ -396,3 +396,126 @@ async fn regression_a_client_that_gave_up_while_held_stayed_counted_as_pending()
     }
     s.stop().await;
 }
+
+/// A fake decode worker's answer to one call: NDJSON lines, then either the end of the
+/// stream or (`None`) the connection broken, as a killed worker breaks it.
+type Script = Vec<Option<&'static str>>;
+
+/// Decode workers that play `script(n)` for the deployment's n-th call, registered as
+/// `fake-0`, `fake-1`, … (again, if they were dropped); returns the call counter.
+async fn fake_decode_workers(
+    s: &Stack,
+    count: usize,
+    script: fn(usize) -> Script,
+) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let info = gateway::model_info(
+        &preheat_testkit::model_fixture("llama-tiny"),
+        16,
+        Some("tiny"),
+    )
+    .unwrap();
+    for i in 0..count {
+        let (l, url) = listen().await;
+        let calls = std::sync::Arc::clone(&calls);
+        let app = axum::Router::new()
+            .route(
+                "/internal/generate",
+                axum::routing::post(move || {
+                    let n = calls.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        use futures_util::StreamExt;
+                        // A pause before each line: each reaches the gateway on its own,
+                        // before the break that follows it.
+                        let lines = futures_util::stream::iter(script(n)).then(|l| async move {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            match l {
+                                Some(l) => Ok(format!("{l}\n")),
+                                None => Err(std::io::Error::other("killed")),
+                            }
+                        });
+                        axum::body::Body::from_stream(lines)
+                    }
+                }),
+            )
+            .route(
+                "/internal/peers",
+                axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
+            );
+        tokio::spawn(async move { axum::serve(l, app).await });
+        let r = s
+            .client
+            .post(format!("{}/internal/register", s.internal))
+            .json(
+                &serde_json::json!({"id": format!("fake-{i}"), "role": "decode", "url": url,
+                  "model": "tiny", "compat": info.compat,
+                  "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+    }
+    calls
+}
+
+const SEEN: &str = r#"{"type":"delta","tokens":[[5,null,[]]],"text":"lost"}"#;
+const GOOD: &str = r#"{"type":"delta","tokens":[[6,null,[]]],"text":"kept"}"#;
+const DONE: &str = r#"{"type":"finished","reason":"length","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0}"#;
+
+/// What a client sees when the decode worker running its request dies and the gateway
+/// replays it on another: a whole answer has only the replay's text; a stream that had
+/// sent nothing streams the replay; a stream that had sent a chunk ends with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_request_shows_its_client_only_what_it_can_take() {
+    let s = Stack::start_with(&[], |o| o.worker_timeout = Duration::from_secs(600)).await;
+    let post = async |stream: bool| {
+        s.client
+            .post(format!("{}/v1/completions", s.url))
+            .json(&serde_json::json!({"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": stream}))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .unwrap()
+    };
+    // The first call sends a token and dies; the replay answers.
+    let dies_after_a_token = |n: usize| -> Script {
+        if n == 0 {
+            vec![Some(SEEN), None]
+        } else {
+            vec![Some(GOOD), Some(DONE)]
+        }
+    };
+    fake_decode_workers(&s, 2, dies_after_a_token).await;
+    let whole: Value = post(false).await.json().await.unwrap();
+    assert_eq!(whole["choices"][0]["text"], "kept", "{whole}");
+    fake_decode_workers(&s, 2, dies_after_a_token).await;
+    let streamed = post(true).await.text().await.unwrap();
+    assert!(
+        streamed.contains("lost") && streamed.contains("\"error\""),
+        "{streamed}"
+    );
+    assert!(!streamed.contains("kept"), "{streamed}");
+    // The first call dies before any line: a stream has sent nothing yet.
+    fake_decode_workers(&s, 2, |n| {
+        if n == 0 {
+            vec![None]
+        } else {
+            vec![Some(GOOD), Some(DONE)]
+        }
+    })
+    .await;
+    let streamed = post(true).await.text().await.unwrap();
+    assert!(
+        streamed.contains("kept") && streamed.trim_end().ends_with("data: [DONE]"),
+        "{streamed}"
+    );
+    assert!(!streamed.contains("\"error\""), "{streamed}");
+    let replays = metric_sum(
+        &scrape(&s.client, &s.url).await,
+        "preheat:gateway_replays_total",
+    );
+    assert_eq!(replays, 3.0);
+    s.stop().await;
+}
