@@ -202,7 +202,13 @@ impl Gateway {
                 // decode worker is most likely waiting on a backlogged prefill. That
                 // prefill worker is set aside (then the prompt is prefilled on the decode
                 // worker itself), and the decode worker, likely healthy, is kept.
-                Err(_) if prefill.is_some() && tries.prefill_failures < MAX_PREFILL_TRIES => {
+                Err(_)
+                    if prefill.is_some()
+                        && tries.prefill_failures < MAX_PREFILL_TRIES
+                        && !tries.silent.contains(&decode.id) =>
+                {
+                    // Once per decode worker: silent again, it is itself at fault.
+                    tries.silent.push(decode.id.clone());
                     let p = prefill.take().map(|p| p.id).unwrap_or_default();
                     tracing::warn!(decode = %decode.url, prefill = %p, "no K/V within the stream's idle time; prefilling elsewhere");
                     tries.prefill_failures += 1;
@@ -225,6 +231,7 @@ impl Gateway {
                 return fail(lost);
             }
             tries.replays += 1;
+            tries.lost = Some(EngineError::Unavailable(lost.to_string()));
             tries.busy_deadline = Instant::now() + self.opts.hold_timeout;
             tries.busy_pause = FIRST_BUSY_PAUSE;
             self.replays.inc();
@@ -282,13 +289,15 @@ impl Gateway {
         // none, the client learns the limit at once.
         if w.too_large {
             tries.refused.push(decode.id.clone());
-            if tries.refusals < MAX_REFUSALS
-                && self.has_worker(WorkerRole::Decode, &tries.passed_over())
+            // (A busy worker passed its own length check: it counts as one to wait for.)
+            if tries.refusals < MAX_REFUSALS && self.has_worker(WorkerRole::Decode, &tries.refused)
             {
                 tries.refusals += 1;
                 return Ok(());
             }
-            return Err(w.into_engine());
+            // A request that ran before its worker was lost was not too long: the
+            // loss is what the client should hear.
+            return Err(tries.lost.take().unwrap_or_else(|| w.into_engine()));
         }
         if !w.prefill_failed {
             // A worker draining for scale-down refuses new work: the request has not
@@ -410,6 +419,10 @@ const MAX_BUSY_PAUSE: Duration = Duration::from_secs(1);
 struct Tries {
     /// Decode workers set aside for this request: draining, unreachable, lost.
     refused: Vec<String>,
+    /// Decode workers that gave no headers within the idle time once already.
+    silent: Vec<String>,
+    /// Why the last decode worker running this request was lost.
+    lost: Option<EngineError>,
     /// Decode workers that had no room when last asked (asked again after a pause).
     busy: Vec<String>,
     /// Prefill workers that failed this request.
@@ -428,6 +441,8 @@ impl Tries {
     fn new(hold: Duration) -> Self {
         Tries {
             refused: Vec::new(),
+            silent: Vec::new(),
+            lost: None,
             busy: Vec::new(),
             failed_prefill: Vec::new(),
             prefill_failures: 0,

@@ -234,11 +234,20 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
         Ok(e) => e.clone(),
         Err(r) => return *r,
     };
+    // What could never run here is refused before anything is reserved or queued
+    // (asked again, it would only wait), marked as this worker's limit where it is the
+    // length, so the gateway may try a larger worker.
+    let req = GenerateRequest {
+        prompt: b.prompt.clone(),
+        params: b.params.clone(),
+    };
+    if let Err(err) = crate::engine::request::check(&req, e.vocab_size(), e.max_model_len) {
+        let mut w = WireError::from_engine(&err, false);
+        w.too_large = b.prompt.len() + b.params.max_tokens > e.max_model_len;
+        return (StatusCode::BAD_REQUEST, Json(w)).into_response();
+    }
     let handle = match &b.prefill {
-        None => e.submit(GenerateRequest {
-            prompt: b.prompt.clone(),
-            params: b.params.clone(),
-        }),
+        None => e.submit(req),
         Some(url) => {
             // Only from a prefill worker a gateway announced, never from wherever a
             // body points (SSRF): refused as a prefill failure, so the gateway tries
@@ -267,18 +276,6 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                     ),
                     false,
                 );
-            }
-            // What could never run here is refused as the local path refuses it
-            // (400), before anything is reserved: asked again, it would only wait.
-            // Marked as this worker's limit, so the gateway may try a larger one.
-            let req = GenerateRequest {
-                prompt: b.prompt.clone(),
-                params: b.params.clone(),
-            };
-            if let Err(err) = crate::engine::request::check(&req, e.vocab_size(), e.max_model_len) {
-                let mut w = WireError::from_engine(&err, false);
-                w.too_large = b.prompt.len() + b.params.max_tokens > e.max_model_len;
-                return (StatusCode::BAD_REQUEST, Json(w)).into_response();
             }
             let blocks = b.prompt.len().div_ceil(e.kv_layout().block_size);
             // Room first: nothing flows unless it can land.
