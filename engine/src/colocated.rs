@@ -245,6 +245,7 @@ pub fn load_engine(opts: &ServeOptions) -> Result<Engine> {
             num_blocks,
             scheduler: opts.scheduler,
             threads: None,
+            prefix_key: crate::kv::PrefixKey::of_deployment(opts.cluster_token.as_deref()),
         },
         metrics,
     )?;

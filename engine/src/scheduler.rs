@@ -11,8 +11,7 @@
 
 use std::collections::VecDeque;
 
-use crate::kv::hashing::chain;
-use crate::kv::{BlockHash, BlockId, BlockPool, block_hashes};
+use crate::kv::{BlockHash, BlockId, BlockPool, PrefixKey};
 
 /// Tokens per forward pass unless configured (the workers' `--max-batched-tokens`).
 pub const DEFAULT_MAX_BATCHED_TOKENS: usize = 256;
@@ -121,6 +120,8 @@ pub struct Scheduler {
     /// Sequences whose blocks are reserved while their K/V comes from a prefill
     /// worker: each will run on arrival, so each holds a running slot already.
     pub reserved_seqs: usize,
+    /// What this deployment's block hashes start from.
+    prefix_key: PrefixKey,
 }
 
 impl Scheduler {
@@ -134,7 +135,19 @@ impl Scheduler {
             prefix_hits: 0,
             preemptions: 0,
             reserved_seqs: 0,
+            prefix_key: PrefixKey::UNKEYED,
         }
+    }
+
+    /// Hashes blocks under the deployment's `key`.
+    pub fn with_prefix_key(mut self, key: PrefixKey) -> Self {
+        self.prefix_key = key;
+        self
+    }
+
+    #[must_use]
+    pub fn prefix_key(&self) -> PrefixKey {
+        self.prefix_key
     }
 
     /// Whether a sequence could start running now, counting the slots reservations
@@ -289,7 +302,7 @@ impl Scheduler {
             let bs = self.pool.block_size();
             // The last token is always recomputed: its logits are needed.
             let full = (s.tokens.len() - 1) / bs;
-            let hashes = block_hashes(&s.tokens[..full * bs], bs);
+            let hashes = self.prefix_key.block_hashes(&s.tokens[..full * bs], bs);
             let hits = self.pool.acquire_prefix(&hashes);
             let computed = hits.len() * bs;
             let len = (s.tokens.len() - computed).min(budget);
@@ -332,7 +345,9 @@ impl Scheduler {
         s.computed = w.start + w.len;
         while s.hashes.len() < s.computed / bs {
             let i = s.hashes.len();
-            let h = chain(s.hashes.last().copied(), &s.tokens[i * bs..(i + 1) * bs]);
+            let h = self
+                .prefix_key
+                .chain(s.hashes.last().copied(), &s.tokens[i * bs..(i + 1) * bs]);
             self.pool.register(s.blocks[i], h);
             s.hashes.push(h);
         }

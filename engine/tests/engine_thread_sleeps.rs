@@ -33,6 +33,7 @@ async fn regression_the_engine_thread_slept_through_every_kernel() {
             num_blocks: 64,
             scheduler: SchedulerConfig::default(),
             threads: Some(1),
+            prefix_key: preheat_engine::kv::PrefixKey::UNKEYED,
         },
         Arc::new(EngineMetrics::new("t", Role::Colocated)),
     )

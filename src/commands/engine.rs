@@ -71,9 +71,6 @@ pub(crate) fn deployment_token(
         Some(what) => a.require(open, what)?,
         None => a.load()?,
     };
-    if let Some(t) = &t {
-        preheat_engine::kv::set_prefix_key(t.derive_u64("prefix-cache"));
-    }
     Ok(t)
 }
 

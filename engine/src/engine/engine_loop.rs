@@ -429,7 +429,7 @@ impl EngineLoop {
             version: transfer::FORMAT_VERSION,
             request_id: live.prefill_only.clone().unwrap_or_default(),
             compat: transfer::compat_hash(self.backend.weights_fingerprint(), &layout),
-            block_hashes: crate::kv::block_hashes(&prompt, bs),
+            block_hashes: self.sched.prefix_key().block_hashes(&prompt, bs),
             prompt,
             first_token: token,
             first_logprob: logprob,

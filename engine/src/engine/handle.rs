@@ -13,7 +13,7 @@ use super::engine_loop::{Command, EngineLoop};
 use super::request::{self, Event, GenerateRequest};
 use crate::backend::{Backend, KvLayout};
 use crate::kv::transfer::{self, KvMessage, TransferError};
-use crate::kv::{BlockId, BlockPool};
+use crate::kv::{BlockId, BlockPool, PrefixKey};
 use crate::metrics::EngineMetrics;
 use crate::sampling::SamplingParams;
 use crate::sampling::grammar::Constraint;
@@ -32,6 +32,9 @@ pub struct EngineConfig {
     /// Threads the model's kernels run on, the engine loop's own among them (`None`:
     /// rayon's default, `RAYON_NUM_THREADS` or one per core).
     pub threads: Option<usize>,
+    /// What the prefix cache's block hashes start from: the deployment's key
+    /// ([`PrefixKey::of_deployment`]), the same in every process of it.
+    pub prefix_key: PrefixKey,
 }
 
 /// A handle to the running engine; cheap to clone.
@@ -57,6 +60,7 @@ pub struct Engine {
     kv_buffers: transfer::BufferPool,
     /// The prefix cache's block hashes, refreshed at most twice a second.
     cached: Arc<std::sync::Mutex<Vec<crate::kv::BlockHash>>>,
+    prefix_key: PrefixKey,
 }
 
 impl std::fmt::Debug for Engine {
@@ -217,7 +221,8 @@ impl Engine {
             sched: Scheduler::new(
                 cfg.scheduler,
                 BlockPool::new(cfg.num_blocks, cfg.block_size),
-            ),
+            )
+            .with_prefix_key(cfg.prefix_key),
             live: HashMap::new(),
             tokenizer: Arc::clone(&tokenizer),
             metrics: Arc::clone(&metrics),
@@ -268,6 +273,7 @@ impl Engine {
             compat,
             kv_buffers,
             cached,
+            prefix_key: cfg.prefix_key,
         })
     }
 
@@ -322,6 +328,12 @@ impl Engine {
             ));
         }
         self.resume_with(msg, Some(res))
+    }
+
+    /// What this engine's block hashes start from.
+    #[must_use]
+    pub fn prefix_key(&self) -> PrefixKey {
+        self.prefix_key
     }
 
     /// The KV compatibility hash of this engine's model and layout.

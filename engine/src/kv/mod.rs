@@ -16,4 +16,4 @@ pub mod hashing;
 pub mod transfer;
 
 pub use block_pool::{BlockId, BlockPool};
-pub use hashing::{BlockHash, block_hashes, set_key as set_prefix_key};
+pub use hashing::{BlockHash, PrefixKey};

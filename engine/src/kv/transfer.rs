@@ -349,7 +349,7 @@ mod tests {
             version: FORMAT_VERSION,
             request_id: "r1".into(),
             compat: compat_hash(7, &l),
-            block_hashes: crate::kv::block_hashes(&prompt, 4),
+            block_hashes: crate::kv::PrefixKey::UNKEYED.block_hashes(&prompt, 4),
             prompt,
             first_token: 9,
             first_logprob: None,

@@ -326,7 +326,7 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let want = preheat_engine::kv::block_hashes(&prompt, 16);
+    let want = preheat_engine::kv::PrefixKey::UNKEYED.block_hashes(&prompt, 16);
     assert_eq!(want.len(), 4);
     let t0 = Instant::now();
     while !seen

@@ -33,6 +33,7 @@ async fn regression_prompt_longer_than_the_token_budget_killed_the_engine() {
                 ..SchedulerConfig::default()
             },
             threads: None,
+            prefix_key: preheat_engine::kv::PrefixKey::UNKEYED,
         },
         Arc::new(EngineMetrics::new("t", Role::Colocated)),
     )
@@ -101,4 +102,71 @@ async fn regression_prompt_tokens_left_out_prefix_cache_hits() {
         96.0,
         "two whole prompts of 48 tokens"
     );
+}
+
+/// The prefix-cache key was a process-wide global, set once by whichever command
+/// started first: two engines in one process could not belong to two deployments. Each
+/// engine now takes its key from its own deployment's token: the same token gives the
+/// same block hashes, another token other ones, and none the unkeyed ones.
+#[tokio::test]
+async fn the_prefix_key_follows_each_engines_deployment_not_the_process() {
+    use preheat_engine::colocated::{ServeOptions, load_engine};
+    let dir = tempfile::tempdir().unwrap();
+    let token = |name: &str| {
+        Some(Arc::new(
+            preheat_edge::ClusterToken::generate_to(&dir.path().join(name)).unwrap(),
+        ))
+    };
+    let (a, b) = (token("a"), token("b"));
+    let prompt: Vec<u32> = (1..40).collect();
+    let mut hashes = Vec::new();
+    for t in [a.clone(), a, b, None] {
+        let mut o = ServeOptions::new(
+            preheat_testkit::model_fixture("llama-tiny"),
+            "127.0.0.1:0".parse().unwrap(),
+        );
+        o.kv_cache_bytes = 4 << 20;
+        o.cluster_token = t;
+        let e = load_engine(&o).unwrap();
+        let params = SamplingParams {
+            max_tokens: 1,
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let mut h = e
+            .submit(GenerateRequest {
+                prompt: prompt.clone(),
+                params,
+            })
+            .unwrap();
+        while let Some(ev) = h.events.recv().await {
+            if matches!(ev, Event::Finished { .. } | Event::Error(_)) {
+                break;
+            }
+        }
+        // The engine reports its cached blocks when it goes idle.
+        let t0 = std::time::Instant::now();
+        let mut cached = e.cached_blocks();
+        while cached.is_empty() && t0.elapsed() < std::time::Duration::from_secs(5) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            cached = e.cached_blocks();
+        }
+        cached.sort_unstable();
+        assert_eq!(cached.len(), 2, "two full blocks of 16 cached");
+        hashes.push(cached);
+    }
+    assert_eq!(hashes[0], hashes[1], "one deployment, one key");
+    assert_ne!(
+        hashes[0], hashes[2],
+        "another deployment's token, the same hashes"
+    );
+    assert_ne!(
+        hashes[0], hashes[3],
+        "a keyed deployment hashes as an unkeyed one"
+    );
+    assert_eq!(hashes[3], {
+        let mut h = preheat_engine::kv::PrefixKey::UNKEYED.block_hashes(&prompt[..32], 16);
+        h.sort_unstable();
+        h
+    });
 }

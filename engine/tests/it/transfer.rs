@@ -30,6 +30,7 @@ fn engine(name: &str, num_blocks: usize, role: Role) -> Engine {
             num_blocks,
             scheduler: SchedulerConfig::default(),
             threads: None,
+            prefix_key: preheat_engine::kv::PrefixKey::UNKEYED,
         },
         Arc::new(EngineMetrics::new(name, role)),
     )

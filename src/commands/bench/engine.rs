@@ -88,6 +88,7 @@ pub(super) fn start_engine(
                 max_waiting: max_running,
             },
             threads: None,
+            prefix_key: preheat_engine::kv::PrefixKey::UNKEYED,
         },
         Arc::new(EngineMetrics::new("bench", Role::Colocated)),
     )?)

@@ -38,7 +38,8 @@ fn message(layout: &KvLayout, tokens: usize) -> KvMessage {
             version: transfer::FORMAT_VERSION,
             request_id: "bench".into(),
             compat: transfer::compat_hash(1, layout),
-            block_hashes: preheat_engine::kv::block_hashes(&prompt, layout.block_size),
+            block_hashes: preheat_engine::kv::PrefixKey::UNKEYED
+                .block_hashes(&prompt, layout.block_size),
             prompt,
             first_token: 1,
             first_logprob: None,

@@ -304,7 +304,6 @@ pub fn run(a: &UpArgs) -> anyhow::Result<ExitCode> {
     // carries it.
     let token_file = o.cache.join("cluster-token");
     let token = Arc::new(preheat_edge::ClusterToken::generate_to(&token_file)?);
-    preheat_engine::kv::set_prefix_key(token.derive_u64("prefix-cache"));
     let mut agent_cfg = agent_cfg;
     agent_cfg.cluster_token = Some((Arc::clone(&token), token_file.clone()));
     let fatal = rt.block_on(async {

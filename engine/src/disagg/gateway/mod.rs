@@ -33,7 +33,7 @@ use crate::api::{ApiState, DEFAULT_MAX_BODY, drain, public_router};
 use crate::disagg::peers::Announcement;
 use crate::disagg::router::{PrefixIndex, pick_decode, pick_prefill};
 use crate::engine::{Event, GenerateRequest};
-use crate::kv::block_hashes;
+use crate::kv::PrefixKey;
 use crate::metrics::{EngineMetrics, Role};
 use crate::tokenizer::Tokenizer;
 use crate::{EngineError, Result};
@@ -204,6 +204,8 @@ pub struct Gateway {
     /// `preheat:gateway_replays_total`: requests run again after a decode worker was
     /// lost.
     replays: prometheus::IntCounter,
+    /// What the router's block hashes start from (the workers' key).
+    prefix_key: PrefixKey,
     front: OnceLock<()>,
     /// This gateway's id in its announcements to decode workers (a restarted gateway
     /// gets a new one; its old list expires there).
@@ -445,6 +447,7 @@ pub async fn run(
     let gw = Arc::new(Gateway {
         workers_gauge,
         replays,
+        prefix_key: PrefixKey::of_deployment(opts.cluster_token.as_deref()),
         reg: Mutex::new(Registry::default()),
         // A worker that does not accept a connection within seconds is not there.
         client: preheat_edge::client::internal()

@@ -116,7 +116,7 @@ impl Gateway {
             let _ = out.send(Event::Error(e));
         };
         let bs = self.lock().block_size.max(1);
-        let hashes = block_hashes(&req.prompt, bs);
+        let hashes = self.prefix_key.block_hashes(&req.prompt, bs);
         // What the decode worker reserves before the K/V flows.
         let blocks = req.prompt.len().div_ceil(bs);
         let mut tries = Tries::new(self.opts.hold_timeout);

@@ -334,7 +334,8 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 "pulled"
             );
             let bs = e.kv_layout().block_size;
-            let pulled = pulled.and_then(|mut msg| check_matches(&mut msg, &b, bs).map(|()| msg));
+            let pulled = pulled
+                .and_then(|mut msg| check_matches(&mut msg, &b, bs, e.prefix_key()).map(|()| msg));
             match pulled {
                 Ok(msg) => e.resume_into(res, msg),
                 Err(why) => {

@@ -77,6 +77,7 @@ pub(super) fn check_matches(
     msg: &mut KvMessage,
     b: &GenerateBody,
     block_size: usize,
+    key: crate::kv::PrefixKey,
 ) -> Result<(), PullError> {
     let h = &msg.header;
     if h.request_id != b.request_id {
@@ -93,6 +94,6 @@ pub(super) fn check_matches(
             "K/V carries other sampling parameters than the request's".into(),
         ));
     }
-    msg.header.block_hashes = crate::kv::block_hashes(&b.prompt, block_size);
+    msg.header.block_hashes = key.block_hashes(&b.prompt, block_size);
     Ok(())
 }

@@ -52,13 +52,16 @@ fn kv_is_taken_only_for_its_request_and_hashed_here() {
             msg("r1", b.prompt.clone(), other_params),
         ),
     ] {
-        assert!(check_matches(&mut m, &b, 4).is_err(), "{why} accepted");
+        assert!(
+            check_matches(&mut m, &b, 4, crate::kv::PrefixKey::UNKEYED).is_err(),
+            "{why} accepted"
+        );
     }
     let mut m = msg("r1", b.prompt.clone(), params);
-    check_matches(&mut m, &b, 4).unwrap();
+    check_matches(&mut m, &b, 4, crate::kv::PrefixKey::UNKEYED).unwrap();
     assert_eq!(
         m.header.block_hashes,
-        crate::kv::block_hashes(&b.prompt, 4),
+        crate::kv::PrefixKey::UNKEYED.block_hashes(&b.prompt, 4),
         "the wire's block hashes were kept"
     );
 }
