@@ -156,6 +156,31 @@ impl Stack {
         futures_util::future::join_all(sends).await;
     }
 
+    /// Registers a decode worker served at `url` as `id`, by hand (a fake: it sends
+    /// no heartbeats, so the stack needs a long `worker_timeout`).
+    async fn register_decode(&self, id: &str, url: &str) {
+        let info = gateway::model_info(
+            &preheat_testkit::model_fixture("llama-tiny"),
+            16,
+            Some("tiny"),
+        )
+        .unwrap();
+        let r = self
+            .client
+            .post(format!("{}/internal/register", self.internal))
+            .json(&serde_json::json!({"id": id, "role": "decode", "url": url, "model": "tiny",
+                  "compat": info.compat, "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        assert!(
+            status.is_success(),
+            "{status}: {}",
+            r.text().await.unwrap_or_default()
+        );
+    }
+
     async fn stop(self) {
         self.stop.send(true).unwrap();
         for t in self.tasks {
@@ -271,12 +296,6 @@ async fn a_prompt_longer_than_every_decode_workers_cache_fails_at_once() {
 async fn a_request_whose_decode_workers_all_die_fails_after_two_replays() {
     // The fakes send no heartbeats: kept in the rotation however slow this run is.
     let s = Stack::start_with(&[], |o| o.worker_timeout = Duration::from_secs(600)).await;
-    let info = gateway::model_info(
-        &preheat_testkit::model_fixture("llama-tiny"),
-        16,
-        Some("tiny"),
-    )
-    .unwrap();
     for i in 0..3 {
         let (l, url) = listen().await;
         tokio::spawn(async move {
@@ -286,22 +305,7 @@ async fn a_request_whose_decode_workers_all_die_fails_after_two_replays() {
                 let _ = conn.read(&mut buf).await;
             }
         });
-        let r = s
-            .client
-            .post(format!("{}/internal/register", s.internal))
-            .json(
-                &serde_json::json!({"id": format!("dying-{i}"), "role": "decode", "url": url,
-                  "model": "tiny", "compat": info.compat,
-                  "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert!(
-            r.status().is_success(),
-            "{}",
-            r.text().await.unwrap_or_default()
-        );
+        s.register_decode(&format!("dying-{i}"), &url).await;
     }
     let t0 = Instant::now();
     let r = s
@@ -378,21 +382,7 @@ async fn regression_a_client_that_gave_up_while_held_stayed_counted_as_pending()
                 }),
             );
             tokio::spawn(async move { axum::serve(l, full).await });
-            let info = gateway::model_info(
-                &preheat_testkit::model_fixture("llama-tiny"),
-                16,
-                Some("tiny"),
-            )
-            .unwrap();
-            let r = s
-                .client
-                .post(format!("{}/internal/register", s.internal))
-                .json(&serde_json::json!({"id": "full", "role": "decode", "url": url, "model": "tiny",
-                      "compat": info.compat, "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}))
-                .send()
-                .await
-                .unwrap();
-            assert!(r.status().is_success());
+            s.register_decode("full", &url).await;
         }
         let client = s.client.clone();
         let url = format!("{}/v1/completions", s.url);
@@ -425,12 +415,6 @@ async fn fake_decode_workers(
 ) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let calls = std::sync::Arc::new(AtomicUsize::new(0));
-    let info = gateway::model_info(
-        &preheat_testkit::model_fixture("llama-tiny"),
-        16,
-        Some("tiny"),
-    )
-    .unwrap();
     for i in 0..count {
         let (l, url) = listen().await;
         let calls = std::sync::Arc::clone(&calls);
@@ -459,18 +443,7 @@ async fn fake_decode_workers(
                 axum::routing::post(|| async { axum::http::StatusCode::NO_CONTENT }),
             );
         tokio::spawn(async move { axum::serve(l, app).await });
-        let r = s
-            .client
-            .post(format!("{}/internal/register", s.internal))
-            .json(
-                &serde_json::json!({"id": format!("fake-{i}"), "role": "decode", "url": url,
-                  "model": "tiny", "compat": info.compat,
-                  "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}),
-            )
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success());
+        s.register_decode(&format!("fake-{i}"), &url).await;
     }
     calls
 }
