@@ -238,6 +238,57 @@ pub async fn serve(
     Ok(())
 }
 
+/// A listener for our own processes: the cluster token on every path but the open ones
+/// ([`crate::routes::internal`]), under [`Limits::INTERNAL`]. Every internal listener
+/// of every part starts through it, so none can be started without the gate or with
+/// other bounds.
+#[must_use]
+pub struct InternalServer {
+    listener: tokio::net::TcpListener,
+    app: Router,
+    open: bool,
+}
+
+impl std::fmt::Debug for InternalServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InternalServer")
+            .field("listener", &self.listener.local_addr().ok())
+            .finish_non_exhaustive()
+    }
+}
+
+impl InternalServer {
+    /// `routes` behind `token` (without one, the listener answers anyone).
+    pub fn new(
+        listener: tokio::net::TcpListener,
+        routes: Router,
+        token: Option<Arc<crate::ClusterToken>>,
+    ) -> Self {
+        InternalServer {
+            listener,
+            open: token.is_none(),
+            app: crate::routes::internal(routes, token),
+        }
+    }
+
+    /// Says once, naming `what` it serves (e.g. "the agent's API"), when the listener
+    /// answers anyone for want of a token.
+    pub fn warn_if_open(self, what: &str) -> Self {
+        if self.open {
+            tracing::warn!(
+                addr = ?self.listener.local_addr().ok(),
+                "no cluster token: {what} answers anyone who reaches it (give --cluster-token-file)"
+            );
+        }
+        self
+    }
+
+    /// Serves until `stop` resolves (then lets requests in flight finish).
+    pub async fn serve(self, stop: impl Future<Output = ()> + Send) -> std::io::Result<()> {
+        serve(self.listener, self.app, Limits::INTERNAL, stop).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -342,16 +342,13 @@ pub async fn serve_on(
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| EngineError::Unavailable(format!("binding {addr}: {e}")))?;
-            if opts.cluster_token.is_none() {
-                tracing::warn!(%addr, "no cluster token: the standby control routes accept anyone (give --cluster-token-file)");
-            }
-            let app = control_router(state.clone(), opts.cluster_token.clone());
-            Some(tokio::spawn(preheat_edge::listener::serve(
+            let server = preheat_edge::listener::InternalServer::new(
                 l,
-                app,
-                preheat_edge::listener::Limits::INTERNAL,
-                std::future::pending(),
-            )))
+                control_router(state.clone()),
+                opts.cluster_token.clone(),
+            )
+            .warn_if_open("the standby control routes");
+            Some(tokio::spawn(server.serve(std::future::pending())))
         }
         None => None,
     };

@@ -96,7 +96,8 @@ pub async fn run_with(
         .with_state((Arc::clone(&store), models));
     // `/status` names endpoints: our own processes and operators with the token only
     // (`/metrics` and `/healthz` stay open for Prometheus and probes).
-    let app = preheat_edge::routes::internal(app, agent_token);
+    // (The command says when there is no token, naming the config key too.)
+    let server = preheat_edge::listener::InternalServer::new(http_listener, app, agent_token);
     let closing = Arc::clone(&store);
     tokio::spawn(async move {
         stop.await;
@@ -105,17 +106,9 @@ pub async fn run_with(
         let _ = tx.send(true);
     });
     let mut rx_http = rx.clone();
-    let http = tokio::spawn(async move {
-        preheat_edge::listener::serve(
-            http_listener,
-            app,
-            preheat_edge::listener::Limits::INTERNAL,
-            async move {
-                let _ = rx_http.wait_for(|v| *v).await;
-            },
-        )
-        .await
-    });
+    let http = tokio::spawn(server.serve(async move {
+        let _ = rx_http.wait_for(|v| *v).await;
+    }));
     let mut rx_grpc = rx;
     // KEDA holds one stream per ScaledObject plus its polls: bounded per connection,
     // and dead peers found by keep-alives instead of holding their streams forever.

@@ -246,29 +246,17 @@ pub async fn run(
         .cluster_token
         .as_ref()
         .map(|(t, _)| Arc::clone(t));
-    if token.is_none() {
-        tracing::warn!(
-            "no cluster token: the agent's API accepts anyone (give --cluster-token-file)"
-        );
-    }
-    let app = preheat_edge::routes::internal(app, token);
+    let server = preheat_edge::listener::InternalServer::new(listener, app, token)
+        .warn_if_open("the agent's API");
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         stop.await;
         let _ = stop_tx.send(true);
     });
     let mut srv_stop = stop_rx.clone();
-    let server = tokio::spawn(async move {
-        preheat_edge::listener::serve(
-            listener,
-            app,
-            preheat_edge::listener::Limits::INTERNAL,
-            async move {
-                let _ = srv_stop.wait_for(|s| *s).await;
-            },
-        )
-        .await
-    });
+    let server = tokio::spawn(server.serve(async move {
+        let _ = srv_stop.wait_for(|s| *s).await;
+    }));
     let hot = Arc::new(Mutex::new(HotSet::new(
         shared.cfg.memory_budget,
         shared.cfg.mlock,

@@ -132,16 +132,16 @@ pub fn public_router(state: ApiState) -> Router {
     preheat_edge::routes::public(r, keys)
 }
 
-/// A parked standby's control routes (`/internal/state`, `/internal/promote`) for an
-/// internal listener: the cluster token on all but `/health` and `/metrics`.
-pub fn control_router(state: ApiState, token: Option<Arc<preheat_edge::ClusterToken>>) -> Router {
-    let r = Router::new()
+/// A parked standby's control routes (`/internal/state`, `/internal/promote`), for an
+/// [`preheat_edge::listener::InternalServer`] (the cluster token on all but `/health`
+/// and `/metrics`).
+pub fn control_router(state: ApiState) -> Router {
+    Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/internal/state", get(state_route))
         .route("/internal/promote", post(promote_route))
-        .with_state(state);
-    preheat_edge::routes::internal(r, token)
+        .with_state(state)
 }
 
 async fn state_route(State(st): State<ApiState>) -> Response {

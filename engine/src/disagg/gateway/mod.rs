@@ -508,18 +508,14 @@ pub async fn run(
                 .route("/health", axum::routing::get(|| async { "ok" }))
                 .layer(axum::extract::DefaultBodyLimit::max(MAX_REGISTRY_BODY))
                 .with_state(Arc::clone(&gw));
-            let app = preheat_edge::routes::internal(routes, opts.cluster_token.clone());
-            if opts.cluster_token.is_none() {
-                tracing::warn!(
-                    "no cluster token: worker registration accepts anyone (give --cluster-token-file)"
-                );
-            }
+            let server = preheat_edge::listener::InternalServer::new(
+                internal,
+                routes,
+                opts.cluster_token.clone(),
+            )
+            .warn_if_open("worker registration");
             registration = Some(tokio::spawn(async move {
-                let limits = preheat_edge::listener::Limits::INTERNAL;
-                if let Err(e) =
-                    preheat_edge::listener::serve(internal, app, limits, std::future::pending())
-                        .await
-                {
+                if let Err(e) = server.serve(std::future::pending()).await {
                     tracing::error!(error = %e, "the gateway's internal listener failed");
                 }
             }));

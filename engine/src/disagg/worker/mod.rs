@@ -496,11 +496,6 @@ pub async fn run(
         peers: Arc::default(),
         grace_over: grace_over_rx,
     };
-    if st.token.is_none() {
-        tracing::warn!(
-            "no cluster token: this worker's internal endpoints and KV port accept anyone (give --cluster-token-file)"
-        );
-    }
     let app = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -516,19 +511,12 @@ pub async fn run(
         ))
         .with_state(st.clone());
     // Everything here is for our own processes: the token on all but probes and metrics.
-    let app = preheat_edge::routes::internal(app, st.token.clone());
+    let server = preheat_edge::listener::InternalServer::new(listener, app, st.token.clone())
+        .warn_if_open("this worker's internal endpoints and KV port");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        preheat_edge::listener::serve(
-            listener,
-            app,
-            preheat_edge::listener::Limits::INTERNAL,
-            async move {
-                let _ = stop_rx.await;
-            },
-        )
-        .await
-    });
+    let server = tokio::spawn(server.serve(async move {
+        let _ = stop_rx.await;
+    }));
     let kv_server = match &opts.kv_listener {
         Some((addr, _)) if opts.role == WorkerRole::Prefill => {
             let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
