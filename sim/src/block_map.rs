@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use crate::cluster::BlockIdHasher;
+use crate::block_id_hash::BlockIdHasher;
 
 /// Ids kept in the vector: at most 1 MiB per prefix cache (`u32` nodes) and 4 MiB for
 /// the index (`u128` owner masks).

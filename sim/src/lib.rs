@@ -22,6 +22,7 @@
 
 mod actuate;
 pub mod autoscalers;
+mod block_id_hash;
 mod block_map;
 pub mod clairvoyant;
 pub mod cluster;
@@ -38,6 +39,7 @@ mod prefix_index;
 pub mod registry;
 mod replay;
 pub mod report;
+mod rule_of_thumb;
 mod sizing;
 pub mod sweep;
 pub mod trace;

@@ -1,12 +1,9 @@
 //! What a run reports: per policy, and for the whole comparison on one trace.
 
-use preheat_scaler::percentile::percentile;
 use serde::Serialize;
 
 use crate::config::StartClass;
 use crate::keda::Actuation;
-use crate::per_pool::PerPool;
-use crate::replay::{Sim, itl_of};
 use crate::trace::TraceRequest;
 
 /// One policy's results.
@@ -81,61 +78,4 @@ pub(crate) fn load_series(trace: &[TraceRequest], bin: f64) -> Vec<(f64, f64, f6
     (0..n)
         .map(|i| (i as f64 * bin, tokens[i] / bin, reqs[i] / bin))
         .collect()
-}
-
-impl Sim<'_> {
-    /// The report of a run that has ended.
-    pub(crate) fn report(self) -> PolicyReport {
-        let mut ttft = Vec::new();
-        let mut itl = Vec::new();
-        let mut ok = 0usize;
-        let mut unfinished = 0usize;
-        for (r, st) in self.trace.iter().zip(&self.reqs) {
-            if st.done.is_nan() {
-                unfinished += 1;
-                continue;
-            }
-            let tt = st.first_token - r.t;
-            let it = itl_of(r, st.first_token, st.done);
-            ttft.push(tt);
-            if let Some(i) = it {
-                itl.push(i);
-            }
-            if self.cfg.ttft_met(r, tt) && self.cfg.itl_met(it) {
-                ok += 1;
-            }
-        }
-        let pct = |v: &mut Vec<f64>, q: f64| percentile(v, q).unwrap_or(f64::NAN);
-        let n = self.trace.len().max(1);
-        let PerPool {
-            prefill: p,
-            decode: d,
-        } = &self.ctl;
-        PolicyReport {
-            name: String::new(),
-            knob: None,
-            slo_attainment: ok as f64 / n as f64,
-            gpu_seconds: p.gpu_s + d.gpu_s,
-            standby_gpu_seconds: p.standby_gpu_s + d.standby_gpu_s,
-            prefill_gpu_seconds: p.gpu_s,
-            decode_gpu_seconds: d.gpu_s,
-            cold_starts: p.starts + d.starts,
-            scale_events: p.events + d.events,
-            ttft_p50: pct(&mut ttft, 0.5),
-            ttft_p99: pct(&mut ttft, 0.99),
-            itl_p50: pct(&mut itl, 0.5),
-            itl_p99: pct(&mut itl, 0.99),
-            requests: self.trace.len(),
-            unfinished,
-            prefix_hit_rate: if self.now.prefix_queries > 0.0 {
-                self.now.prefix_hits / self.now.prefix_queries
-            } else {
-                0.0
-            },
-            max_prefill_replicas: p.max_replicas,
-            max_decode_replicas: d.max_replicas,
-            fixed_replicas: None,
-            timeline: self.timeline,
-        }
-    }
 }

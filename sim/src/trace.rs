@@ -241,7 +241,7 @@ pub fn scale_rate(trace: &[TraceRequest], k: u32) -> Vec<TraceRequest> {
 /// simulator's prefix caches index arrays instead of hashing (see `block_map`). Run it
 /// once per trace, after [`scale_rate`].
 pub fn intern_blocks(trace: &mut [TraceRequest]) -> usize {
-    let mut ids: std::collections::HashMap<u64, u64, crate::cluster::BlockIdHasher> =
+    let mut ids: std::collections::HashMap<u64, u64, crate::block_id_hash::BlockIdHasher> =
         std::collections::HashMap::default();
     for r in trace.iter_mut() {
         for b in &mut r.blocks {
