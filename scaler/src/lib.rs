@@ -8,10 +8,12 @@
 //! - [`signals`]: scraped metrics → per-pool signals (rates, quantiles, staleness);
 //! - [`policy`]: signals → desired replicas (the `preheat` policy);
 //! - [`profile`]: per-replica capacity the policy sizes with;
-//! - [`grpc`]: the KEDA `ExternalScaler` service over a shared [`grpc::DecisionStore`].
+//! - [`DecisionStore`]: what the control loop decided and saw, per (model, pool);
+//! - [`grpc`]: the KEDA `ExternalScaler` service over a shared [`DecisionStore`].
 
 pub mod config;
 pub mod controller;
+mod decisions;
 mod error;
 pub mod grpc;
 pub mod grpc_incoming;
@@ -27,6 +29,7 @@ pub mod standbys;
 pub mod state;
 pub mod status;
 
+pub use decisions::{DecisionStore, PoolDecision, PoolStatus, SloView};
 pub use error::{Result, ScalerError};
 
 /// Code generated from `proto/externalscaler.proto`.

@@ -9,7 +9,8 @@ use axum::routing::get;
 
 use crate::config::Config;
 use crate::controller::Controller;
-use crate::grpc::{DecisionStore, ScalerService};
+use crate::decisions::DecisionStore;
+use crate::grpc::ScalerService;
 use crate::policy::Pool;
 use crate::profile::Profile;
 use crate::{Result, ScalerError};

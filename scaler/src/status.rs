@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::grpc::DecisionStore;
+use crate::decisions::DecisionStore;
 use crate::policy::{LoadView, Pool};
 
 /// `GET /status`: every model's pools as the last tick saw them.
@@ -38,7 +38,7 @@ pub struct PoolReport {
     /// Every endpoint failed: the pool is held at its size, not sized.
     pub blind: bool,
     pub failing: Vec<String>,
-    pub slo: crate::grpc::SloView,
+    pub slo: crate::decisions::SloView,
     pub load: Option<LoadView>,
 }
 
@@ -241,7 +241,7 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grpc::{PoolDecision, PoolStatus, SloView};
+    use crate::decisions::{PoolDecision, PoolStatus, SloView};
 
     #[test]
     fn every_family_is_exposed_and_parses_back() {

@@ -17,7 +17,7 @@ use preheat_warmpool::agent::ModelStatus;
 use serde::Serialize;
 
 use crate::cli::StatusArgs;
-use crate::output::{emit, human_bytes};
+use preheat_output::{emit, human_bytes};
 
 /// Longest answer read from the scaler or an agent: a status is a few KiB.
 const MAX_ANSWER: usize = 4 << 20;
@@ -458,7 +458,7 @@ async fn kube_token(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use preheat_scaler::grpc::SloView;
+    use preheat_scaler::SloView;
     use preheat_scaler::policy::LoadView;
 
     #[test]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ModelLoop, unix_now};
-use crate::grpc::DecisionStore;
+use crate::decisions::DecisionStore;
 use crate::policy::Pool;
 
 /// Runs file work for `path` off the async threads; a task that panicked is an I/O

@@ -4,10 +4,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use preheat_scaler::grpc::{DecisionStore, PoolDecision, ScalerService};
+use preheat_scaler::grpc::ScalerService;
 use preheat_scaler::policy::Pool;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+use preheat_scaler::{DecisionStore, PoolDecision};
 use tokio_stream::StreamExt;
 use tonic::Code;
 

@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use preheat_scaler::grpc::{DecisionStore, PoolDecision, ScalerService};
+use preheat_scaler::grpc::ScalerService;
 use preheat_scaler::policy::Pool;
+use preheat_scaler::{DecisionStore, PoolDecision};
 use serde_json::Value;
 
 fn grpcurl() -> Option<PathBuf> {
