@@ -5,7 +5,7 @@ mod choices;
 pub mod error;
 pub mod openai;
 mod respond;
-pub mod tools;
+mod tools;
 pub mod unread_fields;
 
 use std::sync::{Arc, OnceLock};
@@ -246,11 +246,7 @@ async fn off_runtime<T: Send + 'static>(
 
 /// Compiles the request's grammar once here (off the runtime), so one that does not
 /// compile is refused naming the field that carried it.
-async fn check_grammar(e: &Front, c: &openai::Common) -> Result<()> {
-    check_compiles(e, openai::grammar(c)?).await
-}
-
-async fn check_compiles(
+async fn check_grammar(
     e: &Front,
     grammar: Option<(crate::sampling::grammar::Grammar, &'static str)>,
 ) -> Result<()> {
@@ -314,8 +310,9 @@ async fn completions(
     // The cheap checks first: nothing is tokenised for a request refused anyway.
     let choices = openai::choices(&req.common, req.best_of)?;
     check_capacity(&**e, choices)?;
-    let params = openai::sampling(&req.common, req.logprobs, 16)?;
-    check_grammar(e, &req.common).await?;
+    let sampling = openai::sampling(&req.common, req.logprobs, 16)?;
+    check_grammar(e, sampling.grammar()).await?;
+    let params = sampling.params;
     let tok = Arc::clone(e.tokenizer());
     // A text prompt echoes as sent; token ids are decoded below, once known to be one.
     let mut echo_text = match (&req.prompt, req.echo) {
@@ -371,10 +368,11 @@ async fn chat_completions(
         None
     };
     // The cheap checks first: nothing is rendered or tokenised for a request refused
-    // anyway (the real default for max_tokens needs the prompt's length, below).
+    // anyway (the real default for max_tokens needs the prompt's length, below: until
+    // then the context's length stands in for it).
     let choices = openai::choices(&req.common, None)?;
     check_capacity(&**e, choices)?;
-    openai::sampling(&req.common, top, e.max_model_len())?;
+    let mut sampling = openai::sampling(&req.common, top, e.max_model_len())?;
     let tools = tools::parse(
         req.tools.as_deref(),
         req.tool_choice.as_ref(),
@@ -382,23 +380,19 @@ async fn chat_completions(
         e.tokenizer().chat_template(true),
     )?
     .map(Arc::new);
-    let forced = tools.as_deref().and_then(tools::Tools::grammar);
     // The request's own grammar or the one forcing a call: never both, compiled once.
-    let asked = openai::grammar(&req.common)?;
-    if forced.is_some()
-        && let Some((_, field)) = &asked
-    {
-        return Err(EngineError::invalid(
-            format!("tool_choice forces a tool call, which {field} would constrain too; give one of them"),
-            "tool_choice",
-        )
-        .into());
+    if let Some(forced) = tools.as_deref().and_then(tools::Tools::grammar) {
+        if let Some(field) = sampling.grammar_field {
+            return Err(EngineError::invalid(
+                format!("tool_choice forces a tool call, which {field} would constrain too; give one of them"),
+                "tool_choice",
+            )
+            .into());
+        }
+        sampling.params.grammar = Some(forced);
+        sampling.grammar_field = Some("tool_choice");
     }
-    check_compiles(
-        e,
-        asked.or_else(|| forced.clone().map(|g| (g, "tool_choice"))),
-    )
-    .await?;
+    check_grammar(e, sampling.grammar()).await?;
     let messages = openai::to_messages(&req.messages)?;
     let tok = Arc::clone(e.tokenizer());
     let add_generation_prompt = req.add_generation_prompt;
@@ -410,12 +404,9 @@ async fn chat_completions(
         tok.encode_no_bos(&text)
     })
     .await?;
-    let default_max = e.max_model_len().saturating_sub(prompt.len()).max(1);
-    let mut params = openai::sampling(&req.common, top, default_max)?;
+    sampling.default_max_tokens(e.max_model_len().saturating_sub(prompt.len()).max(1))?;
+    let mut params = sampling.params;
     if let Some(t) = &tools {
-        if forced.is_some() {
-            params.grammar = forced;
-        }
         params.stop.extend(t.stops());
     }
     let style = Style::new(true, req.logprobs, &req.common);

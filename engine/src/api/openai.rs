@@ -103,7 +103,7 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     #[serde(default = "yes")]
     pub add_generation_prompt: bool,
-    /// Functions the model may call (see [`super::tools`]).
+    /// Functions the model may call (see `super::tools`).
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
@@ -207,7 +207,7 @@ pub fn to_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>> {
 }
 
 /// The grammar the output must match, and the field that asked for it.
-pub fn grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>> {
+fn grammar(c: &Common) -> Result<Option<(Grammar, &'static str)>> {
     let mut asked: Vec<(Grammar, &'static str)> = Vec::new();
     if let Some(rf) = &c.response_format {
         let param = "response_format";
@@ -391,8 +391,37 @@ pub fn choices(c: &Common, best_of: Option<i64>) -> Result<Choices> {
     Ok(Choices { n, best_of })
 }
 
-/// Validates sampling fields; `logprobs` is the number of top logprobs wanted.
-pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result<SamplingParams> {
+/// A request's sampling parameters, built once from its fields.
+#[derive(Debug)]
+pub(crate) struct Sampling {
+    pub(crate) params: SamplingParams,
+    /// The field that asked for `params.grammar`, named when it does not compile.
+    pub(crate) grammar_field: Option<&'static str>,
+    /// The client gave no `max_tokens`: chat's default needs the prompt's length,
+    /// known only after the cheaper checks.
+    default_max: bool,
+}
+
+impl Sampling {
+    /// The grammar to compile, with the field that asked for it.
+    pub(crate) fn grammar(&self) -> Option<(Grammar, &'static str)> {
+        self.params.grammar.clone().zip(self.grammar_field)
+    }
+
+    /// Sets `max_tokens` to `max` unless the client gave it; checked again, as
+    /// `min_tokens` may not exceed it.
+    pub(crate) fn default_max_tokens(&mut self, max: usize) -> Result<()> {
+        if self.default_max {
+            self.params.max_tokens = max;
+            self.params.check()?;
+        }
+        Ok(())
+    }
+}
+
+/// Validates sampling fields; `logprobs` is the number of top logprobs wanted,
+/// `default_max` the `max_tokens` when the client gives none.
+pub(crate) fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result<Sampling> {
     let inv = |m: String, p: &str| EngineError::invalid(m, p);
     if c.stream_options.is_some() && !c.stream {
         return Err(inv(
@@ -400,7 +429,8 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
             "stream_options",
         ));
     }
-    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+    let asked_max = c.max_completion_tokens.or(c.max_tokens);
+    let max_tokens = match asked_max {
         None => default_max,
         Some(m) if m < 1 => {
             return Err(inv(
@@ -496,6 +526,7 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         Some(m) => usize::try_from(m)
             .map_err(|_| inv(format!("min_tokens must be >= 0, got {m}"), "min_tokens"))?,
     };
+    let (grammar, grammar_field) = grammar(c)?.unzip();
     let params = SamplingParams {
         temperature: temperature as f32,
         top_k,
@@ -512,8 +543,54 @@ pub fn sampling(c: &Common, logprobs: Option<i64>, default_max: usize) -> Result
         repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
         logit_bias,
         min_tokens,
-        grammar: grammar(c)?.map(|(g, _)| g),
+        grammar,
     };
     params.check()?;
-    Ok(params)
+    Ok(Sampling {
+        params,
+        grammar_field,
+        default_max: asked_max.is_none(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn common(v: Value) -> Common {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_default_max_tokens_is_set_once_the_prompt_is_known() {
+        let mut given = sampling(&common(json!({"max_tokens": 7})), None, 512).unwrap();
+        given.default_max_tokens(100).unwrap();
+        assert_eq!(given.params.max_tokens, 7);
+        // Until the prompt's length is known, the default given stands in.
+        let mut left = sampling(&common(json!({"min_tokens": 300})), None, 512).unwrap();
+        assert_eq!(left.params.max_tokens, 512);
+        let e = left.default_max_tokens(200).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("min_tokens (300) must not exceed max_tokens (200)"),
+            "{e}"
+        );
+        left.params.min_tokens = 0;
+        left.default_max_tokens(200).unwrap();
+        assert_eq!(left.params.max_tokens, 200);
+    }
+
+    #[test]
+    fn the_grammar_comes_with_the_field_that_asked_for_it() {
+        let s = sampling(&common(json!({"guided_regex": "a+"})), None, 16).unwrap();
+        assert_eq!(
+            s.grammar(),
+            Some((Grammar::Regex("a+".into()), "guided_regex"))
+        );
+        assert_eq!(s.params.grammar, Some(Grammar::Regex("a+".into())));
+        let none = sampling(&common(json!({})), None, 16).unwrap();
+        assert_eq!(none.grammar(), None);
+    }
 }
