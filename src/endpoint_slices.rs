@@ -13,8 +13,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use preheat_engine::disagg::WorkerRole;
 use preheat_engine::disagg::gateway::WorkerSource;
-use preheat_engine::disagg::protocol::WorkerRole;
 use preheat_scaler::standbys;
 
 /// One pool's Service, watched.

@@ -2,12 +2,7 @@
 
 mod cli;
 mod commands;
-mod duration;
 mod endpoint_slices;
-mod output;
-mod plot;
-mod process;
-mod progress_bar;
 mod signals;
 
 use std::io::IsTerminal;

@@ -30,7 +30,8 @@ const KEY: &str = "sk-attack-suite-client";
 /// A deployment for one attack: its processes are killed when it drops (a suite-wide
 /// one in a static would outlive the test binary and hold its output pipe open).
 struct Deployment {
-    _procs: Vec<KillOnDrop>,
+    stack: harness::Stack,
+    _agent: KillOnDrop,
     /// The gateway's public and internal base URLs.
     public: String,
     internal: String,
@@ -47,87 +48,47 @@ fn deployment() -> Deployment {
     let lock = ONE_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    {
-        let dir = tempfile::tempdir().unwrap();
-        let keys = dir.path().join("api-keys");
-        std::fs::write(&keys, format!("{KEY}\n")).unwrap();
-        let m = model_fixture("llama-tiny");
-        let m = m.to_str().unwrap();
-        let (gp, gi, pp, dp, ap) = (
-            free_port(),
-            free_port(),
-            free_port(),
-            free_port(),
-            free_port(),
-        );
-        let internal = format!("http://127.0.0.1:{gi}");
-        let mut procs = vec![harness::spawn(
-            &[
-                "engine",
-                "gateway",
-                "--model",
-                m,
-                "--port",
-                &gp.to_string(),
-                "--internal-port",
-                &gi.to_string(),
-                "--api-keys-file",
-                keys.to_str().unwrap(),
-                "--disagg-min-tokens",
-                "1",
-            ],
-            Stdio::inherit(),
-        )];
-        for (role, port) in [("prefill", pp), ("decode", dp)] {
-            procs.push(harness::spawn(
-                &[
-                    "engine",
-                    role,
-                    "--model",
-                    m,
-                    "--port",
-                    &port.to_string(),
-                    "--kv-port",
-                    &free_port().to_string(),
-                    "--kv-cache-mib",
-                    "16",
-                    "--gateway",
-                    &internal,
-                ],
-                Stdio::inherit(),
-            ));
-        }
-        let cfg = dir.path().join("agent.yaml");
-        std::fs::write(
-            &cfg,
-            json!({"dir": dir.path().join("node"), "disk_budget": "1GiB",
-                   "listen": format!("127.0.0.1:{ap}"), "models": []})
-            .to_string(),
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("api-keys");
+    std::fs::write(&keys, format!("{KEY}\n")).unwrap();
+    let m = model_fixture("llama-tiny");
+    let ap = free_port();
+    let cfg = dir.path().join("agent.yaml");
+    std::fs::write(
+        &cfg,
+        json!({"dir": dir.path().join("node"), "disk_budget": "1GiB",
+               "listen": format!("127.0.0.1:{ap}"), "models": []})
+        .to_string(),
+    )
+    .unwrap();
+    // The agent starts while the workers load.
+    let agent = harness::spawn(
+        &["warmpool", "run", "--config", cfg.to_str().unwrap()],
+        Stdio::inherit(),
+    );
+    let stack = harness::stack()
+        .gateway(
+            harness::gateway()
+                .model(m.to_str().unwrap())
+                .args(&["--api-keys-file", keys.to_str().unwrap()])
+                .through_prefill(),
         )
-        .unwrap();
-        procs.push(harness::spawn(
-            &["warmpool", "run", "--config", cfg.to_str().unwrap()],
-            Stdio::inherit(),
-        ));
-        let d = Deployment {
-            _procs: procs,
-            public: format!("http://127.0.0.1:{gp}"),
-            internal,
-            decode: format!("http://127.0.0.1:{dp}"),
-            agent: format!("http://127.0.0.1:{ap}"),
-            _dir: dir,
-            _one_at_a_time: lock,
-        };
-        let t0 = Instant::now();
-        while workers(&d).len() < 2 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(90),
-                "workers never registered"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        harness::wait_healthy(ap, 30);
-        d
+        .model(&m)
+        .prefill(1)
+        .decode(1)
+        .kv_mib(16)
+        .ready_within(90)
+        .start();
+    harness::wait_healthy(ap, 30);
+    Deployment {
+        public: stack.url().to_owned(),
+        internal: stack.internal().to_owned(),
+        decode: stack.decode[0].url.clone(),
+        agent: format!("http://127.0.0.1:{ap}"),
+        stack,
+        _agent: agent,
+        _dir: dir,
+        _one_at_a_time: lock,
     }
 }
 
@@ -139,14 +100,7 @@ fn client() -> reqwest::blocking::Client {
 }
 
 fn workers(d: &Deployment) -> Vec<Value> {
-    client()
-        .get(format!("{}/internal/workers", d.internal))
-        .header("authorization", harness::bearer())
-        .send()
-        .ok()
-        .and_then(|r| r.json::<Value>().ok())
-        .and_then(|v| v["workers"].as_array().cloned())
-        .unwrap_or_default()
+    d.stack.workers()
 }
 
 /// A listener that reports its first connection: where a request body points a worker
@@ -310,7 +264,7 @@ fn ssrf_with_the_token_reaches_only_prefill_workers_the_gateway_announced() {
         // Even a holder of the token cannot point a decode worker at another host: the
         // address must be on the list its gateway announced.
         let (trap_addr, seen_rx) = trap();
-        let body = preheat_engine::disagg::protocol::GenerateBody {
+        let body = preheat_engine::disagg::wire::messages::GenerateBody {
             request_id: "ssrf".into(),
             prompt: vec![1, 2, 3],
             params: preheat_engine::sampling::SamplingParams::default(),

@@ -3,25 +3,19 @@
 
 mod harness;
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use harness::{preheat, wait_healthy};
-use preheat_testkit::{KillOnDrop, free_port, model_fixture, testdata};
+use harness::{Log, Worker, preheat};
+use preheat_testkit::{free_port, model_fixture, testdata};
 
-fn serve_tiny() -> (KillOnDrop, String) {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_preheat"))
-        .args(["engine", "serve", "--model"])
-        .arg(model_fixture("llama-tiny"))
-        .args(["--port", &port.to_string(), "--kv-cache-mib", "16"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_healthy(port, 60);
-    (KillOnDrop(child), format!("http://127.0.0.1:{port}"))
+fn serve_tiny() -> (Worker, String) {
+    let s = harness::serve(&model_fixture("llama-tiny"))
+        .kv_mib(16)
+        .log(Log::Null)
+        .start();
+    s.wait_healthy(60);
+    let url = s.url.clone();
+    (s, url)
 }
 
 #[test]

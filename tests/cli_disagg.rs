@@ -6,54 +6,12 @@
 
 mod harness;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use preheat_testkit::{KillOnDrop, free_port, model_fixture};
+use harness::{Log, gateway, stack};
+use preheat_testkit::{Wait, model_fixture, wait_for_async};
 use serde_json::{Value, json};
-
-type Proc = KillOnDrop;
-
-fn spawn(args: &[&str]) -> Proc {
-    harness::spawn(args, Stdio::piped())
-}
-
-fn worker(role: &str, model: &str, gw: &str) -> (Proc, u16) {
-    harness::disagg_worker(role, &model_fixture(model), gw, 16, Stdio::piped())
-}
-
-/// A worker of the tiny fixture whose log goes nowhere (a piped one that nobody reads
-/// blocks once the pipe fills).
-fn quiet_worker(role: &str, gw: &str) -> (Proc, u16) {
-    harness::disagg_worker(role, &model_fixture("llama-tiny"), gw, 16, Stdio::null())
-}
-
-async fn workers(c: &reqwest::Client, gw: &str) -> Vec<Value> {
-    match c
-        .get(format!("{gw}/internal/workers"))
-        .header("authorization", harness::bearer())
-        .send()
-        .await
-    {
-        Ok(r) => r
-            .json::<Value>()
-            .await
-            .map(|v| v["workers"].as_array().cloned().unwrap_or_default())
-            .unwrap_or_default(),
-        Err(_) => Vec::new(),
-    }
-}
-
-async fn wait_for(what: &str, secs: u64, mut f: impl AsyncFnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f().await {
-        assert!(
-            t0.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 async fn complete(c: &reqwest::Client, base: &str, prompt: &Value, max_tokens: usize) -> Value {
     c.post(format!("{base}/v1/completions"))
@@ -120,72 +78,34 @@ fn rt() -> tokio::runtime::Runtime {
 
 #[test]
 fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
-    // Workers register on the gateway's internal port (behind the cluster token).
-    let (mut gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::piped());
-    let (mut prefill_a, pa_port) = worker("prefill", "llama-tiny", &gwi);
-    let (mut prefill_b, pb_port) = worker("prefill", "llama-tiny", &gwi);
-    let (mut decode, dport) = worker("decode", "llama-tiny", &gwi);
-    let sport = free_port();
     let tiny = model_fixture("llama-tiny");
-    let _serve = spawn(&[
-        "engine",
-        "serve",
-        "--model",
-        tiny.to_str().unwrap(),
-        "--port",
-        &sport.to_string(),
-        "--kv-cache-mib",
-        "16",
-    ]);
-    let serve = format!("http://127.0.0.1:{sport}");
+    // The colocated engine loads while the deployment starts.
+    let colocated = harness::serve(&tiny).kv_mib(16).log(Log::Piped).start();
+    // Workers register on the gateway's internal port (behind the cluster token); the
+    // prefill workers are named to the decode worker once it was told about them.
+    let mut s = stack()
+        .gateway(gateway().through_prefill())
+        .prefill(2)
+        .decode(1)
+        .kv_mib(16)
+        .log(Log::Piped)
+        .ready_within(70)
+        .start();
+    let (gw, gwi) = (s.url().to_owned(), s.internal().to_owned());
+    let (pa_port, pb_port, dport) = (s.prefill[0].port, s.prefill[1].port, s.decode[0].port);
+    let serve = colocated.url.clone();
     let refj: Value =
         serde_json::from_slice(&std::fs::read(tiny.join("reference.json")).unwrap()).unwrap();
-    let registered = rt().block_on(async {
-        let c = reqwest::Client::new();
-        let t0 = Instant::now();
-        loop {
-            let w = workers(&c, &gwi).await;
-            if w.len() == 3 || t0.elapsed() > Duration::from_secs(60) {
-                break w;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
-    if registered.len() != 3 {
-        // Seen once in CI and never since: say which worker was missing and why.
-        let mut why = String::new();
-        for (name, p) in [
-            ("gateway", &mut gateway),
-            ("prefill a", &mut prefill_a),
-            ("prefill b", &mut prefill_b),
-            ("decode", &mut decode),
-        ] {
-            let status = p.0.try_wait();
-            let _ = p.0.kill();
-            let _ = p.0.wait();
-            let mut err = String::new();
-            if let Some(mut e) = p.0.stderr.take() {
-                let _ = std::io::Read::read_to_string(&mut e, &mut err);
-            }
-            why.push_str(&format!("--- {name} ({status:?}):\n{err}\n"));
-        }
-        panic!("timed out waiting for three workers; registered: {registered:?}\n{why}");
-    }
+    colocated.wait_healthy(60);
     rt().block_on(async {
         let c = reqwest::Client::new();
-        // Prefill workers are named to a decode worker once it was told about them.
-        wait_for("both prefill workers announced", 10, async || {
-            workers(&c, &gwi).await.iter().any(|w| w["prefill_peers"] == 2)
-        })
-        .await;
-        wait_for("serve healthy", 60, async || {
-            c.get(format!("{serve}/health")).send().await.is_ok_and(|r| r.status() == 200)
-        })
-        .await;
         // Greedy through prefill → KV transfer → decode equals the colocated engine.
+        // (Each pair is asked of both deployments at once: they share no process.)
         for case in refj["cases"].as_array().unwrap() {
-            let a = complete(&c, &gw, &case["input_ids"], 24).await;
-            let b = complete(&c, &serve, &case["input_ids"], 24).await;
+            let (a, b) = tokio::join!(
+                complete(&c, &gw, &case["input_ids"], 24),
+                complete(&c, &serve, &case["input_ids"], 24)
+            );
             assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "{a}\n{b}");
             assert_eq!(a["usage"]["completion_tokens"], 24, "{a}");
         }
@@ -211,7 +131,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             let get = async |base: &str| -> Value {
                 c.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap()
             };
-            let (a, b) = (get(&gw).await, get(&serve).await);
+            let (a, b) = tokio::join!(get(&gw), get(&serve));
             same_answer(&a, &b);
         }
         // Penalties and biases travel with the K/V: the first token is chosen on the
@@ -224,7 +144,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             let get = async |base: &str| -> Value {
                 c.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap()
             };
-            let (a, b) = (get(&gw).await, get(&serve).await);
+            let (a, b) = tokio::join!(get(&gw), get(&serve));
             same_answer(&a, &b);
         }
         // Several choices: the same sequences (seed + i each) through prefill → decode
@@ -247,7 +167,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             let get = async |base: &str| -> Value {
                 c.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap()
             };
-            let (a, b) = (get(&gw).await, get(&serve).await);
+            let (a, b) = tokio::join!(get(&gw), get(&serve));
             let n = b["choices"].as_array().map_or(0, Vec::len);
             assert_eq!(n, body["n"].as_u64().unwrap() as usize, "{b}");
             for k in ["prompt_tokens", "completion_tokens"] {
@@ -286,7 +206,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
         // The decode worker holds nothing afterwards.
         let dm = format!("http://127.0.0.1:{dport}/metrics");
-        wait_for("decode KV released", 10, async || {
+        wait_for_async("the decode worker's KV released", Duration::from_secs(10), async || {
             let t = c.get(&dm).send().await.unwrap().text().await.unwrap();
             t.lines().any(|l| l.starts_with("vllm:kv_cache_usage_perc") && l.ends_with(" 0"))
         })
@@ -316,29 +236,25 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             .unwrap();
         assert_eq!(r.status(), 409);
         assert!(r.text().await.unwrap().contains("KV format version"));
-        assert_eq!(workers(&c, &gwi).await.len(), 3, "the old worker joined");
+        assert_eq!(s.workers().len(), 3, "the old worker joined");
         // A worker of another model is refused at registration, with a clear reason.
-        let (mut other, _) = worker("decode", "qwen2-tiny", &gwi);
-        let t0 = Instant::now();
-        let status = loop {
-            if let Some(s) = other.0.try_wait().unwrap() {
-                break s;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "the other-model worker was not refused");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let mut other = s.gateway.worker("decode", &model_fixture("qwen2-tiny")).kv_mib(16).log(Log::Piped).start();
+        let status = wait_for_async("the other-model worker refused", Duration::from_secs(60), async || {
+            other.proc.0.try_wait().unwrap()
+        })
+        .await;
         assert!(!status.success());
         let mut err = String::new();
-        std::io::Read::read_to_string(other.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+        std::io::Read::read_to_string(other.proc.0.stderr.as_mut().unwrap(), &mut err).unwrap();
         assert!(err.contains("refused") && err.contains("compatibility hash"), "{err}");
-        assert_eq!(workers(&c, &gwi).await.len(), 3);
+        assert_eq!(s.workers().len(), 3);
 
         // A dead prefill worker: its requests are retried on the other one; with both
         // dead (before the gateway notices), the decode worker prefills itself.
         let b_before = prefilled(pb_port).await;
-        for (i, p) in [&mut prefill_a, &mut prefill_b].into_iter().enumerate() {
-            p.0.kill().unwrap();
-            let _ = p.0.wait();
+        for (i, p) in s.prefill.iter_mut().enumerate() {
+            p.proc.0.kill().unwrap();
+            let _ = p.proc.0.wait();
             for case in refj["cases"].as_array().unwrap() {
                 let a = complete(&c, &gw, &case["input_ids"], 4).await;
                 assert_eq!(a["usage"]["completion_tokens"], 4, "{a}");
@@ -360,7 +276,7 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
             .unwrap();
         let first = resp.chunk().await.unwrap().unwrap();
         assert!(String::from_utf8_lossy(&first).contains("data:"));
-        decode.0.kill().unwrap();
+        s.decode[0].proc.0.kill().unwrap();
         let killed = Instant::now();
         let mut body = String::new();
         let read = tokio::time::timeout(Duration::from_secs(5), async {
@@ -372,8 +288,8 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
         assert!(read.is_ok(), "stream still open 5 s after the decode worker died");
         assert!(body.contains("\"error\""), "no error event: {body}");
         assert!(killed.elapsed() < Duration::from_secs(5));
-        wait_for("decode worker dropped", 5, async || {
-            !workers(&c, &gwi).await.iter().any(|w| w["role"] == "decode")
+        wait_for_async("the decode worker dropped", Duration::from_secs(5), async || {
+            !s.workers().iter().any(|w| w["role"] == "decode")
         })
         .await;
     });
@@ -381,23 +297,11 @@ fn gateway_prefill_decode_serve_like_colocated_and_survive_faults() {
 
 #[test]
 fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
-    let gport = free_port();
-    let gw = format!("http://127.0.0.1:{gport}");
-    // Workers register on the gateway's internal port (behind the cluster token).
-    let giport = free_port();
-    let gwi = format!("http://127.0.0.1:{giport}");
-    let _gateway = spawn(&[
-        "engine",
-        "gateway",
-        "--port",
-        &gport.to_string(),
-        "--internal-port",
-        &giport.to_string(),
-    ]);
-    let (mut decode, _) = worker("decode", "llama-tiny", &gwi);
+    // The worker registers on the gateway's internal port (behind the cluster token).
+    let mut s = stack().decode(1).kv_mib(16).log(Log::Piped).start();
+    let gw = s.url().to_owned();
     rt().block_on(async {
         let c = reqwest::Client::new();
-        wait_for("decode registered", 60, async || workers(&c, &gwi).await.len() == 1).await;
         // Enough concurrent work that some is still running when SIGTERM lands.
         let mut streams = Vec::new();
         for i in 0..16u32 {
@@ -416,10 +320,10 @@ fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
         for s in &mut streams {
             firsts.push(s.chunk().await.unwrap().unwrap().to_vec());
         }
-        let st = Command::new("kill").args(["-TERM", &decode.0.id().to_string()]).status().unwrap();
+        let st = Command::new("kill").args(["-TERM", &s.decode[0].proc.0.id().to_string()]).status().unwrap();
         assert!(st.success());
         // Out of the rotation at once...
-        wait_for("deregistered", 5, async || workers(&c, &gwi).await.is_empty()).await;
+        wait_for_async("deregistered", Duration::from_secs(5), async || s.workers().is_empty()).await;
         // ...while every stream it held completes normally.
         for (i, mut s) in streams.into_iter().enumerate() {
             let mut body = std::mem::take(&mut firsts[i]);
@@ -430,14 +334,10 @@ fn sigterm_on_a_decode_worker_deregisters_and_finishes_what_it_holds() {
             assert!(body.contains("\"finish_reason\":\"length\"") && body.ends_with("data: [DONE]\n\n"), "stream {i}: {body}");
             assert!(!body.contains("\"error\""), "stream {i}: {body}");
         }
-        let t0 = Instant::now();
-        let status = loop {
-            if let Some(s) = decode.0.try_wait().unwrap() {
-                break s;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(30), "worker did not exit after draining");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let status = wait_for_async("the worker to exit after draining", Duration::from_secs(30), async || {
+            s.decode[0].proc.0.try_wait().unwrap()
+        })
+        .await;
         assert!(status.success(), "{status}");
     });
 }
@@ -448,37 +348,19 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
     // nothing had been sent and another decode worker was listed. Kill one of two
     // (before the gateway notices: heartbeats lapse only after seconds) and every
     // request is still answered.
-    let gport = free_port();
-    let gw = format!("http://127.0.0.1:{gport}");
-    // Workers register on the gateway's internal port (behind the cluster token).
-    let giport = free_port();
-    let gwi = format!("http://127.0.0.1:{giport}");
-    let _gateway = spawn(&[
-        "engine",
-        "gateway",
-        "--port",
-        &gport.to_string(),
-        "--internal-port",
-        &giport.to_string(),
-        "--worker-timeout-secs",
-        "30",
-    ]);
-    let (a, _) = worker("decode", "llama-tiny", &gwi);
-    let (b, _) = worker("decode", "llama-tiny", &gwi);
+    let mut s = stack()
+        .gateway(gateway().args(&["--worker-timeout-secs", "30"]))
+        .decode(2)
+        .kv_mib(16)
+        .log(Log::Piped)
+        .start();
+    let gw = s.url().to_owned();
     rt().block_on(async {
         let c = reqwest::Client::new();
-        wait_for("two decode workers", 60, async || {
-            workers(&c, &gwi).await.len() == 2
-        })
-        .await;
-        let (mut victim, _other) = (a, b);
-        victim.0.kill().unwrap();
-        let _ = victim.0.wait();
-        assert_eq!(
-            workers(&c, &gwi).await.len(),
-            2,
-            "the gateway has not noticed yet"
-        );
+        let mut victim = s.decode.remove(0);
+        victim.proc.0.kill().unwrap();
+        let _ = victim.proc.0.wait();
+        assert_eq!(s.workers().len(), 2, "the gateway has not noticed yet");
         // Rounds of concurrent requests (the survivor's reported load rises, so the
         // gateway turns to the dead one) until it has been tried and dropped; every
         // request is answered all the same.
@@ -491,12 +373,12 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
                 assert_eq!(v["usage"]["completion_tokens"], 500, "request {n}: {v}");
                 n += 1;
             }
-            if workers(&c, &gwi).await.len() == 1 {
+            if s.workers().len() == 1 {
                 break;
             }
         }
         assert_eq!(
-            workers(&c, &gwi).await.len(),
+            s.workers().len(),
             1,
             "the dead worker was never tried in {n} requests: the scenario proves nothing"
         );
@@ -513,68 +395,23 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
         return;
     };
     let m = model.to_str().unwrap();
-    let (port, internal) = (free_port().to_string(), free_port().to_string());
-    let gw_internal = format!("http://127.0.0.1:{internal}");
-    let quiet = |args: &[&str]| harness::spawn(args, Stdio::null());
-    let _gateway = quiet(&[
-        "engine",
-        "gateway",
-        "--model",
-        m,
-        "--port",
-        &port,
-        "--internal-port",
-        &internal,
-    ]);
-    // The README leaves the KV port at its default (--port + 1); a test takes a free
-    // one, as another test's process may hold that one.
-    let (pport, kport, dport) = (
-        free_port().to_string(),
-        free_port().to_string(),
-        free_port().to_string(),
-    );
-    let _prefill = quiet(&[
-        "engine",
-        "prefill",
-        "--model",
-        m,
-        "--port",
-        &pport,
-        "--kv-port",
-        &kport,
-        "--gateway",
-        &gw_internal,
-    ]);
-    let _decode = quiet(&[
-        "engine",
-        "decode",
-        "--model",
-        m,
-        "--port",
-        &dport,
-        "--gateway",
-        &gw_internal,
-    ]);
-    rt().block_on(async {
-        let c = reqwest::Client::new();
-        wait_for(
-            "both workers registered and the prefill worker announced",
-            120,
-            async || {
-                workers(&c, &gw_internal)
-                    .await
-                    .iter()
-                    .any(|w| w["prefill_peers"] == 1)
-            },
-        )
-        .await;
-    });
+    // Both workers registered and the prefill worker announced. (The README leaves the
+    // KV port at its default, --port + 1; a test takes a free one, as another test's
+    // process may hold that one.)
+    let s = stack()
+        .gateway(gateway().model(m))
+        .model(&model)
+        .prefill(1)
+        .decode(1)
+        .log(Log::Null)
+        .ready_within(120)
+        .start();
     let trace = preheat_testkit::testdata().join("traces/azure_code_2023.csv");
     let out = harness::preheat([
         "bench",
         "serve",
         "--url",
-        &format!("http://127.0.0.1:{port}"),
+        s.url(),
         "--trace",
         trace.to_str().unwrap(),
         "--speedup",
@@ -615,19 +452,18 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
 /// "failed mid-stream". A seeded sample replayed answers as it would have.
 #[test]
 fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
-    let (_gateway, gw, gwi) = harness::disagg_gateway(&[], Stdio::null());
-    let (_prefill, _) = quiet_worker("prefill", &gwi);
-    let mut decode = vec![quiet_worker("decode", &gwi), quiet_worker("decode", &gwi)];
+    // Started once the workers registered and the prefill worker was announced to
+    // each decode worker.
+    let mut s = stack()
+        .gateway(gateway().through_prefill())
+        .prefill(1)
+        .decode(2)
+        .kv_mib(16)
+        .log(Log::Null)
+        .start();
+    let gw = s.url().to_owned();
     rt().block_on(async {
         let c = reqwest::Client::new();
-        let ready = async |n: usize| {
-            wait_for("the workers registered, the prefill worker announced to each decode worker", 60, async || {
-                let w = workers(&c, &gwi).await;
-                w.len() == n + 1 && w.iter().filter(|w| w["prefill_peers"] == 1).count() == n
-            })
-            .await;
-        };
-        ready(2).await;
         let running = async |port: u16| -> f64 {
             let Ok(r) = c.get(format!("http://127.0.0.1:{port}/metrics")).send().await else {
                 return 0.0;
@@ -664,14 +500,14 @@ fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
         // Under load: 32 requests over both decode workers, one killed while it runs
         // its share.
         let load = post_all((0..32).map(body).collect());
-        let doomed = decode[0].1;
-        wait_for("both decode workers running requests", 30, async || {
-            running(doomed).await > 0.0 && running(decode[1].1).await > 0.0
+        let (doomed, other) = (s.decode[0].port, s.decode[1].port);
+        wait_for_async("both decode workers running requests", Duration::from_secs(30), async || {
+            running(doomed).await > 0.0 && running(other).await > 0.0
         })
         .await;
-        let (mut dead, _) = decode.remove(0);
-        dead.0.kill().unwrap();
-        let _ = dead.0.wait();
+        let mut dead = s.decode.remove(0);
+        dead.proc.0.kill().unwrap();
+        let _ = dead.proc.0.wait();
         let answers = tokio::time::timeout(Duration::from_secs(120), load)
             .await
             .expect("requests still open 120 s after the kill")
@@ -694,26 +530,29 @@ fn regression_a_killed_decode_worker_lost_requests_nothing_had_been_sent_for() {
         let (answer, reference) = loop {
             tried += 1;
             assert!(tried <= 5, "the seeded request finished before the kill five times");
-            decode.push(quiet_worker("decode", &gwi));
-            ready(2).await;
+            s.add("decode");
+            s.wait_ready(60);
             let warm = one().await.unwrap();
             assert_eq!(warm[0].0, 200, "{}", warm[0].1);
             let reference = one().await.unwrap().remove(0).1;
             let before = replays().await;
             let replayed = one();
-            let ports: Vec<u16> = decode.iter().map(|d| d.1).collect();
-            let t0 = Instant::now();
-            let busy = 'found: loop {
-                assert!(t0.elapsed() < Duration::from_secs(30), "the seeded request never ran");
-                for (i, p) in ports.iter().enumerate() {
-                    if running(*p).await > 0.0 {
-                        break 'found i;
+            let ports: Vec<u16> = s.decode.iter().map(|d| d.port).collect();
+            // Looked for without a pause: it runs for a fraction of a second.
+            let busy = Wait::new("the seeded request running", Duration::from_secs(30))
+                .every(Duration::ZERO)
+                .until_async(async || {
+                    for (i, p) in ports.iter().enumerate() {
+                        if running(*p).await > 0.0 {
+                            return Some(i);
+                        }
                     }
-                }
-            };
-            let (mut dead, _) = decode.remove(busy);
-            dead.0.kill().unwrap();
-            let _ = dead.0.wait();
+                    None
+                })
+                .await;
+            let mut dead = s.decode.remove(busy);
+            dead.proc.0.kill().unwrap();
+            let _ = dead.proc.0.wait();
             let (st, a) = tokio::time::timeout(Duration::from_secs(60), replayed)
                 .await
                 .expect("the seeded request still open 60 s after the kill")

@@ -3,39 +3,25 @@
 mod harness;
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use preheat_testkit::{free_port, model_fixture};
+use harness::Log;
+use preheat_testkit::{free_port, model_fixture, wait_for};
 
 #[test]
 fn serve_answers_then_drains_and_exits_on_sigterm() {
-    let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_preheat"))
-        .args(["engine", "serve", "--model"])
-        .arg(model_fixture("llama-tiny"))
-        .args(["--port", &port.to_string(), "--kv-cache-mib", "8"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let mut serve = harness::serve(&model_fixture("llama-tiny"))
+        .kv_mib(8)
+        .log(Log::Piped)
+        .start();
+    serve.wait_healthy(60);
+    let base = serve.url.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
         let c = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(r) = c.get(format!("{base}/health")).send().await
-                && r.status() == 200
-            {
-                break;
-            }
-            assert!(Instant::now() < deadline, "never became healthy");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
         let r: serde_json::Value = c
             .post(format!("{base}/v1/completions"))
             .json(&serde_json::json!({"prompt": "def", "max_tokens": 4, "temperature": 0}))
@@ -48,19 +34,14 @@ fn serve_answers_then_drains_and_exits_on_sigterm() {
         assert!(r["choices"][0]["text"].is_string(), "{r}");
     });
     let st = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &serve.proc.0.id().to_string()])
         .status()
         .unwrap();
     assert!(st.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "exit status {status}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "did not exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let status = wait_for("the exit after SIGTERM", Duration::from_secs(20), || {
+        serve.proc.0.try_wait().unwrap()
+    });
+    assert!(status.success(), "exit status {status}");
 }
 
 #[test]
@@ -126,48 +107,24 @@ fn health_is_503_while_the_model_loads() {
     let Some(model) = preheat_testkit::smollm2_gguf() else {
         return;
     };
-    let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_preheat"))
-        .args(["engine", "serve", "--model"])
-        .arg(&model)
-        .args(["--port", &port.to_string(), "--kv-cache-mib", "16"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let seen = rt.block_on(async {
-        let c = reqwest::Client::new();
-        let mut seen = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while Instant::now() < deadline {
-            if let Ok(r) = c
-                .get(format!("http://127.0.0.1:{port}/health"))
-                .send()
-                .await
-            {
-                let s = r.status().as_u16();
-                if seen.last() != Some(&s) {
-                    seen.push(s);
-                }
-                if s == 200 {
-                    break;
-                }
+    let serve = harness::serve(&model).kv_mib(16).log(Log::Null).start();
+    // Every status /health answers, each change once, until it is 200.
+    let mut seen: Vec<u16> = Vec::new();
+    let health = format!("{}/health", serve.url);
+    let waited = preheat_testkit::Wait::new("health 200", Duration::from_secs(120))
+        .every(Duration::from_millis(20))
+        .poll(|| {
+            let s = harness::http_get(&health, None)?.0;
+            if seen.last() != Some(&s) {
+                seen.push(s);
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        seen
-    });
-    let _ = child.kill();
-    let _ = child.wait();
+            (s == 200).then_some(())
+        });
+    drop(serve);
     assert_eq!(
         seen,
         vec![503, 200],
-        "health while converting a GGUF, then ready"
+        "health while converting a GGUF, then ready ({waited:?})"
     );
 }
 
@@ -217,17 +174,11 @@ fn regression_a_process_without_a_token_served_its_internal_endpoints_to_anyone(
                 .unwrap(),
         );
         // A process that starts serving never exits by itself: give it 20 s.
-        let t0 = Instant::now();
-        let status = loop {
-            if let Some(st) = p.0.try_wait().unwrap() {
-                break st;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "{args:?} started without a token"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = wait_for(
+            format!("{args:?} to refuse to start without a token"),
+            Duration::from_secs(20),
+            || p.0.try_wait().unwrap(),
+        );
         let mut err = String::new();
         std::io::Read::read_to_string(p.0.stderr.as_mut().unwrap(), &mut err).unwrap();
         assert!(!status.success(), "{args:?}: {err}");

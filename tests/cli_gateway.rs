@@ -5,42 +5,25 @@
 
 mod harness;
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use preheat_testkit::{KillOnDrop, free_port, serve_files};
+use harness::{Gateway, Worker, gateway, metric};
+use preheat_testkit::{serve_files, wait_for_async};
 use serde_json::{Value, json};
 
 fn tiny_snapshot(dir: &std::path::Path) -> std::path::PathBuf {
     harness::synth_tiny(dir, "tiny", 0)
 }
 
-/// A gateway: its process, its public URL and its internal (registration) URL.
-fn gateway(model: &str, hold_secs: u64) -> (KillOnDrop, String, String) {
-    let port = free_port();
-    let internal = free_port();
-    let p = harness::spawn(
-        &[
-            "engine",
-            "gateway",
-            "--model",
-            model,
-            "--served-model-name",
-            "tiny",
-            "--port",
-            &port.to_string(),
-            "--internal-port",
-            &internal.to_string(),
-            "--hold-timeout-secs",
-            &hold_secs.to_string(),
-        ],
-        Stdio::inherit(),
-    );
-    (
-        p,
-        format!("http://127.0.0.1:{port}"),
-        format!("http://127.0.0.1:{internal}"),
-    )
+/// A gateway of `model` served as `tiny`, holding requests `hold_secs`, healthy.
+fn tiny_gateway(model: &str, hold_secs: u64) -> Gateway {
+    let g = gateway()
+        .model(model)
+        .args(&["--served-model-name", "tiny"])
+        .args(&["--hold-timeout-secs", &hold_secs.to_string()])
+        .start();
+    g.wait_healthy(60);
+    g
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -57,6 +40,7 @@ fn completion(c: &reqwest::Client, base: &str) -> reqwest::RequestBuilder {
         .json(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
 }
 
+/// Requests held at `base`'s gateway.
 async fn pending(c: &reqwest::Client, base: &str) -> f64 {
     let text = c
         .get(format!("{base}/metrics"))
@@ -66,10 +50,7 @@ async fn pending(c: &reqwest::Client, base: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .find(|l| l.starts_with("preheat:gateway_pending_requests"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(-1.0)
+    metric(&text, "preheat:gateway_pending_requests").unwrap_or(-1.0)
 }
 
 #[test]
@@ -79,9 +60,8 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
     // was ever held and the pools stayed at zero.
     let dir = tempfile::tempdir().unwrap();
     let snap = tiny_snapshot(dir.path());
-    let (_gw, base, _internal) = gateway(snap.to_str().unwrap(), 2);
-    let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
-    harness::wait_healthy(port, 60);
+    let gw = tiny_gateway(snap.to_str().unwrap(), 2);
+    let base = gw.url.clone();
     rt().block_on(async {
         let c = reqwest::Client::new();
         let models: Value = c
@@ -125,12 +105,20 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
                 .send();
             let req = tokio::spawn(req);
             // Held, and counted where the scaler reads it.
-            let mut seen = 0.0;
-            while seen < 1.0 && t0.elapsed() < Duration::from_millis(1500) {
-                seen = pending(&c, &base).await;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            assert_eq!(seen, 1.0, "the request is held while the pools are at zero");
+            let held = async || {
+                let n = pending(&c, &base).await;
+                if n == 1.0 {
+                    Ok(())
+                } else {
+                    Err(format!("{n} pending"))
+                }
+            };
+            wait_for_async(
+                "the request held while the pools are at zero",
+                Duration::from_millis(1500),
+                held,
+            )
+            .await;
             let r = req.await.unwrap().unwrap();
             let waited = t0.elapsed();
             assert_eq!(r.status(), 503, "stream={stream}");
@@ -157,7 +145,7 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
         assert_eq!(pending(&c, &base).await, 0.0);
     });
     // Still Ready after all that: readiness means "can accept and hold".
-    harness::wait_healthy(port, 1);
+    gw.wait_healthy(1);
 }
 
 #[test]
@@ -166,9 +154,8 @@ fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_h
     let snap = tiny_snapshot(dir.path());
     harness::pack(&snap, 1);
     let url = format!("{}/tiny.phpack", serve_files(dir.path()));
-    let (_gw, base, internal) = gateway(&url, 120);
-    let port: u16 = base.rsplit(':').next().unwrap().parse().unwrap();
-    harness::wait_healthy(port, 60);
+    let gw = tiny_gateway(&url, 120);
+    let base = gw.url.clone();
     rt().block_on(async {
         let c = reqwest::Client::new();
         let req = tokio::spawn(
@@ -178,14 +165,13 @@ fn gateway_reads_its_model_from_a_packed_url_and_a_late_worker_serves_what_was_h
                 )
                 .send(),
         );
-        let t0 = Instant::now();
-        while pending(&c, &base).await < 1.0 {
-            assert!(t0.elapsed() < Duration::from_secs(10), "never held");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_for_async("the request held", Duration::from_secs(10), async || {
+            pending(&c, &base).await >= 1.0
+        })
+        .await;
         // A decode worker of the same snapshot registers: the gateway's model, read
         // from the card alone, must be the worker's (same KV compatibility hash).
-        let _worker = decode_worker(&snap, free_port(), Some(&internal));
+        let _worker = decode_worker(&snap, Some(&gw));
         let r = req.await.unwrap().unwrap();
         assert_eq!(r.status(), 200);
         let body: Value = r.json().await.unwrap();
@@ -318,26 +304,14 @@ mod fake_kube {
     }
 }
 
-/// A decode worker of `snap` on `port`, registering with `gateway` when given (else
-/// it only serves, to be discovered).
-fn decode_worker(snap: &std::path::Path, port: u16, gateway: Option<&str>) -> KillOnDrop {
-    let port = port.to_string();
-    let mut args = vec![
-        "engine",
-        "decode",
-        "--model",
-        snap.to_str().unwrap(),
-        "--served-model-name",
-        "tiny",
-        "--port",
-        &port,
-        "--kv-cache-mib",
-        "16",
-    ];
-    if let Some(g) = gateway {
-        args.extend(["--gateway", g]);
-    }
-    harness::spawn(&args, Stdio::inherit())
+/// A decode worker of `snap` served as `tiny`, registering with `gateway` when given
+/// (else it only serves, to be discovered).
+fn decode_worker(snap: &std::path::Path, gateway: Option<&Gateway>) -> Worker {
+    let w = match gateway {
+        Some(g) => g.worker("decode", snap),
+        None => harness::worker("decode", snap),
+    };
+    w.args(&["--served-model-name", "tiny"]).kv_mib(16).start()
 }
 
 #[test]
@@ -347,12 +321,11 @@ fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
     let other = harness::synth_tiny(dir.path(), "other", 7);
     // Pods have addresses of their own; here every worker is on 127.0.0.1 and each
     // slice names the port of the one it lists.
-    let port = free_port();
-    let _good = decode_worker(&snap, port, None);
-    let bad_port = free_port();
-    let _bad = decode_worker(&other, bad_port, None);
-    harness::wait_healthy(port, 60);
-    harness::wait_healthy(bad_port, 60);
+    let good = decode_worker(&snap, None);
+    let bad = decode_worker(&other, None);
+    good.wait_healthy(60);
+    bad.wait_healthy(60);
+    let (port, bad_port) = (good.port, bad.port);
     let api = fake_kube::Shared::default();
     {
         let mut a = api.lock().unwrap();
@@ -364,37 +337,20 @@ fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
         )];
     }
     let url = fake_kube::serve(api.clone());
-    let gateway = |hold: u64| {
-        let p = free_port();
-        let proc = harness::spawn(
-            &[
-                "engine",
-                "gateway",
-                "--model",
-                snap.to_str().unwrap(),
-                "--served-model-name",
-                "tiny",
-                "--port",
-                &p.to_string(),
-                "--hold-timeout-secs",
-                &hold.to_string(),
-                "--discover-namespace",
-                "llm",
-                "--prefill-service",
-                "p",
-                "--decode-service",
-                "d",
-                "--kube-api-url",
-                &url,
-            ],
-            Stdio::inherit(),
-        );
-        harness::wait_healthy(p, 60);
-        (proc, format!("http://127.0.0.1:{p}"))
+    let discovering = || {
+        let g = gateway()
+            .discovering()
+            .model(snap.to_str().unwrap())
+            .args(&["--served-model-name", "tiny", "--hold-timeout-secs", "3"])
+            .args(&["--discover-namespace", "llm", "--kube-api-url", &url])
+            .args(&["--prefill-service", "p", "--decode-service", "d"])
+            .start();
+        g.wait_healthy(60);
+        g
     };
     // Two replicas behind one Service: both see the same workers.
-    let (_g1, base1) = gateway(3);
-    let (_g2, base2) = gateway(3);
+    let (g1, g2) = (discovering(), discovering());
+    let (base1, base2) = (g1.url.clone(), g2.url.clone());
     rt().block_on(async {
         let c = reqwest::Client::new();
         for base in [&base1, &base2] {
@@ -415,7 +371,18 @@ fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
             "MODIFIED",
             fake_kube::slice("d", bad_port, &[("127.0.0.1", true)], 2),
         );
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Both dropped the worker no longer listed (the other model's is never
+        // admitted: a request held 3 s would find it).
+        for g in [&g1, &g2] {
+            wait_for_async(
+                "the unlisted worker dropped",
+                Duration::from_secs(10),
+                async || {
+                    metric(&g.metrics(), "preheat:gateway_workers{role=\"decode\"}") == Some(0.0)
+                },
+            )
+            .await;
+        }
         let r = completion(&c, &base1).send().await.unwrap();
         assert_eq!(r.status(), 503, "a worker of another model was used");
         // Back to the right worker, not ready: still nothing; ready: served.
@@ -424,9 +391,14 @@ fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
             "MODIFIED",
             fake_kube::slice("d", port, &[("127.0.0.1", false)], 3),
         );
+        // Deliberate: nothing to observe while the gateway (rightly) admits nobody, so
+        // it is given the time a wrong admission would take before the request is sent.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let held = tokio::spawn(completion(&c, &base2).send());
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        wait_for_async("the request held", Duration::from_secs(10), async || {
+            pending(&c, &base2).await >= 1.0
+        })
+        .await;
         fake_kube::push(
             &api,
             "MODIFIED",

@@ -6,24 +6,18 @@
 mod harness;
 
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use preheat_testkit::{KillOnDrop, free_port, model_fixture};
+use harness::Log;
+use preheat_testkit::{KillOnDrop, free_port, model_fixture, wait_for};
 use serde_json::{Value, json};
 
 fn spawn(args: &[&str]) -> KillOnDrop {
     harness::spawn(args, Stdio::null())
 }
 
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
 }
 
 /// GET with this run's cluster token (internal endpoints ask for it; public ones
@@ -57,26 +51,16 @@ fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
 
 #[test]
 fn colocated_standby_serves_only_after_promotion() {
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
     // The control routes live on the internal port only, behind the cluster token.
     let iport = free_port();
     let ibase = format!("http://127.0.0.1:{iport}");
-    let m = model_fixture("llama-tiny");
-    let _s = spawn(&[
-        "engine",
-        "serve",
-        "--model",
-        m.to_str().unwrap(),
-        "--port",
-        &port.to_string(),
-        "--internal-port",
-        &iport.to_string(),
-        "--kv-cache-mib",
-        "16",
-        "--standby",
-    ]);
-    wait_for("parked", 60, || {
+    let s = harness::serve(&model_fixture("llama-tiny"))
+        .kv_mib(16)
+        .args(&["--internal-port", &iport.to_string(), "--standby"])
+        .log(Log::Null)
+        .start();
+    let base = s.url.clone();
+    wait_for("parked", secs(60), || {
         get(&format!("{ibase}/internal/state")).is_some_and(|(_, b)| b.contains("standby"))
     });
     assert_eq!(
@@ -140,19 +124,9 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         "-o",
         snap.to_str().unwrap(),
     ]);
-    let gport = free_port();
-    let gw = format!("http://127.0.0.1:{gport}");
     // Workers register on the gateway's internal port (behind the cluster token).
-    let giport = free_port();
-    let gwi = format!("http://127.0.0.1:{giport}");
-    let _gateway = spawn(&[
-        "engine",
-        "gateway",
-        "--port",
-        &gport.to_string(),
-        "--internal-port",
-        &giport.to_string(),
-    ]);
+    let gateway = harness::gateway().log(Log::Null).start();
+    let (gw, gwi) = (gateway.url.clone(), gateway.internal.clone());
     let aport = free_port();
     let agent_url = format!("http://127.0.0.1:{aport}");
     let exe = env!("CARGO_BIN_EXE_preheat");
@@ -184,7 +158,7 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
             )
         }) == Some(1.0)
     };
-    wait_for("both pools parked", 120, || {
+    wait_for("both pools parked", secs(120), || {
         parked("prefill") && parked("decode")
     });
     let (_, models) = get(&format!("{agent_url}/models")).unwrap();
@@ -194,13 +168,8 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         models[0]["resident_bytes"].as_u64().unwrap() > 0,
         "{models}"
     );
-    let workers = |gwi: &str| -> usize {
-        get(&format!("{gwi}/internal/workers"))
-            .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
-            .and_then(|v| v["workers"].as_array().map(Vec::len))
-            .unwrap_or(0)
-    };
-    assert_eq!(workers(&gwi), 0, "parked standbys are not registered");
+    let workers = || gateway.workers().len();
+    assert_eq!(workers(), 0, "parked standbys are not registered");
     let mut promoted = Vec::new();
     for p in ["prefill", "decode"] {
         let (st, v) = post(&format!("{agent_url}/standbys/{p}/promote"), &json!({}));
@@ -208,7 +177,7 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         assert!(v["promote_ms"].as_f64().unwrap() < 1000.0, "{v}");
         promoted.push(v["url"].as_str().unwrap().to_owned());
     }
-    assert_eq!(workers(&gwi), 2, "promoted standbys serve at once");
+    assert_eq!(workers(), 2, "promoted standbys serve at once");
     let (st, v) = post(
         &format!("{gw}/v1/completions"),
         &json!({"prompt": "hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": true}),
@@ -226,17 +195,17 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
         "{dm}"
     );
     // Replacements park again.
-    wait_for("replacements parked", 120, || {
+    wait_for("replacements parked", secs(120), || {
         parked("prefill") && parked("decode")
     });
-    assert_eq!(workers(&gwi), 2);
+    assert_eq!(workers(), 2);
     // The list gateways and the scaler read: the promoted standbys' ports.
     let listed = || -> Value {
         serde_json::from_str(&get(&format!("{agent_url}/standbys")).unwrap().1).unwrap()
     };
     let port_of = |u: &str| u.rsplit(':').next().unwrap().parse::<u64>().unwrap();
     // (The parked gauge above may still show the promoted ones: the list is current.)
-    wait_for("the list to show the replacement parked", 120, || {
+    wait_for("the list to show the replacement parked", secs(120), || {
         listed()["decode"]["parked"] == 1
     });
     let l = listed();
@@ -253,8 +222,8 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     let (st, v) = post(&format!("{agent_url}/standbys/decode/retire"), &json!({}));
     assert_eq!(st, 200, "{v}");
     assert_eq!(listed()["decode"]["serving"], json!([]));
-    assert_eq!(workers(&gwi), 2, "still serving through the unlist delay");
-    wait_for("the retired standby drained", 60, || workers(&gwi) == 1);
+    assert_eq!(workers(), 2, "still serving through the unlist delay");
+    wait_for("the retired standby drained", secs(60), || workers() == 1);
     assert_eq!(
         post(&format!("{agent_url}/standbys/decode/retire"), &json!({})).0,
         409,
@@ -278,9 +247,11 @@ fn the_agent_keeps_standbys_parked_and_promotes_them() {
     let mut agent = agent;
     agent.0.kill().unwrap();
     agent.0.wait().unwrap();
-    wait_for("standbys stopped with the agent", 30, || workers(&gwi) == 0);
+    wait_for("standbys stopped with the agent", secs(30), || {
+        workers() == 0
+    });
     let mine = format!("{}.*--standby", tmp.path().display());
-    wait_for("no standby outlives the agent", 30, || {
+    wait_for("no standby outlives the agent", secs(30), || {
         std::process::Command::new("pgrep")
             .args(["-f", &mine])
             .output()

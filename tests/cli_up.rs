@@ -10,13 +10,13 @@
 mod harness;
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use harness::preheat;
+use harness::{Log, Up, preheat};
 use preheat_scaler::proto::ScaledObjectRef;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
-use preheat_testkit::{free_port, testdata};
+use preheat_testkit::{Wait, testdata, wait_for, wait_for_async};
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 
@@ -28,40 +28,9 @@ fn sref(pool: &str) -> ScaledObjectRef {
     }
 }
 
-struct Up(std::process::Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-INT", &self.0.id().to_string()])
-            .status();
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(20) {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Registered (prefill, decode) workers.
-async fn workers(c: &reqwest::Client, gwi: &str, token: &std::path::Path) -> (usize, usize) {
-    let token = std::fs::read_to_string(token).unwrap();
-    let v: Value = c
-        .get(format!("{gwi}/internal/workers"))
-        .bearer_auth(token.trim())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let w = v["workers"].as_array().unwrap();
-    let n = |role: &str| w.iter().filter(|x| x["role"] == role).count();
-    (n("prefill"), n("decode"))
+/// Registered (prefill, decode) workers of `up`, once its gateway answers.
+fn workers(up: &Up) -> (usize, usize) {
+    up.workers().expect("the gateway's worker list")
 }
 
 fn long_request(
@@ -82,13 +51,9 @@ fn long_request(
 
 #[test]
 fn up_scales_from_zero_under_load_and_back_to_zero() {
-    let ports = Ports::free();
-    let (gport, giport, sport) = (ports.gateway, ports.gateway_internal, ports.scaler);
     let cache = tempfile::tempdir().unwrap();
-    let _up = spawn_up(
-        cache.path(),
-        &ports,
-        &[
+    let up = harness::up(cache.path())
+        .args(&[
             "--idle-grace",
             "3s",
             // Below any ITL this CPU can reach at batch 1, so the profile `up` measures
@@ -102,45 +67,43 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
             "2",
             "--prefill-max",
             "1",
-        ],
-        Stdio::null(),
-    );
-    let gw = format!("http://127.0.0.1:{gport}");
+        ])
+        .start();
     // Registration is internal, behind the token `up` writes for this run.
-    let gwi = format!("http://127.0.0.1:{giport}");
-    let token_file = cache.path().join("cluster-token");
+    let gw = up.url.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let mut keda = keda_client(sport).await;
+        let mut keda = keda_client(up.ports.scaler).await;
         // Idle: both pools inactive once the grace has passed.
         let mut decode = keda
             .stream_is_active(sref("decode"))
             .await
             .unwrap()
             .into_inner();
-        let t0 = Instant::now();
-        loop {
-            let active = decode.next().await.unwrap().unwrap().result;
-            let prefill = keda
-                .is_active(sref("prefill"))
-                .await
-                .unwrap()
-                .into_inner()
-                .result;
-            if !active && !prefill {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "pools never went inactive"
-            );
-        }
+        // (Each look waits for the scaler's next push: no pause between looks.)
+        Wait::new("both pools inactive", Duration::from_secs(20))
+            .every(Duration::ZERO)
+            .until_async(async || {
+                let decode = decode.next().await.unwrap().unwrap().result;
+                let prefill = keda
+                    .is_active(sref("prefill"))
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .result;
+                if decode || prefill {
+                    Err(format!("decode active {decode}, prefill active {prefill}"))
+                } else {
+                    Ok(())
+                }
+            })
+            .await;
         let c = reqwest::Client::new();
-        assert_eq!(workers(&c, &gwi, &token_file).await, (0, 0));
+        assert_eq!(workers(&up), (0, 0));
         // First request at zero: pushed active within 1 s, and answered.
         let sent = Instant::now();
         let first = tokio::spawn({
@@ -165,33 +128,44 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
         // A burst: concurrent long generations need more decode replicas at this ITL
         // target.
         let mut burst: Vec<_> = (0..6).map(|i| long_request(&c, &gw, i)).collect();
-        let t0 = Instant::now();
-        let mut most_decode = 0;
-        while most_decode < 2 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the burst did not scale decode up"
-            );
-            most_decode = most_decode.max(workers(&c, &gwi, &token_file).await.1);
-            // Keep the load on until the pool grows.
-            if burst.iter().filter(|b| !b.is_finished()).count() < 6 {
-                let n = burst.len();
-                burst.extend((n..n + 4).map(|i| long_request(&c, &gw, i)));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        // Looked at every 100 ms, the pace the load is topped up at.
+        let grown = Wait::new(
+            "the burst to scale decode to two replicas",
+            Duration::from_secs(60),
+        )
+        .every(Duration::from_millis(100));
+        grown
+            .until_async(async || {
+                let decode = workers(&up).1;
+                // Keep the load on until the pool grows.
+                if burst.iter().filter(|b| !b.is_finished()).count() < 6 {
+                    let n = burst.len();
+                    burst.extend((n..n + 4).map(|i| long_request(&c, &gw, i)));
+                }
+                if decode >= 2 {
+                    Ok(())
+                } else {
+                    Err(format!("{decode} decode workers"))
+                }
+            })
+            .await;
         for b in burst {
             assert_eq!(b.await.unwrap(), 200, "a request failed");
         }
         // Idle again: back to zero.
-        let t0 = Instant::now();
-        while workers(&c, &gwi, &token_file).await != (0, 0) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "pools never returned to zero"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        wait_for_async(
+            "both pools back to zero",
+            Duration::from_secs(60),
+            async || {
+                let w = workers(&up);
+                if w == (0, 0) {
+                    Ok(())
+                } else {
+                    Err(format!("{w:?} (prefill, decode)"))
+                }
+            },
+        )
+        .await;
         // The load generator against it: a time-compressed production trace, from zero,
         // with the replicas of each pool in its report and plot.
         let dir = tempfile::tempdir().unwrap();
@@ -240,73 +214,25 @@ fn up_scales_from_zero_under_load_and_back_to_zero() {
     assert_eq!(pools, ["prefill", "decode"]);
 }
 
-/// `preheat up ARGS` on loopback ports with `cache` as its cache; its stderr goes to
-/// `stderr`.
-fn up(cache: &std::path::Path, args: &[&str], stderr: Stdio) -> (Up, String) {
-    let ports = Ports::free();
-    let args: Vec<&str> = ["--idle-grace", "60s"]
-        .iter()
-        .chain(args)
-        .copied()
-        .collect();
-    let up = spawn_up(cache, &ports, &args, stderr);
-    (up, format!("http://127.0.0.1:{}", ports.gateway))
-}
-
-/// The loopback ports of one `preheat up`.
-struct Ports {
-    gateway: u16,
-    gateway_internal: u16,
-    scaler: u16,
-    scaler_http: u16,
-    agent: u16,
-}
-
-impl Ports {
-    fn free() -> Self {
-        Ports {
-            gateway: free_port(),
-            gateway_internal: free_port(),
-            scaler: free_port(),
-            scaler_http: free_port(),
-            agent: free_port(),
-        }
-    }
-}
-
-/// `preheat up ARGS` on `ports` with `cache` as its cache; its stderr goes to `stderr`.
-fn spawn_up(cache: &std::path::Path, ports: &Ports, args: &[&str], stderr: Stdio) -> Up {
-    let at = |p: u16| format!("127.0.0.1:{p}");
-    let child = Command::new(env!("CARGO_BIN_EXE_preheat"))
-        .args(["up", "--port", &ports.gateway.to_string()])
-        .args(["--gateway-internal", &at(ports.gateway_internal)])
-        .args(["--scaler-listen", &at(ports.scaler)])
-        .args(["--scaler-http", &at(ports.scaler_http)])
-        .args(["--agent-listen", &at(ports.agent)])
+/// `preheat up ARGS` with `cache` as its cache, an idle grace of a minute unless
+/// `args` say otherwise; its stderr goes to `log`.
+fn up(cache: &std::path::Path, args: &[&str], log: Log) -> Up {
+    harness::up(cache)
+        .args(&["--idle-grace", "60s"])
         .args(args)
-        .arg("--cache-dir")
-        .arg(cache)
-        .env("RUST_LOG", "warn")
-        .stdout(std::fs::File::create(cache.join("up.stdout")).unwrap())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    Up(child)
+        .log(log)
+        .start()
 }
 
 /// KEDA's client of the scaler `up` runs on `port`, once it listens.
 async fn keda_client(port: u16) -> ExternalScalerClient<tonic::transport::Channel> {
-    let t0 = Instant::now();
-    loop {
-        if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{port}")).await {
-            return c;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "scaler never listened"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let url = format!("http://127.0.0.1:{port}");
+    wait_for_async(
+        "the scaler to listen",
+        Duration::from_secs(120),
+        async || ExternalScalerClient::connect(url.clone()).await,
+    )
+    .await
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -320,25 +246,23 @@ fn rt() -> tokio::runtime::Runtime {
 /// One completion through `gw` (waiting for the gateway to listen), its status and body.
 async fn one_completion(gw: &str) -> (u16, Value) {
     let c = reqwest::Client::new();
-    let t0 = Instant::now();
-    loop {
-        let r = c
+    let r = wait_for_async(
+        "the gateway to listen",
+        Duration::from_secs(120),
+        async || match c
             .post(format!("{gw}/v1/completions"))
             .json(&json!({"prompt": "hello", "max_tokens": 4}))
             .timeout(Duration::from_secs(120))
             .send()
-            .await;
-        match r {
-            Ok(r) => {
-                let status = r.status().as_u16();
-                return (status, r.json().await.unwrap_or(Value::Null));
-            }
-            Err(e) if e.is_connect() && t0.elapsed() < Duration::from_secs(120) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
+            .await
+        {
+            Err(e) if !e.is_connect() => panic!("{e}"),
+            r => r,
+        },
+    )
+    .await;
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
 }
 
 #[test]
@@ -348,17 +272,17 @@ fn regression_up_served_a_stale_staged_model_after_switching_models() {
     // KV compatibility hash) and every request failed.
     let cache = tempfile::tempdir().unwrap();
     {
-        let (_up, gw) = up(cache.path(), &[], Stdio::null());
-        let (status, body) = rt().block_on(one_completion(&gw));
+        let up = up(cache.path(), &[], Log::Null);
+        let (status, body) = rt().block_on(one_completion(&up.url));
         assert_eq!(status, 200, "embedded model: {body}");
     }
     let fixture = preheat_testkit::model_fixture("llama-tiny");
-    let (_up, gw) = up(
+    let up = up(
         cache.path(),
         &["--model", fixture.to_str().unwrap()],
-        Stdio::null(),
+        Log::Null,
     );
-    let (status, body) = rt().block_on(one_completion(&gw));
+    let (status, body) = rt().block_on(one_completion(&up.url));
     assert_eq!(status, 200, "after switching --model: {body}");
 }
 
@@ -369,13 +293,13 @@ fn up_stops_with_the_workers_own_error_when_they_cannot_start() {
     // held fails at once with that reason instead of after the hold time.
     let cache = tempfile::tempdir().unwrap();
     let log = cache.path().join("up.stderr");
-    let (mut up, gw) = up(
+    let mut up = up(
         cache.path(),
         &["--kv-cache-mib", "0"],
-        Stdio::from(std::fs::File::create(&log).unwrap()),
+        Log::File(log.clone()),
     );
     let t0 = Instant::now();
-    let (status, body) = rt().block_on(one_completion(&gw));
+    let (status, body) = rt().block_on(one_completion(&up.url));
     assert_eq!(status, 503, "{body}");
     let msg = body["error"]["message"].as_str().unwrap_or_default();
     assert!(msg.contains("--kv-cache-mib must be > 0"), "{body}");
@@ -384,13 +308,11 @@ fn up_stops_with_the_workers_own_error_when_they_cannot_start() {
         "failed only after {:?}",
         t0.elapsed()
     );
-    let status = loop {
-        if let Some(s) = up.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(120), "up kept running");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = wait_for(
+        "up to stop",
+        Duration::from_secs(120).saturating_sub(t0.elapsed()),
+        || up.child.try_wait().unwrap(),
+    );
     assert!(!status.success());
     let err = std::fs::read_to_string(&log).unwrap();
     assert!(
@@ -527,30 +449,22 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         }
     }
 
-    let ports = Ports::free();
-    let (gport, giport, hport, aport) = (
-        ports.gateway,
-        ports.gateway_internal,
-        ports.scaler_http,
-        ports.agent,
-    );
     let cache = tempfile::tempdir().unwrap();
     let log = cache.path().join("up.stderr");
-    let mut up = spawn_up(
-        cache.path(),
-        &ports,
-        &[
+    let mut up = harness::up(cache.path())
+        .args(&[
             "--idle-grace",
             "120s",
             "--prefill-max",
             "1",
             "--decode-max",
             "1",
-        ],
-        Stdio::from(std::fs::File::create(&log).unwrap()),
-    );
-    let gw = format!("http://127.0.0.1:{gport}");
-    let token_file = cache.path().join("cluster-token");
+        ])
+        .log(Log::File(log.clone()))
+        .start();
+    let (gport, hport, aport) = (up.ports.gateway, up.ports.scaler_http, up.ports.agent);
+    let gw = up.url.clone();
+    let token_file = up.token_file();
     let dir = tempfile::tempdir().unwrap();
     let workers_sd = dir.path().join("workers.json");
     std::fs::write(&workers_sd, "[]").unwrap();
@@ -572,22 +486,23 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
     rt().block_on(async {
         // `up` may stop (a port taken meanwhile): then say why instead of timing out.
         let t0 = Instant::now();
-        while reqwest::get(format!("{gw}/health")).await.is_err() {
-            if let Ok(Some(exit)) = up.0.try_wait() {
+        wait_for_async("the gateway to answer", Duration::from_secs(120), async || {
+            if let Ok(Some(exit)) = up.child.try_wait() {
                 panic!("up exited ({exit}): {}", std::fs::read_to_string(&log).unwrap_or_default());
             }
-            assert!(t0.elapsed() < Duration::from_secs(120), "the gateway never answered");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+            reqwest::get(format!("{gw}/health")).await
+        })
+        .await;
         // The first request wakes both pools through their parked standbys (the
         // "promoted" panel needs one): wait until `up` says they are parked.
-        let out = cache.path().join("up.stdout");
-        while !["prefill", "decode"].iter().all(|p| {
-            std::fs::read_to_string(&out).unwrap_or_default().contains(&format!("{p}: standby parked"))
-        }) {
-            assert!(t0.elapsed() < Duration::from_secs(120), "standbys never parked: {}", std::fs::read_to_string(&out).unwrap_or_default());
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        wait_for("both standbys parked", Duration::from_secs(120).saturating_sub(t0.elapsed()), || {
+            let out = up.stdout();
+            if ["prefill", "decode"].iter().all(|p| out.contains(&format!("{p}: standby parked"))) {
+                Ok(())
+            } else {
+                Err(out)
+            }
+        });
         let (status, body) = one_completion(&gw).await;
         assert_eq!(status, 200, "{body}");
         let c = reqwest::Client::new();
@@ -611,7 +526,7 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
                 })
             })
             .collect();
-        let gwi = format!("http://127.0.0.1:{giport}");
+        let gwi = up.internal.clone();
         let token = std::fs::read_to_string(&token_file).unwrap();
         // `up` does not keep the agent's standbys (its own driver parks them), so the
         // agent exports no parked-standby series here; the panel's other query (promoted
@@ -619,7 +534,10 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         let exempt = ["preheat:warmpool_parked_standbys"];
         let mut answered = std::collections::BTreeSet::new();
         let t0 = Instant::now();
-        loop {
+        // Paced: each look is a round of every query, and Prometheus scrapes each second.
+        let under_load = Wait::new("every panel query to return data under load", Duration::from_secs(180))
+            .every(Duration::from_secs(2));
+        under_load.until_async(async || {
             // Workers come and go: Prometheus finds them through a discovery file of
             // the gateway's workers (in the chart: the pools' pods through the
             // ServiceMonitor, and promoted standbys, which `up` runs too, through the
@@ -658,16 +576,16 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
                 .iter()
                 .filter(|(_, e)| !answered.contains(&with_variables(e)) && !exempt.iter().any(|x| e.contains(x)))
                 .collect();
+            // Twenty seconds of load at least, whatever answered sooner.
             if missing.is_empty() && t0.elapsed() > Duration::from_secs(20) {
-                break;
+                return Ok(());
             }
-            assert!(
-                t0.elapsed() < Duration::from_secs(180),
-                "under load, these panel queries never returned data:\n{}",
+            Err(format!(
+                "these panel queries returned no data yet:\n{}",
                 missing.iter().map(|(t, e)| format!("  {t}: {}", with_variables(e))).collect::<Vec<_>>().join("\n")
-            );
-            tokio::time::sleep(Duration::from_secs(2)).await;
-        }
+            ))
+        })
+        .await;
         // Every panel answers (the exempt query's panel through its other query).
         for p in dash["panels"].as_array().unwrap().iter().filter(|p| p["type"] != "row") {
             let any = p["targets"].as_array().unwrap().iter().any(|t| answered.contains(&with_variables(t["expr"].as_str().unwrap())));
@@ -941,51 +859,49 @@ fn up_set_takes_a_scheduled_floor_and_refuses_what_up_wires_itself() {
         "refused before anything was staged"
     );
 
-    let ports = Ports::free();
     let cache = tempfile::tempdir().unwrap();
-    let _up = spawn_up(
-        cache.path(),
-        &ports,
-        &[
+    let up = harness::up(cache.path())
+        .args(&[
             "--idle-grace",
             "3s",
             "--set",
             "models.0.prefill.schedule=[{cron: '* * * * *', duration_s: 3600, min_replicas: 1}]",
-        ],
-        Stdio::null(),
-    );
-    let gwi = format!("http://127.0.0.1:{}", ports.gateway_internal);
-    let token_file = cache.path().join("cluster-token");
+        ])
+        .start();
     rt().block_on(async {
         let t0 = Instant::now();
-        let keda = keda_client(ports.scaler).await;
-        let c = reqwest::Client::new();
-        loop {
-            let active = |pool: &'static str| {
-                let mut keda = keda.clone();
-                async move {
-                    keda.is_active(sref(pool))
-                        .await
-                        .map(|r| r.into_inner().result)
+        let keda = keda_client(up.ports.scaler).await;
+        let floor = "the floor to bring prefill up with no traffic";
+        wait_for_async(
+            floor,
+            Duration::from_secs(120).saturating_sub(t0.elapsed()),
+            async || {
+                let active = |pool: &'static str| {
+                    let mut keda = keda.clone();
+                    async move {
+                        keda.is_active(sref(pool))
+                            .await
+                            .map(|r| r.into_inner().result)
+                    }
+                };
+                let (prefill, decode) = (active("prefill").await, active("decode").await);
+                let workers = up.workers();
+                if prefill.as_ref().is_ok_and(|a| *a)
+                    && decode.as_ref().is_ok_and(|a| !*a)
+                    && workers == Some((1, 0))
+                {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "prefill active {prefill:?}, decode active {decode:?}, workers {workers:?}"
+                    ))
                 }
-            };
-            let (prefill, decode) = (active("prefill").await, active("decode").await);
-            if prefill.as_ref().is_ok_and(|a| *a)
-                && decode.as_ref().is_ok_and(|a| !*a)
-                && token_file.exists()
-                && workers(&c, &gwi, &token_file).await == (1, 0)
-            {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "the floor never brought prefill up with no traffic: prefill active \
-                 {prefill:?}, decode active {decode:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-        // Held, not a passing decision: still one prefill worker past the idle grace.
+            },
+        )
+        .await;
+        // Deliberate: held, not a passing decision — still one prefill worker past the
+        // idle grace (3 s), which only time passing shows.
         tokio::time::sleep(Duration::from_secs(5)).await;
-        assert_eq!(workers(&c, &gwi, &token_file).await, (1, 0));
+        assert_eq!(workers(&up), (1, 0));
     });
 }

@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use preheat_snapshot::synth::preset_config;
 use preheat_snapshot::{DType, NoProgress, SnapshotBuilder, TensorSpec};
+use preheat_testkit::wait_for;
 
 /// A 16 MiB snapshot: the tiny model's config with one large tensor of noise.
 fn big_snapshot(path: &Path) {
@@ -50,6 +51,7 @@ async fn serve(
     UrlPath(name): UrlPath<String>,
     headers: HeaderMap,
 ) -> Response {
+    // Deliberate: a slow source (its pace is the scenario), not a wait for anything.
     tokio::time::sleep(Duration::from_millis(s.delay_ms.load(Ordering::SeqCst))).await;
     let Ok(bytes) = std::fs::read(s.dir.join(name)) else {
         return StatusCode::NOT_FOUND.into_response();
@@ -122,15 +124,10 @@ fn staging_killed_midway_resumes_where_it_stopped() {
     ];
     let mut child = harness::spawn(&args, Stdio::null());
     // Kill it once some pieces are durably journaled, well before the end.
-    let t0 = Instant::now();
-    while journal_entries(out.path()) < 2 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no progress journaled"
-        );
+    wait_for("two pieces journaled", Duration::from_secs(60), || {
         assert!(child.0.try_wait().unwrap().is_none(), "staging ended early");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        journal_entries(out.path()) >= 2
+    });
     child.0.kill().unwrap();
     child.0.wait().unwrap();
     assert!(

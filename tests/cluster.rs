@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use emulator::Cluster;
+use preheat_testkit::{Wait, wait_for};
 use serde_json::{Value, json};
 
 const GATEWAY: &str = "rel-preheat-gateway";
@@ -127,17 +128,17 @@ fn install_with(extra: Value, subnet: u8, before: Vec<Value>) -> Option<Run> {
     }
     let gateway = format!("http://{}", emulator::expose(&c, GATEWAY, 8000));
     let want = values["gateway"]["replicas"].as_u64().unwrap_or(1) as usize;
-    let t0 = Instant::now();
-    while c.ready(GATEWAY).len() < want {
-        if t0.elapsed() > Duration::from_secs(90) {
-            let logs: Vec<String> = c.pods_of(GATEWAY).iter().map(|p| c.logs(&p.name)).collect();
-            panic!(
-                "gateway never Ready (ready {:?}):\n{}",
-                c.ready(GATEWAY),
-                logs.join("\n---\n")
-            );
+    let ready = Wait::new("every gateway replica Ready", Duration::from_secs(90)).poll(|| {
+        let ready = c.ready(GATEWAY);
+        if ready.len() >= want {
+            Ok(())
+        } else {
+            Err(format!("ready {ready:?}"))
         }
-        std::thread::sleep(Duration::from_millis(200));
+    });
+    if let Err(timed_out) = ready {
+        let logs: Vec<String> = c.pods_of(GATEWAY).iter().map(|p| c.logs(&p.name)).collect();
+        panic!("{timed_out}:\n{}", logs.join("\n---\n"));
     }
     Some(Run {
         c,
@@ -146,6 +147,10 @@ fn install_with(extra: Value, subnet: u8, before: Vec<Value>) -> Option<Run> {
         _model: model,
         _lock: lock,
     })
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
 }
 
 fn client() -> reqwest::blocking::Client {
@@ -200,17 +205,6 @@ fn all_ok(handles: Vec<std::thread::JoinHandle<Vec<(u16, Value)>>>) -> usize {
         }
     }
     n
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// Asserts that no pool was set below what it had at history index `mark`. Prefill
@@ -304,7 +298,7 @@ fn b_a_burst_scales_decode_while_prefill_stays() {
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 6, 200, &stop);
-    wait_for("decode to scale past one replica", 120, || {
+    wait_for("decode to scale past one replica", secs(120), || {
         c.scale(DECODE) >= 2
     });
     let prefill = c.scale(PREFILL);
@@ -324,10 +318,10 @@ fn c_idle_pools_return_to_zero() {
     };
     let c = &run.c;
     assert_eq!(complete(&run.gateway, 4).0, 200);
-    wait_for("both pools back at zero", 120, || {
+    wait_for("both pools back at zero", secs(120), || {
         c.scale(PREFILL) == 0 && c.scale(DECODE) == 0
     });
-    wait_for("their pods gone", 60, || {
+    wait_for("their pods gone", secs(60), || {
         c.pods_of(DECODE).is_empty() && c.pods_of(PREFILL).is_empty()
     });
 }
@@ -346,7 +340,7 @@ fn disrupt_under_load(run: &Run, what: &str, disrupt: impl FnOnce(&Arc<Cluster>)
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 60, &stop);
-    wait_for("decode at two or more replicas", 120, || {
+    wait_for("decode at two or more replicas", secs(120), || {
         c.ready(DECODE).len() >= 2
     });
     let mark = c.state.lock().unwrap().scale_history.len();
@@ -368,7 +362,7 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
         let file = c
             .claim_dir("rel-preheat-scaler-state")
             .join("scaler-state.json");
-        wait_for("a saved bucket under way", 90, || {
+        wait_for("a saved bucket under way", secs(90), || {
             std::fs::read_to_string(&file).is_ok_and(|s| s.contains("\"filling\":{"))
         });
         kill_the_scaler(c);
@@ -395,11 +389,13 @@ fn d_a_scaler_restart_mid_load_shrinks_nothing_and_fails_nothing() {
 fn kill_the_scaler(c: &Arc<Cluster>) {
     let victim = c.pods_of(SCALER)[0].name.clone();
     c.kill(&victim);
-    wait_for("a new scaler Ready", 60, || {
+    wait_for("a new scaler Ready", secs(60), || {
         c.pods_of(SCALER)
             .iter()
             .any(|p| p.name != victim && p.ready)
     });
+    // Deliberate: the new scaler decides a few times under the load (its ticks are
+    // what must shrink nothing), which only time passing gives.
     std::thread::sleep(Duration::from_secs(5));
 }
 
@@ -469,7 +465,7 @@ fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
         return;
     };
     let c = &run.c;
-    wait_for("a parked decode standby on every agent", 120, || {
+    wait_for("a parked decode standby on every agent", secs(120), || {
         let a = agent_standbys(c);
         a.len() == 2 && a.iter().all(|(_, v)| v["decode"]["parked"] == 1)
     });
@@ -482,7 +478,7 @@ fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
     assert!(!standbys.is_empty(), "no decode standby was promoted");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 100, &stop);
-    wait_for("a serving standby generating tokens", 60, || {
+    wait_for("a serving standby generating tokens", secs(60), || {
         serving(c, "decode").iter().any(|u| generated(u) > 0.0)
     });
     let busy = serving(c, "decode")
@@ -509,18 +505,20 @@ fn e_a_warm_pool_agent_restart_while_standbys_serve_loses_no_request() {
         before > 0.0,
         "the standby at {busy} was gone before its agent stopped"
     );
-    wait_for("the old agent gone", 60, || {
+    wait_for("the old agent gone", secs(60), || {
         c.pods_of(WARMPOOL).iter().all(|p| p.name != agent)
     });
-    wait_for("a new agent Ready on every node", 120, || {
+    wait_for("a new agent Ready on every node", secs(120), || {
         c.ready(WARMPOOL).len() == 2
     });
+    // Deliberate: the load goes on across the new agent a while (what must lose no
+    // request).
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
     // Idle: the scaler retires every standby (the pools' pods go too).
     let t1 = Instant::now();
-    wait_for("every standby retired", 120, || {
+    wait_for("every standby retired", secs(120), || {
         let a = agent_standbys(c);
         a.len() == 2
             && a.iter().all(|(_, v)| {
@@ -543,12 +541,13 @@ fn f_a_worker_rollout_under_load_loses_no_request() {
     let c = &run.c;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let h = load(&run.gateway, 3, 100, &stop);
-    wait_for("decode serving", 120, || !c.ready(DECODE).is_empty());
+    wait_for("decode serving", secs(120), || !c.ready(DECODE).is_empty());
     let old: Vec<String> = c.pods_of(DECODE).into_iter().map(|p| p.name).collect();
     c.rollout(DECODE, Duration::from_secs(120));
-    wait_for("old decode pods gone", 60, || {
+    wait_for("old decode pods gone", secs(60), || {
         c.pods_of(DECODE).iter().all(|p| !old.contains(&p.name))
     });
+    // Deliberate: the load goes on on the new pods a while (what must lose no request).
     std::thread::sleep(Duration::from_secs(2));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let n = all_ok(h);
@@ -575,10 +574,12 @@ fn h_a_scaler_outage_longer_than_the_fallback_threshold_keeps_every_pool() {
     // for longer than failureThreshold polls, HPA is fed max(current, floor).
     scaler_disruption(json!({}), 220, "the outage", |c| {
         emulator::set_scale(&c.state, SCALER, 0, "test (outage)");
-        wait_for("the scaler gone", 60, || c.pods_of(SCALER).is_empty());
+        wait_for("the scaler gone", secs(60), || c.pods_of(SCALER).is_empty());
+        // Deliberate: an outage longer than the fallback threshold is the scenario.
         std::thread::sleep(Duration::from_secs(8));
         emulator::set_scale(&c.state, SCALER, 1, "test (back)");
-        wait_for("the scaler back", 60, || !c.ready(SCALER).is_empty());
+        wait_for("the scaler back", secs(60), || !c.ready(SCALER).is_empty());
+        // Deliberate: the scaler back decides a few times under the load.
         std::thread::sleep(Duration::from_secs(3));
     });
 }

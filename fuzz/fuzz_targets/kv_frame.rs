@@ -3,7 +3,8 @@
 //! allocated beyond the bound the reader is given.
 #![no_main]
 use preheat_engine::backend::KvLayout;
-use preheat_engine::kv::transfer::{KvMessage, compat_hash};
+use preheat_engine::disagg::wire::kv_message::KvMessage;
+use preheat_engine::kv::payload::compat_hash;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let layout = KvLayout {

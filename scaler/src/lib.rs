@@ -29,8 +29,13 @@ pub mod standbys;
 pub mod state;
 pub mod status;
 
+pub use config::Config;
 pub use decisions::{DecisionStore, PoolDecision, PoolStatus, SloView};
 pub use error::{Result, ScalerError};
+pub use policy::{LoadView, Pool, PoolPolicy};
+pub use profile::Profile;
+pub use standbys::AgentPool;
+pub use status::{ModelReport, PoolReport, StatusReport};
 
 /// Code generated from `proto/externalscaler.proto`.
 #[allow(

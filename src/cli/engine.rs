@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
+use preheat_flags::duration_arg;
 
 use super::{ClusterTokenArgs, DeviceFlag, NoTokenArg};
-use crate::duration::duration_arg;
 
 #[derive(Debug, Subcommand)]
 pub enum EngineCmd {

@@ -1,6 +1,5 @@
 //! `preheat engine …`
 
-use std::net::ToSocketAddrs;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -10,7 +9,7 @@ use preheat_engine::scheduler::SchedulerConfig;
 
 use crate::cli::{EngineCmd, GatewayArgs, ServeArgs, WorkerArgs};
 use crate::signals::shutdown_signal;
-use preheat_engine::disagg::protocol::WorkerRole;
+use preheat_engine::disagg::WorkerRole;
 use preheat_engine::disagg::{gateway, worker};
 use preheat_engine::metrics::Role;
 
@@ -35,27 +34,18 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
             steps,
             kv_cache_mib,
         } => {
-            profile(&model, &output, &lengths, &batches, steps, kv_cache_mib)?;
-            crate::output::outln!("wrote {}", output.display());
+            preheat_local::profile::measure(
+                &model,
+                &output,
+                &lengths,
+                &batches,
+                steps,
+                kv_cache_mib,
+            )?;
+            preheat_output::outln!("wrote {}", output.display());
             Ok(ExitCode::SUCCESS)
         }
     }
-}
-
-/// `--host`/`--port` as an address, or an error in `errs`.
-pub(crate) fn socket_addr(
-    host: &str,
-    port: u16,
-    errs: &mut Vec<String>,
-) -> Option<std::net::SocketAddr> {
-    let addr = (host, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut i| i.next());
-    if addr.is_none() {
-        errs.push(format!("--host {host} --port {port} is not an address"));
-    }
-    addr
 }
 
 /// The deployment's cluster token, which also keys this process's prefix-cache hashes
@@ -80,15 +70,6 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// `--chat-template`'s text, read at start: a missing file fails the start, not the
-/// first chat.
-pub(super) fn read_chat_template(path: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
-    path.map(|p| {
-        std::fs::read_to_string(p).with_context(|| format!("--chat-template {}", p.display()))
-    })
-    .transpose()
-}
-
 fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     let mut errs = Vec::new();
     if a.worker_timeout.is_zero() {
@@ -97,7 +78,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     if a.block_size == 0 {
         errs.push("--block-size must be > 0".to_owned());
     }
-    let addr = socket_addr(&a.host, a.port, &mut errs);
+    let addr = preheat_flags::socket_addr(&a.host, a.port, &mut errs);
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
     }
@@ -127,7 +108,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
                 .context("--port + 1 overflows; give --internal-port")?,
         };
         let mut errs = Vec::new();
-        let addr = socket_addr(&a.host, port, &mut errs);
+        let addr = preheat_flags::socket_addr(&a.host, port, &mut errs);
         if !errs.is_empty() {
             anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
         }
@@ -147,7 +128,7 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         disagg_min_tokens: a.disagg_min_tokens,
         drain_grace: a.drain_grace,
         model,
-        chat_template: read_chat_template(a.chat_template.as_deref())?,
+        chat_template: preheat_flags::read_chat_template(a.chat_template.as_deref())?,
         ..gateway::GatewayOptions::default()
     };
     let addr = addr.context("checked above")?;
@@ -192,7 +173,7 @@ async fn gateway_model(
     model: &str,
     name: Option<&str>,
     block_size: usize,
-) -> anyhow::Result<preheat_engine::disagg::protocol::ModelInfo> {
+) -> anyhow::Result<preheat_engine::disagg::ModelInfo> {
     let source = preheat_warmpool::Source::parse(model);
     let is_snapshot = match &source {
         preheat_warmpool::Source::Http(_) => true,
@@ -218,7 +199,7 @@ async fn gateway_model(
         })?,
     };
     let fetcher = preheat_warmpool::Fetcher::new(source, Duration::from_secs(30))?;
-    let card = preheat_warmpool::card::fetch_card(&fetcher)
+    let card = preheat_warmpool::fetch_card(&fetcher)
         .await
         .with_context(|| format!("--model {shown}: reading its manifest"))?;
     let info = gateway::model_info_from_card(&card, block_size, &name)?;
@@ -300,124 +281,6 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Measures the replica and writes a `preheat_scaler::profile::Profile`.
-pub(crate) fn profile(
-    model: &std::path::Path,
-    output: &std::path::Path,
-    lengths: &[usize],
-    batches: &[usize],
-    steps: usize,
-    kv_mib: usize,
-) -> anyhow::Result<()> {
-    use preheat_engine::backend::cpu::CpuBackend;
-    use preheat_engine::model::{ModelSource, open_model};
-    let mut errs = Vec::new();
-    if lengths.is_empty() || lengths.contains(&0) {
-        errs.push("--lengths must be positive".to_owned());
-    }
-    if batches.is_empty() || batches.contains(&0) {
-        errs.push("--batches must be positive".to_owned());
-    }
-    let max_steps = preheat_engine::profile::MAX_DECODE_STEPS;
-    if steps == 0 || steps > max_steps {
-        errs.push(format!("--steps {steps} must be in 1..={max_steps}"));
-    }
-    if !errs.is_empty() {
-        anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
-    }
-    let t0 = std::time::Instant::now();
-    let (snap, source) = open_model(model)?;
-    let c = snap.manifest().model.clone();
-    let block_bytes = CpuBackend::kv_block_bytes(&c, 16);
-    let max_len = *lengths.iter().max().unwrap_or(&16);
-    let max_batch = *batches.iter().max().unwrap_or(&1);
-    // Decode is timed again with contexts as long as the longest prompt profiled (a
-    // step's attention reads the whole context), where the model allows it.
-    let short = preheat_engine::profile::DECODE_PROMPT;
-    let long = max_len.min((c.max_position_embeddings as usize).saturating_sub(steps + 1));
-    let long = (long > short).then_some(long);
-    // The workers' KV budget, which the profile reports; the measurements below may
-    // need more blocks than it (a batch of 64 long contexts), which they get.
-    let budget_blocks = (kv_mib << 20) / block_bytes.max(1);
-    let num_blocks = budget_blocks
-        .max(max_len.div_ceil(16))
-        .max(max_batch * preheat_engine::profile::decode_blocks_per_seq(steps))
-        .max(long.map_or(0, |l| {
-            preheat_engine::profile::decode_blocks_at(max_batch, steps, l)
-        }));
-    let mut be = CpuBackend::new(std::sync::Arc::clone(&snap), num_blocks, 16)?;
-    let load = t0.elapsed().as_secs_f64();
-    // Measured where an engine runs its kernels: inside their pool.
-    let pool = preheat_engine::backend::cpu::compute_pool(None)?;
-    let (mut prefill, mut itl, mut itl_long) = pool.install(|| -> anyhow::Result<_> {
-        let mut prefill = Vec::new();
-        for &len in lengths {
-            let len = len.min(c.max_position_embeddings as usize);
-            let tps = preheat_engine::profile::prefill_rate(&mut be, len)?;
-            tracing::info!(len, tokens_per_s = tps, "prefill");
-            prefill.push((len as f64, tps));
-        }
-        let timed = |be: &mut CpuBackend, context| -> anyhow::Result<Vec<(f64, f64)>> {
-            let steps_s = preheat_engine::profile::decode_steps_at(be, batches, steps, context)?;
-            Ok(batches
-                .iter()
-                .zip(steps_s)
-                .map(|(&b, step)| {
-                    tracing::info!(batch = b, context, itl_s = step.as_secs_f64(), "decode");
-                    (b as f64, step.as_secs_f64())
-                })
-                .collect())
-        };
-        let itl = timed(&mut be, short)?;
-        let itl_long = match long {
-            Some(context) => timed(&mut be, context)?,
-            None => Vec::new(),
-        };
-        Ok((prefill, itl, itl_long))
-    })?;
-    prefill.sort_by(|a, b| a.0.total_cmp(&b.0));
-    prefill.dedup_by(|a, b| a.0 == b.0);
-    itl.sort_by(|a, b| a.0.total_cmp(&b.0));
-    itl.dedup_by(|a, b| a.0 == b.0);
-    itl_long.sort_by(|a, b| a.0.total_cmp(&b.0));
-    itl_long.dedup_by(|a, b| a.0 == b.0);
-    let defaults = preheat_scaler::profile::Profile::default();
-    let mut startup = defaults.startup_s.clone();
-    let which = match source {
-        ModelSource::Converted => {
-            startup.cold = load;
-            "cold"
-        }
-        ModelSource::Snapshot => {
-            startup.staged = load;
-            startup.hot = load;
-            "staged/hot"
-        }
-    };
-    let p = preheat_scaler::profile::Profile {
-        source: format!(
-            "measured by `preheat engine profile` on {} ({} backend, {} threads); startup {which} measured ({load:.2} s), other startup values are defaults",
-            model.display(),
-            preheat_engine::backend::Backend::name(&be),
-            rayon::current_num_threads()
-        ),
-        prefill_tokens_per_s: prefill,
-        decode_itl_s: itl,
-        decode_itl_long: long.map(|context| preheat_scaler::profile::ContextItl {
-            short_context: short as f64,
-            context: context as f64,
-            itl_s: itl_long,
-        }),
-        kv_tokens: (budget_blocks.max(1) * 16) as f64,
-        startup_s: startup,
-    };
-    p.validate()
-        .map_err(|e| anyhow::anyhow!("measured profile is invalid: {}", e.join("; ")))?;
-    std::fs::write(output, serde_json::to_vec_pretty(&p)?)
-        .with_context(|| format!("writing {}", output.display()))?;
-    Ok(())
-}
-
 /// Raw flags → validated options, with every problem reported at once.
 pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<ServeOptions> {
     let mut errs = Vec::new();
@@ -440,13 +303,13 @@ pub(crate) fn serve_options(a: &ServeArgs, worker: bool) -> anyhow::Result<Serve
             errs.push(format!("{flag} must be > 0"));
         }
     }
-    let addr = socket_addr(&a.host, a.port, &mut errs);
+    let addr = preheat_flags::socket_addr(&a.host, a.port, &mut errs);
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
     }
     let mut o = ServeOptions::new(a.model.clone(), addr.context("checked above")?);
     o.served_model_name = a.served_model_name.clone();
-    o.chat_template = read_chat_template(a.chat_template.as_deref())?;
+    o.chat_template = preheat_flags::read_chat_template(a.chat_template.as_deref())?;
     o.block_size = a.block_size;
     o.kv_cache_bytes = a.kv_cache_mib << 20;
     o.scheduler = SchedulerConfig {

@@ -2,8 +2,7 @@
 
 use std::process::ExitCode;
 
-use preheat_scaler::config::Config;
-use preheat_scaler::profile::Profile;
+use preheat_scaler::{Config, Profile};
 
 use crate::cli::ScalerCmd;
 

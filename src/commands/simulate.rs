@@ -1,20 +1,18 @@
 //! `preheat simulate`: replays a trace against the scaling policies and reports SLO
 //! attainment against GPU-seconds.
 
-use crate::output::outln;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use preheat_scaler::config::Config;
-use preheat_scaler::policy::PoolPolicy;
-use preheat_scaler::profile::Profile;
+use preheat_output::outln;
+use preheat_output::{Panel, Series, svg};
+use preheat_scaler::{Config, PoolPolicy, Profile};
 use preheat_sim::{self as sim, SimConfig, SimReport, StartClass};
 
 use crate::cli::SimulateArgs;
 
 mod need;
 mod sweeps;
-use crate::plot::{Panel, Series, svg};
 
 /// Seconds of steady load each point of `--need-curve` is measured on.
 const NEED_STEADY_S: f64 = 3600.0;

@@ -1,10 +1,12 @@
 //! `preheat snapshot …`
 
-use crate::output::outln;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
+use preheat_output::Bar;
+use preheat_output::outln;
+use preheat_output::{emit, human_bytes, print_json};
 use preheat_snapshot::packed::{self, PackOptions};
 use preheat_snapshot::synth::{self, SynthOptions};
 use preheat_snapshot::{DType, Snapshot, TargetDtype, WriteSummary};
@@ -12,8 +14,6 @@ use serde_json::json;
 
 use super::default_threads;
 use crate::cli::SnapshotCmd;
-use crate::output::{emit, human_bytes, print_json};
-use crate::progress_bar::Bar;
 
 pub fn run(cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {
     match cmd {

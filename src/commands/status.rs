@@ -11,13 +11,12 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use preheat_edge::ClusterToken;
-use preheat_scaler::standbys::AgentPool;
-use preheat_scaler::status::{PoolReport, StatusReport};
+use preheat_output::{emit, human_bytes};
+use preheat_scaler::{AgentPool, PoolReport, StatusReport};
 use preheat_warmpool::agent::ModelStatus;
 use serde::Serialize;
 
 use crate::cli::StatusArgs;
-use preheat_output::{emit, human_bytes};
 
 /// Longest answer read from the scaler or an agent: a status is a few KiB.
 const MAX_ANSWER: usize = 4 << 20;
@@ -458,8 +457,8 @@ async fn kube_token(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use preheat_scaler::LoadView;
     use preheat_scaler::SloView;
-    use preheat_scaler::policy::LoadView;
 
     #[test]
     fn the_token_secret_is_named_as_the_chart_names_it() {
@@ -510,7 +509,7 @@ mod tests {
             scaler: Some(ScalerView {
                 url: "http://s".into(),
                 report: StatusReport {
-                    models: vec![preheat_scaler::status::ModelReport {
+                    models: vec![preheat_scaler::ModelReport {
                         model: "llama".into(),
                         pools: vec![pool("prefill", false), pool("decode", true)],
                     }],

@@ -4,11 +4,11 @@ use std::io::Write as _;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
+use preheat_output::outln;
 use preheat_sim::day::{DayShape, day, write_jsonl};
 use preheat_sim::trace;
 
 use crate::cli::{TraceCmd, TraceDayArgs};
-use crate::output::outln;
 
 pub fn run(cmd: TraceCmd) -> anyhow::Result<ExitCode> {
     match cmd {

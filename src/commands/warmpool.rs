@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use preheat_warmpool::config::AgentConfig;
+use preheat_output::{human_bytes, outln};
+use preheat_warmpool::AgentConfig;
 use preheat_warmpool::stage::{self, StageOptions};
 use preheat_warmpool::{Fetcher, Source};
 
 use crate::cli::WarmpoolCmd;
-use crate::output::{human_bytes, outln};
 
 pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -56,7 +56,7 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
         WarmpoolCmd::Own { dirs, uid, gid } => {
             let mut changed = 0;
             for d in &dirs {
-                changed += preheat_warmpool::ownership::own_tree(d, uid, gid)?;
+                changed += preheat_warmpool::own_tree(d, uid, gid)?;
             }
             outln!(
                 "{changed} entries given to {uid}:{gid} under {} directories",
@@ -103,17 +103,10 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                 .build()?;
             let o = rt.block_on(async {
                 let f = Fetcher::new(src, Duration::from_secs(60))?;
-                stage::stage(
-                    &f,
-                    &dir,
-                    &name,
-                    &opts,
-                    Arc::new(crate::progress_bar::Bar::new()),
-                )
-                .await
+                stage::stage(&f, &dir, &name, &opts, Arc::new(preheat_output::Bar::new())).await
             })?;
             if json {
-                crate::output::print_json(&serde_json::json!({
+                preheat_output::print_json(&serde_json::json!({
                     "path": o.path, "bytes": o.bytes, "fetched_bytes": o.fetched_bytes,
                     "resumed_bytes": o.resumed_bytes, "already_staged": o.already_staged,
                     "seconds": o.seconds,

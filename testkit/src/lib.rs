@@ -7,8 +7,14 @@
 //! whose prerequisite is missing fails, naming it and how to get it, unless
 //! `PREHEAT_ALLOW_SKIP=1` says skipping is wanted: then it prints why, passes, and
 //! (under `.ci/test`) is counted in the run's closing summary.
+//!
+//! Every test that waits for something waits through [`wait_for`] (see [`wait`]).
 
 use std::path::{Path, PathBuf};
+
+pub mod wait;
+
+pub use wait::{Wait, wait_for, wait_for_async};
 
 /// The workspace's root directory (where `.cache/` lives).
 #[must_use]

@@ -92,6 +92,7 @@ async fn list_or_watch(s: Shared, kind: &'static str, q: BTreeMap<String, String
                     if tokio::time::Instant::now() >= deadline {
                         return None;
                     }
+                    // Deliberate: the watch's own period (see above).
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     let rv = next_rv();
                     let now = objects(&s, kind, &selector, rv);

@@ -320,6 +320,7 @@ impl Cluster {
             while !c.stop.load(Ordering::SeqCst) {
                 c.reconcile();
                 c.probe();
+                // Deliberate: the controllers' loop period, not a wait for anything.
                 std::thread::sleep(Duration::from_millis(200));
             }
         });
@@ -391,14 +392,11 @@ impl Cluster {
             let before = self.ready(owner).len();
             // Surge one, wait for it to be Ready, then retire the old one.
             self.create_pod(&d, owner, &node);
-            let t0 = Instant::now();
-            while self.ready(owner).len() <= before {
-                assert!(
-                    t0.elapsed() < timeout,
-                    "rollout: the new {owner} pod never became Ready"
-                );
-                std::thread::sleep(Duration::from_millis(100));
-            }
+            preheat_testkit::wait_for(
+                format!("rollout: the new {owner} pod Ready"),
+                timeout,
+                || self.ready(owner).len() > before,
+            );
             self.terminate(&name);
         }
     }
@@ -677,6 +675,7 @@ impl Cluster {
         let c = Arc::clone(self);
         let name = name.to_owned();
         std::thread::spawn(move || {
+            // Deliberate: the pod's preStop sleep, as the kubelet runs it.
             std::thread::sleep(Duration::from_secs(pre_stop.min(grace)));
             let left = grace.saturating_sub(pre_stop);
             let _ = docker(&["stop", "-t", &left.to_string(), &c.cname(&name)]);
@@ -866,6 +865,7 @@ impl Cluster {
             if docker(&["network", "rm", &self.net]).status.success() {
                 break;
             }
+            // Deliberate: a pause before the second (and last) try; nothing to wait for.
             std::thread::sleep(Duration::from_secs(1));
         }
         // Files the containers wrote as root.

@@ -188,6 +188,7 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
                         }
                     }
                 }
+                // Deliberate: KEDA's pause before it reconnects.
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });
@@ -200,6 +201,7 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
         let mut recs: VecDeque<(Instant, i64)> = VecDeque::new();
         let mut events: VecDeque<(Instant, i64)> = VecDeque::new();
         while !c.stopped() {
+            // Deliberate: the ScaledObject's pollingInterval, as KEDA keeps it.
             tokio::time::sleep(spec.polling).await;
             let mut client = url.connect().await.ok();
             let is_active = match &mut client {

@@ -1,9 +1,18 @@
-//! A small harness for driving the `preheat` binary in integration tests.
+//! A small harness for driving the `preheat` binary in integration tests: one-shot
+//! commands here, and (in [`stack`] and [`up`]) the one way to start a deployment to test
+//! against.
 #![allow(dead_code)]
+
+mod stack;
+mod up;
 
 use std::process::{Command, Output};
 
-use preheat_testkit::KillOnDrop;
+// (Each test binary uses part of it.)
+#[allow(unused_imports)]
+pub use stack::*;
+#[allow(unused_imports)]
+pub use up::*;
 
 /// Runs `preheat ARGS…` to completion.
 pub fn preheat<I, S>(args: I) -> Output
@@ -62,95 +71,6 @@ pub fn bearer() -> String {
     preheat_edge::ClusterToken::from_file(token_file())
         .expect("the token file")
         .bearer()
-}
-
-/// Starts `preheat ARGS…` in the background (stdout discarded, quiet logs on
-/// `stderr`), with this run's cluster token; killed when dropped.
-pub fn spawn(args: &[&str], stderr: std::process::Stdio) -> KillOnDrop {
-    KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_preheat"))
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .env("PREHEAT_CLUSTER_TOKEN_FILE", token_file())
-            .stdout(std::process::Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn preheat"),
-    )
-}
-
-/// Starts an `engine gateway` that learns its model from the workers registering on
-/// its internal port and sends every prompt through a prefill worker (with `extra`
-/// flags); returns it, its public URL and its internal URL (where workers register).
-pub fn disagg_gateway(extra: &[&str], stderr: std::process::Stdio) -> (KillOnDrop, String, String) {
-    let (port, internal) = (preheat_testkit::free_port(), preheat_testkit::free_port());
-    let (port_s, internal_s) = (port.to_string(), internal.to_string());
-    let mut args = vec![
-        "engine",
-        "gateway",
-        "--port",
-        &port_s,
-        "--internal-port",
-        &internal_s,
-        "--disagg-min-tokens",
-        "1",
-    ];
-    args.extend(extra);
-    let p = spawn(&args, stderr);
-    (
-        p,
-        format!("http://127.0.0.1:{port}"),
-        format!("http://127.0.0.1:{internal}"),
-    )
-}
-
-/// Starts an `engine prefill` or `engine decode` worker (`role`) of `model` that
-/// registers at `gw` (a gateway's internal URL), with a KV cache of `kv_mib`; returns
-/// it and its HTTP port.
-pub fn disagg_worker(
-    role: &str,
-    model: &std::path::Path,
-    gw: &str,
-    kv_mib: u32,
-    stderr: std::process::Stdio,
-) -> (KillOnDrop, u16) {
-    let port = preheat_testkit::free_port();
-    // A prefill worker's KV port is its own free port: the default (--port + 1) can be
-    // the port another test's process was just given (the cause of "timed out waiting
-    // for three workers" in a CI run).
-    let kv_port = preheat_testkit::free_port().to_string();
-    let model = model.to_str().expect("utf-8 path");
-    let port_s = port.to_string();
-    let kv_mib = kv_mib.to_string();
-    let mut args = vec!["engine", role, "--model", model, "--port", &port_s];
-    args.extend(["--kv-cache-mib", &kv_mib, "--gateway", gw]);
-    if role == "prefill" {
-        args.extend(["--kv-port", kv_port.as_str()]);
-    }
-    (spawn(&args, stderr), port)
-}
-
-/// Waits until `GET /health` on `port` answers 200 (a server answers 503 while its
-/// model loads), up to `secs`.
-pub fn wait_healthy(port: u16, secs: u64) {
-    use std::io::{Read, Write};
-    let healthy = || {
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-            return false;
-        };
-        let _ = s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n");
-        let mut buf = [0u8; 16];
-        let n = s.read(&mut buf).unwrap_or(0);
-        buf[..n].starts_with(b"HTTP/1.0 200") || buf[..n].starts_with(b"HTTP/1.1 200")
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    while !healthy() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "port {port} never became healthy"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
 }
 
 /// Writes the synthetic tiny model (`seed` picks its weights) as `DIR/NAME.preheat`

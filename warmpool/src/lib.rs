@@ -32,7 +32,10 @@ pub mod standby;
 pub mod store;
 pub mod worker_process;
 
+pub use card::fetch_card;
+pub use config::AgentConfig;
 pub use error::{Error, Result};
 pub use fetch::{Fetcher, Source};
+pub use ownership::own_tree;
 pub use stage::{StageOptions, StageOutcome, stage};
 pub use store::Store;

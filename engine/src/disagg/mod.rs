@@ -9,11 +9,12 @@
 //! that decode worker beforehand (`POST /internal/peers`, [`peers`]): a decode worker
 //! pulls from no other address, whatever a body says; the decode worker **reserves
 //! the KV blocks first** (back-pressure: 429 when it has no room), then pulls the K/V
-//! and first token from the prefill worker's `POST /internal/prefill` (one KV transfer
-//! message, [`crate::kv::transfer`]), installs them and decodes, streaming events back
-//! as NDJSON. Any failure of the transfer releases the reservation; a prefill failure
-//! before the first token is reported as such, and the gateway retries once on another
-//! prefill worker, then falls back to prefilling on the decode worker.
+//! and first token from the prefill worker's KV port, or its `POST /internal/prefill`
+//! (one K/V message; what crosses between processes is in [`wire`]), installs them and
+//! decodes, streaming events back as NDJSON. Any failure of the transfer releases the
+//! reservation; a prefill failure before the first token is reported as such, and the
+//! gateway retries once on another prefill worker, then falls back to prefilling on
+//! the decode worker.
 //!
 //! Membership, one of two ways. Registered (local mode, `engine` commands): workers
 //! register (`POST /internal/register`) with their role, URL and KV compatibility hash,
@@ -26,7 +27,8 @@
 
 pub mod gateway;
 pub mod peers;
-pub mod protocol;
 pub mod router;
-pub mod transport;
+pub mod wire;
 pub mod worker;
+
+pub use wire::messages::{ModelInfo, WorkerRole};

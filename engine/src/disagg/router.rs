@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::protocol::Load;
+use super::wire::messages::Load;
 use crate::kv::BlockHash;
 
 /// Blocks remembered per prefill worker.

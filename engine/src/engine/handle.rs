@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc as tmpsc;
 
 use super::engine_loop::{Command, EngineLoop};
+use super::exported::ExportedSequence;
 use super::request::{self, Event, GenerateRequest};
 use crate::backend::{Backend, KvLayout};
-use crate::kv::transfer::{self, KvMessage, TransferError};
+use crate::kv::payload::{self, BufferPool};
 use crate::kv::{BlockId, BlockPool, PrefixKey};
 use crate::metrics::EngineMetrics;
 use crate::sampling::SamplingParams;
@@ -57,7 +58,7 @@ pub struct Engine {
     in_flight: Arc<AtomicUsize>,
     layout: KvLayout,
     compat: String,
-    kv_buffers: transfer::BufferPool,
+    kv_buffers: BufferPool,
     /// The prefix cache's block hashes, refreshed at most twice a second.
     cached: Arc<std::sync::Mutex<Vec<crate::kv::BlockHash>>>,
     prefix_key: PrefixKey,
@@ -205,13 +206,13 @@ impl Engine {
                 "backend KV layout differs from the engine config".into(),
             ));
         }
-        let compat = transfer::compat_hash(backend.weights_fingerprint(), &layout);
+        let compat = payload::compat_hash(backend.weights_fingerprint(), &layout);
         let model_len = backend.config().max_position_embeddings as usize;
         let vocab_size = backend.config().vocab_size as usize;
         let max_model_len = model_len.min(cfg.block_size * cfg.num_blocks);
         let (tx, rx) = mpsc::channel();
         let dead = Arc::new(AtomicBool::new(false));
-        let kv_buffers = transfer::BufferPool::default();
+        let kv_buffers = BufferPool::default();
         let cached = Arc::new(std::sync::Mutex::new(Vec::new()));
         let tokenizer = Arc::new(tokenizer);
         let queued = Arc::new(AtomicUsize::new(0));
@@ -316,18 +317,18 @@ impl Engine {
     }
 
     /// [`Engine::resume`] into blocks reserved before the payload flowed.
-    pub fn resume_into(&self, res: Reservation, msg: KvMessage) -> Result<RequestHandle> {
-        if res.len() != msg.header.num_blocks as usize {
+    pub fn resume_into(&self, res: Reservation, seq: ExportedSequence) -> Result<RequestHandle> {
+        if res.len() != seq.shape.num_blocks as usize {
             return Err(EngineError::invalid(
                 format!(
-                    "{} blocks reserved, the message carries {}",
+                    "{} blocks reserved, the sequence carries {}",
                     res.len(),
-                    msg.header.num_blocks
+                    seq.shape.num_blocks
                 ),
                 "kv",
             ));
         }
-        self.resume_with(msg, Some(res))
+        self.resume_with(seq, Some(res))
     }
 
     /// What this engine's block hashes start from.
@@ -371,7 +372,7 @@ impl Engine {
 
     /// Receive buffers for incoming K/V; payloads come back here once installed.
     #[must_use]
-    pub fn kv_buffers(&self) -> &transfer::BufferPool {
+    pub fn kv_buffers(&self) -> &BufferPool {
         &self.kv_buffers
     }
 
@@ -379,31 +380,31 @@ impl Engine {
     /// that many blocks may carry, and no more.
     #[must_use]
     pub fn kv_payload_for(&self, blocks: usize) -> u64 {
-        transfer::block_bytes(&self.layout) * self.layout.num_layers as u64 * blocks as u64
+        payload::block_bytes(&self.layout) * self.layout.num_layers as u64 * blocks as u64
     }
 
     /// Largest KV payload this engine could hold (its whole cache).
     #[must_use]
     pub fn max_kv_payload(&self) -> u64 {
-        transfer::block_bytes(&self.layout)
+        payload::block_bytes(&self.layout)
             * self.layout.num_layers as u64
             * self.layout.num_blocks as u64
     }
 
     /// Computes the prompt's K/V and first token only; the handle yields
-    /// [`Event::KvReady`] with the message to ship under `transfer_id`.
+    /// [`Event::KvReady`] with the sequence to ship under `transfer_id`.
     pub fn prefill(&self, mut req: GenerateRequest, transfer_id: &str) -> Result<RequestHandle> {
         // The decode side checks the full length; here only the prompt is computed.
         req.params.max_tokens = req.params.max_tokens.max(1);
         self.enqueue(req, Some(transfer_id.to_owned()))
     }
 
-    /// [`Engine::prefill`], awaited: the message to ship, or why there is none.
-    pub async fn prefill_message(
+    /// [`Engine::prefill`], awaited: the sequence to ship, or why there is none.
+    pub async fn prefill_sequence(
         &self,
         req: GenerateRequest,
         transfer_id: &str,
-    ) -> Result<KvMessage> {
+    ) -> Result<ExportedSequence> {
         let mut h = self.prefill(req, transfer_id)?;
         loop {
             match h.events.recv().await {
@@ -417,47 +418,44 @@ impl Engine {
         }
     }
 
-    /// Continues a sequence prefilled elsewhere: validates the message, takes blocks
-    /// for it (all or nothing: `Overloaded` when the cache has no room), installs the
-    /// K/V and decodes under continuous batching. The first event carries the first
+    /// Continues a sequence prefilled elsewhere (one the wire checked on arrival, or
+    /// another engine's export in this process): checks it fits this engine, takes
+    /// blocks for it (all or nothing: `Overloaded` when the cache has no room), installs
+    /// the K/V and decodes under continuous batching. The first event carries the first
     /// token that prefill sampled.
-    pub fn resume(&self, msg: KvMessage) -> Result<RequestHandle> {
-        self.resume_with(msg, None)
+    pub fn resume(&self, seq: ExportedSequence) -> Result<RequestHandle> {
+        self.resume_with(seq, None)
     }
 
-    fn resume_with(&self, msg: KvMessage, mut res: Option<Reservation>) -> Result<RequestHandle> {
+    fn resume_with(
+        &self,
+        seq: ExportedSequence,
+        mut res: Option<Reservation>,
+    ) -> Result<RequestHandle> {
         // A reservation was taken before the drain: its request was admitted, and its
         // prompt already computed; refusing it now would send it back to be prefilled
         // again.
         if res.is_none() && self.draining.load(Ordering::SeqCst) {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
-        let bad = |e: TransferError| EngineError::invalid(e.to_string(), "kv");
-        KvMessage::check_header(
-            &msg.header,
-            &self.compat,
-            &self.layout,
-            self.max_kv_payload(),
-        )
-        .map_err(bad)?;
-        msg.check_payload().map_err(bad)?;
-        let h = &msg.header;
-        let total = h.prompt.len() + h.params.max_tokens;
+        seq.check(&self.layout, self.max_kv_payload())
+            .map_err(|e| EngineError::invalid(format!("K/V: {e}"), "kv"))?;
+        let total = seq.prompt.len() + seq.params.max_tokens;
         if total > self.max_model_len {
             return Err(EngineError::invalid(
                 format!(
                     "{} prompt tokens + {} more exceed this model's context of {}",
-                    h.prompt.len(),
-                    h.params.max_tokens,
+                    seq.prompt.len(),
+                    seq.params.max_tokens,
                     self.max_model_len
                 ),
                 "max_tokens",
             ));
         }
-        if let Some(bad) = h
+        if let Some(bad) = seq
             .prompt
             .iter()
-            .chain([&h.first_token])
+            .chain([&seq.first_token])
             .find(|&&t| t as usize >= self.vocab_size)
         {
             return Err(EngineError::invalid(
@@ -465,8 +463,8 @@ impl Engine {
                 "kv",
             ));
         }
-        h.params.check_vocab(self.vocab_size)?;
-        let constraint = self.constraint(&h.params)?;
+        seq.params.check_vocab(self.vocab_size)?;
+        let constraint = self.constraint(&seq.params)?;
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (out, events) = tmpsc::unbounded_channel();
@@ -474,7 +472,7 @@ impl Engine {
             .tx
             .send(Command::Resume {
                 id,
-                msg: Box::new(msg),
+                seq: Box::new(seq),
                 constraint,
                 blocks: res.as_mut().map(|r| std::mem::take(&mut r.blocks)),
                 out,

@@ -1,7 +1,7 @@
 //! A request as the engine takes it (already tokenised), what its stream carries, and
 //! the checks every front applies before queueing one.
 
-use crate::kv::transfer::KvMessage;
+use super::ExportedSequence;
 use crate::sampling::SamplingParams;
 use crate::{EngineError, Result};
 
@@ -59,7 +59,7 @@ pub enum Event {
     Error(EngineError),
     /// Prefill-only requests: the prompt's K/V and the first token, ready to ship to a
     /// decode worker (a `Finished` follows).
-    KvReady(Box<KvMessage>),
+    KvReady(Box<ExportedSequence>),
     /// A gateway lost the worker running this sequence (the error says how) and runs
     /// it again from the start elsewhere: what came before this event is void. A
     /// consumer that has shown none of it to its client discards it and goes on; one

@@ -13,7 +13,7 @@
 
 pub mod block_pool;
 pub mod hashing;
-pub mod transfer;
+pub mod payload;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use hashing::{BlockHash, PrefixKey};

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use preheat_engine::scheduler::SchedulerConfig;
+use preheat_testkit::wait_for_async;
 use serde_json::{Value, json};
 
 use preheat_testkit::model_fixture as fixture;
@@ -80,15 +81,15 @@ async fn greedy_matches_reference_alone_concurrently_and_from_the_prefix_cache()
         }
         assert!(text.contains(r#"model_name="m""#) && text.contains(r#"role="colocated""#));
         // Gauges update at the end of the engine step that finished the requests.
-        let mut usage = f64::MAX;
-        for _ in 0..100 {
-            usage = s.metric("vllm:kv_cache_usage_perc").await;
-            if usage == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(usage, 0.0, "blocks leaked");
+        wait_for_async(
+            "every block free (leaked?)",
+            Duration::from_secs(2),
+            async || {
+                let usage = s.metric("vllm:kv_cache_usage_perc").await;
+                if usage == 0.0 { Ok(()) } else { Err(usage) }
+            },
+        )
+        .await;
         s.stop().await;
     }
 }
@@ -718,25 +719,21 @@ async fn disconnected_client_case() {
                 && l.ends_with(" 1")
         })
     };
-    let mut text = String::new();
-    for _ in 0..500 {
-        text = s.metrics_text().await;
-        if aborted(&text) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(aborted(&text), "expected one aborted request:\n{text}");
-    let mut left = f64::MAX;
-    for _ in 0..200 {
-        left = s.metric("vllm:kv_cache_usage_perc").await
-            + s.metric("vllm:num_requests_running").await;
-        if left == 0.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(left, 0.0, "blocks of a disconnected client were not freed");
+    wait_for_async("one aborted request", Duration::from_secs(5), async || {
+        let text = s.metrics_text().await;
+        if aborted(&text) { Ok(()) } else { Err(text) }
+    })
+    .await;
+    wait_for_async(
+        "the blocks of a disconnected client freed",
+        Duration::from_secs(2),
+        async || {
+            let left = s.metric("vllm:kv_cache_usage_perc").await
+                + s.metric("vllm:num_requests_running").await;
+            if left == 0.0 { Ok(()) } else { Err(left) }
+        },
+    )
+    .await;
     assert!(
         s.metric("vllm:generation_tokens_total").await < 500.0,
         "the request ran to completion instead of being cancelled"
@@ -760,7 +757,13 @@ async fn shutdown_drains_in_flight_requests() {
             .await
             .unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // In flight: its first token is out (a counter, so it is not missed).
+    wait_for_async(
+        "the request under way",
+        Duration::from_secs(10),
+        async || s.metric("vllm:generation_tokens_total").await >= 1.0,
+    )
+    .await;
     s.stop().await;
     let r = inflight.await.unwrap();
     assert_eq!(

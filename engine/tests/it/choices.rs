@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use preheat_testkit::wait_for_async;
 use serde_json::{Value, json};
 
 use preheat_testkit::model_fixture as fixture;
@@ -88,15 +89,19 @@ async fn n_choices_share_one_prefill_and_each_is_its_own_seed() {
         assert_eq!(choice_ids(&g, i), token_ids_of(&g1));
     }
     // Nothing leaked: every block is free again once the requests are done.
-    let mut usage = 1.0;
-    for _ in 0..100 {
-        usage = s.metric("vllm:kv_cache_usage_perc").await;
-        if usage == 0.0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert_eq!(usage, 0.0, "blocks still held");
+    wait_for_async(
+        "every block free again",
+        std::time::Duration::from_secs(2),
+        async || {
+            let usage = s.metric("vllm:kv_cache_usage_perc").await;
+            if usage == 0.0 {
+                Ok(())
+            } else {
+                Err(format!("blocks still held: {usage}"))
+            }
+        },
+    )
+    .await;
     s.stop().await;
 }
 

@@ -9,12 +9,13 @@ use axum::body::{Body, Bytes};
 use axum::routing::post;
 use preheat_engine::colocated::ServeOptions;
 use preheat_engine::disagg::peers::Announcement;
-use preheat_engine::disagg::protocol::{GenerateBody, WireError, WorkerRole};
+use preheat_engine::disagg::wire::messages::{GenerateBody, WireError, WorkerRole};
 use preheat_engine::disagg::worker::{self, WorkerOptions};
 use preheat_engine::metrics::Role;
 use preheat_engine::sampling::SamplingParams;
+use preheat_testkit::wait_for_async;
 
-use super::server::{listen, scrape};
+use super::server::{healthy, listen, scrape};
 
 fn kv_usage(metrics: &str) -> f64 {
     metrics
@@ -25,22 +26,25 @@ fn kv_usage(metrics: &str) -> f64 {
         .unwrap_or(-1.0)
 }
 
+/// Whether a `/metrics` page shows no KV block in use, for `wait_for`.
+fn kv_empty(metrics: &str) -> Result<(), String> {
+    let u = kv_usage(metrics);
+    if u == 0.0 {
+        Ok(())
+    } else {
+        Err(format!("blocks leaked: {u}"))
+    }
+}
+
 /// Waits up to 30 s for `base`'s `/health` to answer 200 (503 while the model loads).
 async fn wait_healthy(base: &str) {
     let c = reqwest::Client::new();
-    let t0 = Instant::now();
-    while !c
-        .get(format!("{base}/health"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == 200)
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "{base} never healthy"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_async(
+        format!("{base} healthy"),
+        Duration::from_secs(30),
+        async || healthy(&c, base).await,
+    )
+    .await;
 }
 
 /// A 99-token prompt and 3 greedy tokens, pulled from `prefill` (or prefilled here).
@@ -200,29 +204,24 @@ async fn prefill_dying_mid_transfer_releases_the_reservation() {
     let w_err: WireError = r.json().await.unwrap();
     assert!(w_err.prefill_failed, "{w_err:?}");
     // The 7 reserved blocks are back: usage returns to zero.
-    let t0 = Instant::now();
-    loop {
-        // Gauges update on engine steps: a small local request makes one happen.
-        let r = c
-            .post(format!("{decode}/internal/generate"))
-            .json(&body(None))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let lines = r.text().await.unwrap();
-        assert!(lines.contains("\"finished\""), "{lines}");
-        let m = scrape(&c, &decode).await;
-        if kv_usage(&m) == 0.0 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "blocks leaked: {}",
-            kv_usage(&m)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_async(
+        "the reserved blocks back",
+        Duration::from_secs(5),
+        async || {
+            // Gauges update on engine steps: a small local request makes one happen.
+            let r = c
+                .post(format!("{decode}/internal/generate"))
+                .json(&body(None))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let lines = r.text().await.unwrap();
+            assert!(lines.contains("\"finished\""), "{lines}");
+            kv_empty(&scrape(&c, &decode).await)
+        },
+    )
+    .await;
     d.stop().await;
 }
 
@@ -256,11 +255,10 @@ async fn a_pull_outlasting_the_drain_grace_is_handed_back_not_cut_off() {
             .send(),
     );
     // Its blocks are reserved: the pull has begun.
-    let t0 = Instant::now();
-    while kv_usage(&scrape(&c, &d.url).await) <= 0.0 {
-        assert!(t0.elapsed() < Duration::from_secs(5), "never reserved");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_async("the blocks reserved", Duration::from_secs(5), async || {
+        kv_usage(&scrape(&c, &d.url).await) > 0.0
+    })
+    .await;
     let t0 = Instant::now();
     d.stop().await;
     let r = sent.await.unwrap().unwrap();
@@ -284,7 +282,9 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
         .route(
             "/internal/heartbeat",
             post(
-                move |axum::Json(h): axum::Json<preheat_engine::disagg::protocol::Heartbeat>| {
+                move |axum::Json(h): axum::Json<
+                    preheat_engine::disagg::wire::messages::Heartbeat,
+                >| {
                     let s2 = Arc::clone(&s2);
                     async move {
                         s2.lock().unwrap().push(h.blocks);
@@ -317,7 +317,7 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
     let prompt: Vec<u32> = (1..66).collect();
     let r = c
         .post(format!("{prefill}/internal/prefill"))
-        .json(&preheat_engine::disagg::protocol::PrefillBody {
+        .json(&preheat_engine::disagg::wire::messages::PrefillBody {
             request_id: "r".into(),
             prompt: prompt.clone(),
             params: SamplingParams::default(),
@@ -328,19 +328,17 @@ async fn a_prefill_worker_reports_the_blocks_it_holds() {
     assert_eq!(r.status(), 200);
     let want = preheat_engine::kv::PrefixKey::UNKEYED.block_hashes(&prompt, 16);
     assert_eq!(want.len(), 4);
-    let t0 = Instant::now();
-    while !seen
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|b| want.iter().all(|h| b.contains(h)))
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the prompt's blocks were never reported"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_async(
+        "the prompt's blocks reported",
+        Duration::from_secs(5),
+        async || {
+            seen.lock()
+                .unwrap()
+                .iter()
+                .any(|b| want.iter().all(|h| b.contains(h)))
+        },
+    )
+    .await;
     let _ = stop_tx.send(());
     w.await.unwrap().unwrap();
 }
@@ -391,22 +389,13 @@ async fn regression_a_stalled_kv_peer_held_a_reservation_for_300_s() {
     assert!(e.prefill_failed, "{e:?}");
     assert!(waited < Duration::from_secs(6), "{waited:?}");
     // The reservation is back: a local request runs and usage returns to zero.
-    let t0 = Instant::now();
-    loop {
+    wait_for_async("the reservation back", Duration::from_secs(5), async || {
         let r = generate(None).await.unwrap();
         assert_eq!(r.status(), 200);
         assert!(r.text().await.unwrap().contains("\"finished\""));
-        let m = scrape(&c, &decode).await;
-        if kv_usage(&m) == 0.0 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "blocks leaked: {}",
-            kv_usage(&m)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        kv_empty(&scrape(&c, &decode).await)
+    })
+    .await;
     d.stop().await;
 }
 
@@ -461,6 +450,7 @@ async fn regression_a_decode_worker_pulled_kv_from_any_address_a_body_named() {
             "{e:?}"
         );
     }
+    // Deliberate: a connection that must never come is given time to show.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         seen.load(Ordering::SeqCst),

@@ -4,9 +4,10 @@ use std::time::{Duration, Instant};
 
 use preheat_engine::colocated::ServeOptions;
 use preheat_engine::disagg::gateway::{self, GatewayOptions};
-use preheat_engine::disagg::protocol::WorkerRole;
+use preheat_engine::disagg::wire::messages::WorkerRole;
 use preheat_engine::disagg::worker::{self, WorkerOptions};
 use preheat_engine::metrics::Role;
+use preheat_testkit::{Wait, wait_for_async};
 use serde_json::Value;
 
 use super::server::{listen, metric_sum, scrape};
@@ -97,30 +98,31 @@ impl Stack {
         }
         let prefills = spec.iter().filter(|w| w.0 == WorkerRole::Prefill).count();
         let client = reqwest::Client::new();
-        let t0 = Instant::now();
-        loop {
-            let v: Value = match client
-                .get(format!("{internal}/internal/workers"))
-                .send()
-                .await
-            {
-                Ok(r) => r.json().await.unwrap_or_default(),
-                Err(_) => Value::Null,
-            };
-            let list = v["workers"].as_array().cloned().unwrap_or_default();
-            if list.len() == spec.len()
-                && list.iter().filter(|w| w["role"] == "decode").all(|w| {
-                    w["prefill_peers"] == prefills && w["load"]["kv_blocks"].as_u64() > Some(0)
-                })
-            {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the workers never all registered"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_for_async(
+            "the workers all registered",
+            Duration::from_secs(60),
+            async || {
+                let v: Value = match client
+                    .get(format!("{internal}/internal/workers"))
+                    .send()
+                    .await
+                {
+                    Ok(r) => r.json().await.unwrap_or_default(),
+                    Err(_) => Value::Null,
+                };
+                let list = v["workers"].as_array().cloned().unwrap_or_default();
+                if list.len() == spec.len()
+                    && list.iter().filter(|w| w["role"] == "decode").all(|w| {
+                        w["prefill_peers"] == prefills && w["load"]["kv_blocks"].as_u64() > Some(0)
+                    })
+                {
+                    Ok(())
+                } else {
+                    Err(format!("{list:?}"))
+                }
+            },
+        )
+        .await;
         Stack {
             url,
             internal,
@@ -168,8 +170,10 @@ impl Stack {
         let r = self
             .client
             .post(format!("{}/internal/register", self.internal))
-            .json(&serde_json::json!({"id": id, "role": "decode", "url": url, "model": "tiny",
-                  "compat": info.compat, "kv_format": preheat_engine::kv::transfer::FORMAT_VERSION}))
+            .json(
+                &serde_json::json!({"id": id, "role": "decode", "url": url, "model": "tiny",
+                  "compat": info.compat, "kv_format": preheat_engine::kv::payload::FORMAT_VERSION}),
+            )
             .send()
             .await
             .unwrap();
@@ -350,16 +354,16 @@ async fn regression_a_client_that_gave_up_while_held_stayed_counted_as_pending()
     // Reaches `want`; 0 must also stay (a request waiting for room is counted while it
     // pauses between asks, so a held one may read 0 for an instant).
     let settles_at = async |want: f64| {
-        let t0 = Instant::now();
-        while pending().await != want {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "pending never read {want}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        Wait::new(format!("pending to read {want}"), Duration::from_secs(10))
+            .every(Duration::from_millis(10))
+            .until_async(async || {
+                let n = pending().await;
+                if n == want { Ok(()) } else { Err(n) }
+            })
+            .await;
         if want == 0.0 {
             for _ in 0..5 {
+                // Deliberate: it must stay 0, which only time passing shows.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 assert_eq!(
                     pending().await,
@@ -425,8 +429,8 @@ async fn fake_decode_workers(
                     let n = calls.fetch_add(1, Ordering::SeqCst);
                     async move {
                         use futures_util::StreamExt;
-                        // A pause before each line: each reaches the gateway on its own,
-                        // before the break that follows it.
+                        // A pause before each line (deliberate): each reaches the gateway
+                        // on its own, before the break that follows it.
                         let lines = futures_util::stream::iter(script(n)).then(|l| async move {
                             tokio::time::sleep(Duration::from_millis(50)).await;
                             match l {

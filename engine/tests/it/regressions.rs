@@ -9,6 +9,7 @@ use preheat_engine::model::open_model;
 use preheat_engine::sampling::SamplingParams;
 use preheat_engine::scheduler::SchedulerConfig;
 use preheat_engine::tokenizer::Tokenizer;
+use preheat_testkit::wait_for_async;
 use serde_json::Value;
 
 /// A prompt longer than the step's token budget is prefilled in chunks; a step whose
@@ -145,12 +146,12 @@ async fn the_prefix_key_follows_each_engines_deployment_not_the_process() {
             }
         }
         // The engine reports its cached blocks when it goes idle.
-        let t0 = std::time::Instant::now();
-        let mut cached = e.cached_blocks();
-        while cached.is_empty() && t0.elapsed() < std::time::Duration::from_secs(5) {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            cached = e.cached_blocks();
-        }
+        let mut cached = wait_for_async(
+            "the cached blocks reported",
+            std::time::Duration::from_secs(5),
+            async || Some(e.cached_blocks()).filter(|c| !c.is_empty()),
+        )
+        .await;
         cached.sort_unstable();
         assert_eq!(cached.len(), 2, "two full blocks of 16 cached");
         hashes.push(cached);

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use preheat_engine::colocated::{ServeOptions, serve_on};
+use preheat_testkit::wait_for_async;
 use serde_json::{Value, json};
 
 use preheat_testkit::model_fixture as fixture;
@@ -18,6 +19,15 @@ pub(crate) async fn listen() -> (tokio::net::TcpListener, String) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     (l, url)
+}
+
+/// Whether `base`'s `/health` answers 200 (503 while the model loads), for `wait_for`.
+pub(crate) async fn healthy(client: &reqwest::Client, base: &str) -> Result<(), String> {
+    match client.get(format!("{base}/health")).send().await {
+        Ok(r) if r.status() == 200 => Ok(()),
+        Ok(r) => Err(r.status().to_string()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// `base`'s `/metrics` page.
@@ -60,15 +70,11 @@ impl Server {
             task,
             client: reqwest::Client::new(),
         };
-        for _ in 0..600 {
-            if let Ok(r) = s.client.get(format!("{}/health", s.base)).send().await
-                && r.status() == 200
-            {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("server did not become healthy");
+        wait_for_async("the server healthy", Duration::from_secs(30), async || {
+            healthy(&s.client, &s.base).await
+        })
+        .await;
+        s
     }
 
     pub(crate) async fn post(&self, path: &str, body: Value) -> (u16, Value) {

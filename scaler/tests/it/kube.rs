@@ -15,6 +15,7 @@ use axum::routing::{get, patch};
 use preheat_scaler::config::Config;
 use preheat_scaler::kube::{PodSet, client, scale_deployment};
 use preheat_scaler::profile::Profile;
+use preheat_testkit::{Wait, wait_for_async};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -137,16 +138,8 @@ fn push(state: &Shared, kind: &str, obj: Value) {
     }
 }
 
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+/// How long the scaler's watch and ticks (every 0.1-0.2 s here) may take to show.
+const PATIENCE: Duration = Duration::from_secs(10);
 
 #[tokio::test]
 async fn discovery_lists_then_follows_the_watch() {
@@ -158,7 +151,7 @@ async fn discovery_lists_then_follows_the_watch() {
     let url = fake_api(state.clone()).await;
     let c = client(Some(&url)).await.unwrap();
     let set = PodSet::watch(c, "llm", "app=p", 8000, "/metrics");
-    eventually("first list", || set.synced()).await;
+    wait_for_async("first list", PATIENCE, async || set.synced()).await;
     let v = set.view();
     assert_eq!(v.current, 2, "a starting pod counts as a replica");
     assert_eq!(
@@ -167,7 +160,10 @@ async fn discovery_lists_then_follows_the_watch() {
     );
     assert_eq!(state.lock().unwrap().list_selectors, ["app=p"]);
     // The watch, not another list, brings changes.
-    eventually("watch open", || !state.lock().unwrap().watches.is_empty()).await;
+    wait_for_async("watch open", PATIENCE, async || {
+        !state.lock().unwrap().watches.is_empty()
+    })
+    .await;
     let mut b = pod("b", "10.0.0.2", true);
     b["metadata"]["resourceVersion"] = json!("2");
     push(&state, "MODIFIED", b);
@@ -178,7 +174,7 @@ async fn discovery_lists_then_follows_the_watch() {
     let mut c6 = pod("c", "fd00::6", true);
     c6["metadata"]["resourceVersion"] = json!("4");
     push(&state, "ADDED", c6);
-    eventually("watch events applied", || {
+    wait_for_async("watch events applied", PATIENCE, async || {
         let v = set.view();
         v.current == 2 && v.ready.len() == 2
     })
@@ -240,7 +236,7 @@ async fn controller_discovers_pods_and_scales_the_deployment() {
             let _ = stop_rx.await;
         },
     ));
-    eventually("prefill scaled up", || {
+    wait_for_async("prefill scaled up", PATIENCE, async || {
         state
             .lock()
             .unwrap()
@@ -250,6 +246,7 @@ async fn controller_discovers_pods_and_scales_the_deployment() {
     })
     .await;
     let patches = state.lock().unwrap().patches;
+    // Deliberate: a few ticks go by (interval 0.2 s), which only time passing shows.
     tokio::time::sleep(Duration::from_millis(600)).await;
     let later = state.lock().unwrap().patches;
     assert!(
@@ -311,13 +308,14 @@ async fn regression_direct_mode_restart_scaled_blind_pools_to_zero() {
     let url = fake_api(state.clone()).await;
     let (_grpc, stop) = start_scaler(pools_yaml(&url, "direct")).await;
     // Until it has held both pools (what it must do), nothing it patched may shrink.
-    eventually("both pools held", || {
+    wait_for_async("both pools held", PATIENCE, async || {
         let f = state.lock().unwrap();
         f.history.contains(&("m-prefill".to_owned(), 3))
             && f.history.contains(&("m-decode".to_owned(), 2))
     })
     .await;
-    // A few more ticks (interval 0.1 s): still nothing shrinks.
+    // A few more ticks (interval 0.1 s): still nothing shrinks. (Deliberate: only time
+    // passing shows it.)
     tokio::time::sleep(Duration::from_millis(500)).await;
     let f = state.lock().unwrap();
     for (deploy, replicas) in &f.history {
@@ -351,15 +349,11 @@ async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() 
     let url = fake_api(state.clone()).await;
     let (grpc, stop) = start_scaler(pools_yaml(&url, "keda")).await;
     let t0 = Instant::now();
-    let mut client = loop {
-        match ExternalScalerClient::connect(grpc.clone()).await {
-            Ok(c) => break c,
-            Err(_) if t0.elapsed() < Duration::from_secs(10) => {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            Err(e) => panic!("scaler never listened: {e}"),
-        }
-    };
+    // Looked for every 5 ms: the answers right after it listens are the point.
+    let mut client = Wait::new("the scaler to listen", Duration::from_secs(10))
+        .every(Duration::from_millis(5))
+        .until_async(async || ExternalScalerClient::connect(grpc.clone()).await)
+        .await;
     // Ask at once and for a while after: never fewer than the Deployment has, and,
     // once it read the Deployments, exactly that.
     let mut answered = [false; 2];
@@ -386,6 +380,7 @@ async fn regression_keda_mode_get_metrics_answered_zero_before_the_first_tick() 
                 Err(s) => assert_eq!(s.code(), tonic::Code::Unavailable, "{s}"),
             }
         }
+        // Deliberate: asked for a while (1.5 s), at this pace.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(
@@ -449,7 +444,7 @@ async fn standbys_are_promoted_for_a_held_request_under_the_agents_pool_names() 
         "interval_s: 0.1\nwindow_s: 2\nkubernetes: {{namespace: llm, api_url: \"{url}\"}}\nmodels:\n  - name: m\n    gateway: [\"{gateway}\"]\n    standbys: {{agent_selector: 'app=agent', agent_port: {agent}, prefill_pool: pre, decode_pool: dec}}\n    prefill: {{endpoints: [], min_replicas: 0}}\n    decode: {{endpoints: [], min_replicas: 0}}\n"
     );
     let (_grpc, stop) = start_scaler(yaml).await;
-    eventually("a decode standby promoted", || {
+    wait_for_async("a decode standby promoted", PATIENCE, async || {
         calls.lock().unwrap().iter().any(|c| c == "promote dec")
     })
     .await;

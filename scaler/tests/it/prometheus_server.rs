@@ -11,6 +11,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use preheat_scaler::prom::PromSource;
+use preheat_testkit::Wait;
 
 /// A fake vLLM pod whose counters advance by `step` every 100 ms of wall-clock time.
 /// Read from the clock, not kept by a ticker task: what Prometheus scrapes is the load
@@ -163,6 +164,7 @@ async fn prometheus_case(bin: &std::path::Path, late: Duration) {
             assert!(st.success(), "kill {sig} {pid}");
         };
         stop("-STOP");
+        // Deliberate: Prometheus held stopped for `late` is the scenario.
         tokio::time::sleep(late).await;
         stop("-CONT");
     }
@@ -175,28 +177,28 @@ async fn prometheus_case(bin: &std::path::Path, late: Duration) {
     // last 10 s each (a scrape a second). Rates from a window it holds only part of
     // are extrapolated from what is there, and low.
     let filled = format!("count(count_over_time(vllm:prompt_tokens_total{{{sel}}}[10s]) >= 9)");
-    let t0 = Instant::now();
-    let (signals, pods, startup) = loop {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60) + late,
-            "Prometheus never held a window of rates"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        if source
-            .query(&filled, Duration::from_secs(5))
-            .await
-            .ok()
-            .flatten()
-            != Some(2.0)
-        {
-            continue;
-        }
-        // Invalid PromQL is an error every time, and fails below.
-        match source.pool_signals(sel, Duration::from_secs(5)).await {
-            Ok(r) if r.0.prompt_rate > 0.0 && r.0.ttft_p50.is_some() => break r,
-            _ => {}
-        }
-    };
+    let window = Wait::new(
+        "Prometheus to hold a window of rates",
+        Duration::from_secs(60) + late,
+    )
+    .every(Duration::from_millis(500));
+    let (signals, pods, startup) = window
+        .until_async(async || {
+            let full = source
+                .query(&filled, Duration::from_secs(5))
+                .await
+                .ok()
+                .flatten();
+            if full != Some(2.0) {
+                return Err(format!("pods with a full window: {full:?}"));
+            }
+            // Invalid PromQL is an error every time, and fails below.
+            match source.pool_signals(sel, Duration::from_secs(5)).await {
+                Ok(r) if r.0.prompt_rate > 0.0 && r.0.ttft_p50.is_some() => Ok(r),
+                r => Err(format!("{r:?}")),
+            }
+        })
+        .await;
     for q in source.queries(sel) {
         source
             .query(&q, Duration::from_secs(5))
@@ -237,17 +239,21 @@ async fn prometheus_case(bin: &std::path::Path, late: Duration) {
     // A restarted scaler reads its hindsight window back: the latest rate at each tick
     // (2 s) of the last 10 s, newest last, each near what the ticker writes.
     // Prometheus may have started scraping late: wait until it holds the 10 s.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let points = loop {
-        let points = source
-            .recent_prompt_rates(sel, 10.0, Duration::from_secs(5))
-            .await
-            .unwrap();
-        if points.len() >= 4 || Instant::now() > deadline {
-            break points;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let ticks =
+        Wait::new("four ticks of rates", Duration::from_secs(30)).every(Duration::from_millis(500));
+    let points = ticks
+        .until_async(async || {
+            let points = source
+                .recent_prompt_rates(sel, 10.0, Duration::from_secs(5))
+                .await
+                .unwrap();
+            if points.len() >= 4 {
+                Ok(points)
+            } else {
+                Err(format!("{points:?}"))
+            }
+        })
+        .await;
     assert!((4..=7).contains(&points.len()), "{points:?}");
     assert_eq!(points.last().map(|p| p.0), Some(0.0), "{points:?}");
     assert!(points.windows(2).all(|w| w[0].0 > w[1].0), "{points:?}");
@@ -257,17 +263,24 @@ async fn prometheus_case(bin: &std::path::Path, late: Duration) {
     // grid, prompt tokens for prefill and generated tokens for decode.
     use preheat_scaler::policy::Pool;
     for (pool, want) in [(Pool::Prefill, 30_000.0), (Pool::Decode, 7_500.0)] {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let season = loop {
-            let season = source
-                .seasonal_rates(sel, pool, 12.0, 4.0, Duration::from_secs(5))
-                .await
-                .unwrap();
-            if season.len() >= 2 || Instant::now() > deadline {
-                break season;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
+        let buckets = Wait::new(
+            format!("two buckets of {pool:?}'s season"),
+            Duration::from_secs(30),
+        )
+        .every(Duration::from_millis(500));
+        let season = buckets
+            .until_async(async || {
+                let season = source
+                    .seasonal_rates(sel, pool, 12.0, 4.0, Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                if season.len() >= 2 {
+                    Ok(season)
+                } else {
+                    Err(format!("{season:?}"))
+                }
+            })
+            .await;
         assert!((2..=4).contains(&season.len()), "{season:?}");
         assert!(season.iter().all(|p| p.0 % 4.0 == 0.0), "{season:?}");
         let (_, last) = season.last().copied().unwrap();

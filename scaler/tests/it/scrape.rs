@@ -47,6 +47,7 @@ async fn misbehaving_endpoints_fail_with_their_reason() {
         .route(
             "/slow",
             get(|| async {
+                // Deliberate: an endpoint slower than the scrape's deadline.
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 GOOD
             }),

@@ -2,12 +2,12 @@
 
 use std::process::ExitCode;
 
+use preheat_output::outln;
+use preheat_output::{Panel, Series, svg};
 use preheat_sim::need::{NeedPoint, NeedReport, PlanRun, PoolSeconds};
 
 use super::sweeps::{short, write_outputs};
 use crate::cli::SimulateArgs;
-use crate::output::outln;
-use crate::plot::{Panel, Series, svg};
 
 pub(super) fn write_need(
     a: &SimulateArgs,

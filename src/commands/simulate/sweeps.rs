@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use preheat_output::outln;
+use preheat_output::{Panel, Series, svg};
 use preheat_sim::sweep::{Frontier, Point, StartupSweep};
 
 use crate::cli::SimulateArgs;
-use crate::output::outln;
-use crate::plot::{Panel, Series, svg};
 
 fn knob_text(p: &Point) -> String {
     p.knob.map_or_else(|| "-".to_owned(), |k| format!("{k}"))

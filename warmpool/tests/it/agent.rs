@@ -4,7 +4,7 @@
 //! cache, and stages on request.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -12,6 +12,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use preheat_snapshot::NoProgress;
 use preheat_snapshot::synth::{SynthOptions, synthesize};
+use preheat_testkit::wait_for_async;
 use preheat_warmpool::config::AgentConfig;
 use serde_json::{Value, json};
 
@@ -55,13 +56,8 @@ async fn patch_node(
     }))
 }
 
-async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f().await {
-        assert!(t0.elapsed() < Duration::from_secs(60), "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+/// How long staging and labelling may take to show.
+const PATIENCE: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_stages_keeps_hot_labels_and_reports() {
@@ -112,7 +108,7 @@ models:
             Err(_) => Vec::new(),
         }
     };
-    eventually("good is hot", async || {
+    wait_for_async("good is hot", PATIENCE, async || {
         models()
             .await
             .iter()
@@ -133,12 +129,13 @@ models:
         "{broken}"
     );
     // The node carries our label and lost the stale one.
-    eventually("node labelled", async || {
+    wait_for_async("node labelled", PATIENCE, async || {
         let l = node.lock().unwrap().labels.clone();
         l.get("preheat.dev/good") == Some(&json!("hot")) && !l.contains_key("preheat.dev/stale")
     })
     .await;
     let patches = node.lock().unwrap().patches.len();
+    // Deliberate: a few refreshes go by (every 0.2 s), which only time passing shows.
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(
         node.lock().unwrap().patches.len(),

@@ -345,6 +345,7 @@ async fn least_recently_used_snapshots_are_evicted_past_the_budget() {
             .ensure(name, &f, &small_pieces(), &none, Arc::new(NoProgress))
             .await
             .unwrap();
+        // Deliberate: the two are used at distinct times (what LRU orders by).
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     store.touch("a");

@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use preheat_testkit::{Wait, wait_for_async};
 use preheat_warmpool::config::StandbySpec;
 use preheat_warmpool::standby::StandbyPool;
 
@@ -30,7 +31,7 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 def term(*_):
-    time.sleep(0.5)
+    time.sleep(0.5)  # deliberate: the drain's length
     with open(marker, "w") as f:
         f.write("drained")
     os._exit(0)
@@ -63,16 +64,20 @@ fn replica(dir: &Path, marker: &str) -> Vec<String> {
     ]
 }
 
+/// Reconciles `pool` until `n` standbys are parked.
 async fn until_ready(pool: &mut StandbyPool, n: usize) {
-    let t0 = Instant::now();
-    while pool.ready() < n {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "standbys never parked"
-        );
-        pool.reconcile().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_async(
+        format!("{n} standbys parked"),
+        Duration::from_secs(20),
+        async || {
+            if pool.ready() >= n {
+                return true;
+            }
+            pool.reconcile().await.unwrap();
+            false
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,11 +130,16 @@ async fn standbys_that_die_at_start_are_replaced_with_growing_pauses_then_report
     let mut pool =
         StandbyPool::new(spec(dir.path(), 1, command), Path::new("/unused")).with_log_dir(&log);
     let t0 = Instant::now();
-    while pool.failing().is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "never reported");
-        pool.reconcile().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    Wait::new("the failing standby reported", Duration::from_secs(20))
+        .every(Duration::from_millis(20))
+        .until_async(async || {
+            if pool.failing().is_some() {
+                return true;
+            }
+            pool.reconcile().await.unwrap();
+            false
+        })
+        .await;
     let spawned = std::fs::read_to_string(&starts).unwrap().lines().count();
     // 4 deaths with pauses of 0.5, 1 and 2 s between them: not one start per turn.
     assert_eq!(spawned, 4, "one start per death, none while backing off");
@@ -158,10 +168,12 @@ async fn a_retired_standby_leaves_the_serving_list_before_it_drains() {
     assert_eq!(pool.retire(), None, "nothing else serves");
     let marker = dir.path().join(format!("drained-{}-10.9.8.7", p.port));
     assert!(!marker.exists(), "drained before gateways could unlist it");
-    while !marker.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "never drained");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_async(
+        "the retired standby drained",
+        Duration::from_secs(10),
+        async || marker.exists(),
+    )
+    .await;
     // The unlist delay (300 ms) then the replica's own half-second drain.
     assert!(
         t0.elapsed() >= Duration::from_millis(750),

@@ -135,7 +135,7 @@ impl Gateway {
                     kv: status.kv,
                     // Checked above: its compatibility hash is this gateway's own
                     // (computed with this build's format version).
-                    kv_format: crate::kv::transfer::FORMAT_VERSION,
+                    kv_format: crate::kv::payload::FORMAT_VERSION,
                 },
                 status.load,
             ),

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use crate::disagg::protocol::Load;
+use crate::disagg::wire::messages::Load;
 
 #[derive(Debug, Default)]
 struct Counts {

@@ -19,15 +19,13 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use futures_util::StreamExt;
 use prometheus::IntGauge;
 
 use self::front::GatewayFront;
 use self::in_flight::{InFlight, InFlightCounts};
 use self::routes::{deregister, heartbeat, register, unannounceable, workers};
-use super::protocol::{
-    GenerateBody, Heartbeat, Load, ModelInfo, Registration, WireError, WireEvent, WorkerRole,
-    WorkerStatus,
+use super::wire::messages::{
+    GenerateBody, Heartbeat, Load, ModelInfo, Registration, WorkerRole, WorkerStatus, read_capped,
 };
 use crate::api::{ApiState, DEFAULT_MAX_BODY, drain, public_router};
 use crate::disagg::peers::Announcement;
@@ -353,7 +351,7 @@ pub fn model_info_from_card(card: &ModelCard, block_size: usize, name: &str) -> 
     };
     Ok(ModelInfo {
         model: name.to_owned(),
-        compat: crate::kv::transfer::compat_hash(
+        compat: crate::kv::payload::compat_hash(
             crate::backend::weights_fingerprint(&card.manifest),
             &layout,
         ),
@@ -374,32 +372,11 @@ const DISCOVERED_SILENCE: Duration = Duration::from_secs(10);
 /// gateway buffer more.
 const MAX_STATUS_BYTES: usize = 4 << 20;
 const MAX_MODEL_BYTES: usize = 64 << 20;
-/// Longest line of a decode worker's event stream (a token with 20 top logprobs is
-/// a few KiB): a peer cannot make the gateway buffer without end.
-const MAX_EVENT_LINE: usize = 1 << 20;
-/// Most bytes of a worker's error body.
-const MAX_ERROR_BYTES: usize = 64 << 10;
 /// Largest registration or heartbeat body (a heartbeat's 65,536 block hashes).
 const MAX_REGISTRY_BODY: usize = 2 << 20;
 /// Prefix-cache block hashes kept per prefill worker.
 const MAX_PEER_BLOCKS: usize = 65_536;
 
-/// A response body of at most `cap` bytes, refused (not truncated) beyond.
-async fn read_capped(r: reqwest::Response, cap: usize) -> std::result::Result<Vec<u8>, String> {
-    if r.content_length().is_some_and(|n| n > cap as u64) {
-        return Err(format!("body larger than {cap} bytes"));
-    }
-    let mut body = Vec::new();
-    let mut stream = r.bytes_stream();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| e.to_string())?;
-        if body.len() + chunk.len() > cap {
-            return Err(format!("body larger than {cap} bytes"));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
 /// How long a decode worker keeps an announced prefill list without a refresh.
 const PEERS_TTL: Duration = Duration::from_secs(10);
 /// An announcement is repeated this often even when nothing changed.

@@ -3,6 +3,7 @@
 //! the decode worker's events streamed back; failures retried on another worker.
 
 use super::*;
+use crate::disagg::wire::decode_client::{DecodeClient, DecodeStream, Refusal, StreamFault};
 
 impl Gateway {
     /// A worker of `role`; a prefill worker only among those announced to the decode
@@ -120,6 +121,11 @@ impl Gateway {
         // What the decode worker reserves before the K/V flows.
         let blocks = req.prompt.len().div_ceil(bs);
         let mut tries = Tries::new(self.opts.hold_timeout);
+        let client = DecodeClient {
+            http: &self.client,
+            token: self.token(),
+            idle: self.opts.stream_idle_timeout,
+        };
         loop {
             if let Err(e) = self.wait_while_busy(&mut tries).await {
                 return fail(e);
@@ -133,7 +139,7 @@ impl Gateway {
             if disagg {
                 self.await_announcement(&decode.id).await;
             }
-            let mut prefill = if disagg {
+            let prefill = if disagg {
                 self.pick(
                     WorkerRole::Prefill,
                     &hashes,
@@ -150,18 +156,10 @@ impl Gateway {
                 params: req.params.clone(),
                 prefill: prefill.as_ref().map(|p| p.kv.clone()),
             };
-            // Headers come once the worker has the request in hand (K/V pulled, or
-            // its local prefill queued): as long as a stream may stay silent.
-            let sent = self
-                .client
-                .post(format!("{}/internal/generate", decode.url))
-                .cluster_token(self.token())
-                .json(&body)
-                .send();
-            let lost = match tokio::time::timeout(self.opts.stream_idle_timeout, sent).await {
-                Ok(Ok(resp)) if resp.status().is_success() => {
+            let lost = match client.generate(&decode.url, &body).await {
+                Ok(stream) => {
                     // The K/V has been pulled: the prefill worker is done with it.
-                    if let Some(p) = prefill.take() {
+                    if let Some(p) = prefill {
                         self.lock()
                             .prefix
                             .0
@@ -169,59 +167,18 @@ impl Gateway {
                             .or_default()
                             .remember(&hashes);
                     }
-                    match self.relay(&decode, resp, &out, &mut tries).await {
+                    match self.relay(&decode, stream, &out, &mut tries).await {
                         Relayed::Done => return,
                         Relayed::Failed(e) => return fail(e),
                         Relayed::Lost(e) => e,
                     }
                 }
-                Ok(Ok(resp)) => {
-                    match self
-                        .refused(&decode, prefill.as_ref(), resp, &mut tries)
-                        .await
-                    {
-                        Ok(()) => continue,
-                        Err(e) => return fail(e),
+                Err(refusal) => {
+                    match self.refused(refusal, &decode, prefill.as_ref(), &mut tries) {
+                        Then::Retry => continue,
+                        Then::Fail(e) => return fail(e),
+                        Then::Replay(e) => e,
                     }
-                }
-                // Never connected: nothing was sent, so another decode worker takes
-                // it (a refusal, not a replay).
-                Ok(Err(e)) if e.is_connect() && tries.refusals < MAX_REFUSALS => {
-                    tracing::warn!(decode = %decode.url, error = %e, "decode worker unreachable; trying another");
-                    self.drop_worker(&decode.id, "unreachable");
-                    tries.refusals += 1;
-                    tries.refused.push(decode.id.clone());
-                    continue;
-                }
-                // Died with the request in hand: the client has had nothing from it.
-                Ok(Err(e)) => {
-                    self.drop_worker(&decode.id, "unreachable");
-                    EngineError::Unavailable(format!("decode worker {}: {e}", decode.url))
-                }
-                // Headers wait for the K/V: with a prefill worker named, a silent
-                // decode worker is most likely waiting on a backlogged prefill. That
-                // prefill worker is set aside (then the prompt is prefilled on the decode
-                // worker itself), and the decode worker, likely healthy, is kept.
-                Err(_)
-                    if prefill.is_some()
-                        && tries.prefill_failures < MAX_PREFILL_TRIES
-                        && !tries.silent.contains(&decode.id) =>
-                {
-                    // Once per decode worker: silent again, it is itself at fault.
-                    tries.silent.push(decode.id.clone());
-                    let p = prefill.take().map(|p| p.id).unwrap_or_default();
-                    tracing::warn!(decode = %decode.url, prefill = %p, "no K/V within the stream's idle time; prefilling elsewhere");
-                    tries.prefill_failures += 1;
-                    tries.failed_prefill.push(p);
-                    continue;
-                }
-                Err(_) => {
-                    self.drop_worker(&decode.id, "no answer");
-                    EngineError::Unavailable(format!(
-                        "decode worker {} did not answer within {} s",
-                        decode.url,
-                        self.opts.stream_idle_timeout.as_secs()
-                    ))
                 }
             };
             // The decode worker is gone before the request finished: run it again, with
@@ -263,77 +220,110 @@ impl Gateway {
         Ok(())
     }
 
-    /// A decode worker's refusal (an error status before any event): `Ok` where the
-    /// request can be tried again, with the worker or prefill worker at fault set
-    /// aside; the client's error otherwise.
-    async fn refused(
+    /// What follows a decode worker's refusal: another try, with the worker or prefill
+    /// worker at fault set aside; the client's error; or, where the worker had the
+    /// request in hand when it went, a replay.
+    fn refused(
         &self,
+        refusal: Refusal,
         decode: &Picked,
         prefill: Option<&Picked>,
-        resp: reqwest::Response,
         tries: &mut Tries,
-    ) -> Result<()> {
-        let status = resp.status();
-        let w: WireError = match read_capped(resp, MAX_ERROR_BYTES).await {
-            Ok(b) => serde_json::from_slice(&b).ok(),
-            Err(_) => None,
-        }
-        .unwrap_or(WireError {
-            class: "internal".into(),
-            message: format!("decode worker answered HTTP {status}"),
-            prefill_failed: false,
-            unannounced: false,
-            too_large: false,
-        });
-        // Longer than this worker's whole cache: another worker may be larger; with
-        // none, the client learns the limit at once.
-        if w.too_large {
-            tries.refused.push(decode.id.clone());
-            // (A busy worker passed its own length check: it counts as one to wait for.)
-            if tries.refusals < MAX_REFUSALS && self.has_worker(WorkerRole::Decode, &tries.refused)
-            {
-                tries.refusals += 1;
-                return Ok(());
+    ) -> Then {
+        let more_refusals = tries.refusals < MAX_REFUSALS;
+        match refusal {
+            // Longer than this worker's whole cache: another worker may be larger; with
+            // none, the client learns the limit at once.
+            Refusal::TooLarge(w) => {
+                tries.refused.push(decode.id.clone());
+                // (A busy worker passed its own length check: it counts as one to wait
+                // for.)
+                if more_refusals && self.has_worker(WorkerRole::Decode, &tries.refused) {
+                    tries.refusals += 1;
+                    return Then::Retry;
+                }
+                // A request that ran before its worker was lost was not too long: the
+                // loss is what the client should hear.
+                Then::Fail(tries.lost.take().unwrap_or_else(|| w.into_engine()))
             }
-            // A request that ran before its worker was lost was not too long: the
-            // loss is what the client should hear.
-            return Err(tries.lost.take().unwrap_or_else(|| w.into_engine()));
-        }
-        if !w.prefill_failed {
             // A worker draining for scale-down refuses new work: the request has not
             // started, so another decode worker takes it.
-            if status == StatusCode::SERVICE_UNAVAILABLE && tries.refusals < MAX_REFUSALS {
+            Refusal::Unavailable(_) if more_refusals => {
                 tries.refusals += 1;
                 tracing::info!(decode = %decode.url, "decode worker refused (draining); trying another");
                 tries.refused.push(decode.id.clone());
-                return Ok(());
+                Then::Retry
             }
             // No room in this decode worker now (its cache, its batch or its queue):
             // nothing has started, so another one takes it, or it waits for room.
-            if status == StatusCode::TOO_MANY_REQUESTS {
+            Refusal::Busy => {
                 tracing::debug!(decode = %decode.url, "decode worker had no room; trying another or waiting");
                 tries.busy.push(decode.id.clone());
-                return Ok(());
+                Then::Retry
             }
-            return Err(w.into_engine());
-        }
-        // The decode worker lacks the list naming that prefill worker (it restarted at
-        // the same address): tell it again; the prefill worker is not at fault.
-        if w.unannounced && tries.refusals < MAX_REFUSALS {
-            tries.refusals += 1;
-            tracing::info!(decode = %decode.url, "decode worker did not know the prefill worker; announcing again");
-            self.forget_told(&decode.id);
-            return Ok(());
-        }
-        if tries.prefill_failures < MAX_PREFILL_TRIES {
-            tries.prefill_failures += 1;
-            if let Some(p) = prefill {
-                tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
-                tries.failed_prefill.push(p.id.clone());
+            Refusal::Unavailable(w) | Refusal::Failed(w) => Then::Fail(w.into_engine()),
+            // The decode worker lacks the list naming that prefill worker (it restarted
+            // at the same address): tell it again; the prefill worker is not at fault.
+            Refusal::Unannounced(_) if more_refusals => {
+                tries.refusals += 1;
+                tracing::info!(decode = %decode.url, "decode worker did not know the prefill worker; announcing again");
+                self.forget_told(&decode.id);
+                Then::Retry
             }
-            return Ok(());
+            Refusal::Unannounced(w) | Refusal::PrefillFailed(w) => {
+                if tries.prefill_failures >= MAX_PREFILL_TRIES {
+                    return Then::Fail(w.into_engine());
+                }
+                tries.prefill_failures += 1;
+                if let Some(p) = prefill {
+                    tracing::warn!(prefill = %p.url, error = %w.message, "prefill failed before the first token; retrying elsewhere");
+                    tries.failed_prefill.push(p.id.clone());
+                }
+                Then::Retry
+            }
+            // Never connected: nothing was sent, so another decode worker takes it (a
+            // refusal, not a replay).
+            Refusal::Unreachable(e) if more_refusals => {
+                tracing::warn!(decode = %decode.url, error = %e, "decode worker unreachable; trying another");
+                self.drop_worker(&decode.id, "unreachable");
+                tries.refusals += 1;
+                tries.refused.push(decode.id.clone());
+                Then::Retry
+            }
+            // Died with the request in hand: the client has had nothing from it.
+            Refusal::Unreachable(e) | Refusal::Gone(e) => {
+                self.drop_worker(&decode.id, "unreachable");
+                Then::Replay(EngineError::Unavailable(format!(
+                    "decode worker {}: {e}",
+                    decode.url
+                )))
+            }
+            // Headers wait for the K/V: with a prefill worker named, a silent decode
+            // worker is most likely waiting on a backlogged prefill. That prefill worker
+            // is set aside (then the prompt is prefilled on the decode worker itself),
+            // and the decode worker, likely healthy, is kept.
+            Refusal::Silent
+                if prefill.is_some()
+                    && tries.prefill_failures < MAX_PREFILL_TRIES
+                    && !tries.silent.contains(&decode.id) =>
+            {
+                // Once per decode worker: silent again, it is itself at fault.
+                tries.silent.push(decode.id.clone());
+                let p = prefill.map(|p| p.id.clone()).unwrap_or_default();
+                tracing::warn!(decode = %decode.url, prefill = %p, "no K/V within the stream's idle time; prefilling elsewhere");
+                tries.prefill_failures += 1;
+                tries.failed_prefill.push(p);
+                Then::Retry
+            }
+            Refusal::Silent => {
+                self.drop_worker(&decode.id, "no answer");
+                Then::Replay(EngineError::Unavailable(format!(
+                    "decode worker {} did not answer within {} s",
+                    decode.url,
+                    self.opts.stream_idle_timeout.as_secs()
+                )))
+            }
         }
-        Err(w.into_engine())
     }
 
     /// Streams a decode worker's events to `out` until the request ends. `Lost` when
@@ -341,61 +331,27 @@ impl Gateway {
     async fn relay(
         &self,
         decode: &Picked,
-        resp: reqwest::Response,
+        mut stream: DecodeStream,
         out: &tokio::sync::mpsc::UnboundedSender<Event>,
         tries: &mut Tries,
     ) -> Relayed {
-        let mut stream = resp.bytes_stream();
-        let mut buf: Vec<u8> = Vec::new();
         loop {
-            let next = tokio::time::timeout(self.opts.stream_idle_timeout, stream.next()).await;
-            let chunk = match next {
-                Ok(Some(Ok(c))) => c,
-                Ok(Some(Err(e))) => {
-                    self.drop_worker(&decode.id, "stream broke");
-                    return Relayed::Lost(EngineError::Unavailable(format!(
-                        "decode worker {} failed mid-stream: {e}",
-                        decode.url
-                    )));
+            let ev = match stream.next().await {
+                Ok(ev) => ev,
+                Err(StreamFault::Lost { why, error }) => {
+                    self.drop_worker(&decode.id, why);
+                    return Relayed::Lost(error);
                 }
-                Ok(None) => {
-                    self.drop_worker(&decode.id, "stream ended early");
-                    return Relayed::Lost(EngineError::Unavailable(format!(
-                        "decode worker {} ended the stream early",
-                        decode.url
-                    )));
+                Err(StreamFault::Oversized(e)) => {
+                    self.drop_worker(&decode.id, "oversized event");
+                    return Relayed::Failed(e);
                 }
-                Err(_) => {
-                    self.drop_worker(&decode.id, "stream stalled");
-                    return Relayed::Lost(EngineError::Unavailable(format!(
-                        "decode worker {} stalled",
-                        decode.url
-                    )));
-                }
+                Err(StreamFault::Garbage(e)) => return Relayed::Failed(e),
             };
-            buf.extend_from_slice(&chunk);
-            if buf.len() > MAX_EVENT_LINE && !buf.contains(&b'\n') {
-                self.drop_worker(&decode.id, "oversized event");
-                return Relayed::Failed(EngineError::Internal(format!(
-                    "decode worker {} sent an event line over {MAX_EVENT_LINE} bytes",
-                    decode.url
-                )));
-            }
-            while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=pos).collect();
-                let ev = match serde_json::from_slice::<WireEvent>(&line) {
-                    Ok(w) => w.into_event(),
-                    Err(e) => {
-                        return Relayed::Failed(EngineError::Internal(format!(
-                            "decode worker sent garbage: {e}"
-                        )));
-                    }
-                };
-                let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
-                tries.forwarded |= matches!(ev, Event::Delta { .. });
-                if out.send(ev).is_err() || end {
-                    return Relayed::Done;
-                }
+            let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
+            tries.forwarded |= matches!(ev, Event::Delta { .. });
+            if out.send(ev).is_err() || end {
+                return Relayed::Done;
             }
         }
     }
@@ -458,6 +414,16 @@ impl Tries {
     fn passed_over(&self) -> Vec<String> {
         self.refused.iter().chain(&self.busy).cloned().collect()
     }
+}
+
+/// What follows a decode worker's refusal.
+enum Then {
+    /// Try again (on another worker, or after a pause).
+    Retry,
+    /// The client's error.
+    Fail(EngineError),
+    /// The worker went away with the request in hand: run it again elsewhere.
+    Replay(EngineError),
 }
 
 /// How relaying a decode worker's stream ended.

@@ -23,7 +23,7 @@ pub(super) async fn register(
     }
     // A worker that speaks another KV format version reads requests differently: an
     // older one would drop the fields it does not know (a grammar, say) without a word.
-    let ours = crate::kv::transfer::FORMAT_VERSION;
+    let ours = crate::kv::payload::FORMAT_VERSION;
     if r.kv_format != ours {
         let msg = format!(
             "worker {} ({} at {}) speaks KV format version {}, this gateway {ours}",

@@ -4,9 +4,6 @@
 //! (or, discovered, leaves as its endpoint turns not-ready), finishes what it holds
 //! within the grace period, and exits.
 
-mod pull;
-
-use self::pull::{check_matches, fetch_kv};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -18,11 +15,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use super::peers::{Announcement, KnownPeers};
-use super::protocol::{
+use super::wire::http_pull::{HttpPull, prefill_answer};
+use super::wire::kv_transport::{KvTransport, check_matches};
+use super::wire::messages::{
     GenerateBody, Heartbeat, Load, ModelInfo, PrefillBody, Registration, WireError, WireEvent,
     WorkerRole, WorkerStatus,
 };
-use super::transport::{KvTransport, TcpTransport, serve_tcp};
+use super::wire::tcp::{TcpTransport, serve_tcp};
 use crate::colocated::{ServeOptions, load_engine};
 use crate::engine::{Engine, Event, GenerateRequest};
 use crate::frontend::Frontend;
@@ -83,23 +82,8 @@ impl WorkerState {
     }
 }
 
-fn status_of(class: &str) -> StatusCode {
-    match class {
-        "invalid" => StatusCode::BAD_REQUEST,
-        "overloaded" => StatusCode::TOO_MANY_REQUESTS,
-        "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
 fn wire_error(e: &EngineError, prefill_failed: bool) -> Response {
-    let w = WireError::from_engine(e, prefill_failed);
-    let status = if prefill_failed {
-        StatusCode::BAD_GATEWAY
-    } else {
-        status_of(&w.class)
-    };
-    (status, Json(w)).into_response()
+    WireError::from_engine(e, prefill_failed).into_response()
 }
 
 async fn health(State(st): State<WorkerState>) -> Response {
@@ -195,19 +179,10 @@ async fn prefill(State(st): State<WorkerState>, Json(b): Json<PrefillBody>) -> R
         Ok(e) => e,
         Err(r) => return *r,
     };
-    let req = GenerateRequest {
-        prompt: b.prompt,
-        params: b.params,
-    };
-    let m = match e.prefill_message(req, &b.request_id).await {
-        Ok(m) => m,
-        Err(err) => return wire_error(&err, false),
-    };
-    let mut buf = Vec::with_capacity(m.payload.len() + 4096);
-    if let Err(err) = m.write_to(&mut buf).await {
-        return wire_error(&EngineError::Internal(err.to_string()), false);
+    match prefill_answer(e, b).await {
+        Ok(buf) => ([(header::CONTENT_TYPE, "application/octet-stream")], buf).into_response(),
+        Err(err) => wire_error(&err, false),
     }
-    ([(header::CONTENT_TYPE, "application/octet-stream")], buf).into_response()
 }
 
 /// Decode role: a gateway's list of the prefill workers this worker may pull from.
@@ -261,7 +236,7 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                     true,
                 );
                 w.unannounced = true;
-                return (StatusCode::BAD_GATEWAY, Json(w)).into_response();
+                return w.into_response();
             }
             // With a cluster token, K/V comes only over the KV port, whose handshake
             // proves the peer holds the token before the prompt is sent: an HTTP URL
@@ -285,23 +260,24 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 Err(err) => return wire_error(&err, false),
             };
             let reserved = reserving.elapsed();
-            let pull = async {
-                if url.starts_with("tcp://") {
-                    let req = PrefillBody {
-                        request_id: b.request_id.clone(),
-                        prompt: b.prompt.clone(),
-                        params: b.params.clone(),
-                    };
-                    TcpTransport {
-                        timeout: st.transfer_timeout,
-                        token: st.token.clone(),
-                    }
-                    .pull(url, &req, &e)
-                    .await
-                } else {
-                    fetch_kv(&st, &e, url, &b).await
-                }
+            let req = PrefillBody {
+                request_id: b.request_id.clone(),
+                prompt: b.prompt.clone(),
+                params: b.params.clone(),
             };
+            let transport: Box<dyn KvTransport> = if url.starts_with("tcp://") {
+                Box::new(TcpTransport {
+                    timeout: st.transfer_timeout,
+                    token: st.token.clone(),
+                })
+            } else {
+                Box::new(HttpPull {
+                    client: st.client.clone(),
+                    timeout: st.transfer_timeout,
+                    token: st.token.clone(),
+                })
+            };
+            let pull = transport.pull(url, &req, &e);
             let mut grace = st.grace_over.clone();
             let grace_over = async move {
                 if grace.wait_for(|over| *over).await.is_err() {
@@ -334,10 +310,11 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
                 "pulled"
             );
             let bs = e.kv_layout().block_size;
-            let pulled = pulled
-                .and_then(|mut msg| check_matches(&mut msg, &b, bs, e.prefix_key()).map(|()| msg));
+            let pulled = pulled.and_then(|mut seq| {
+                check_matches(&mut seq, &req, bs, e.prefix_key()).map(|()| seq)
+            });
             match pulled {
-                Ok(msg) => e.resume_into(res, msg),
+                Ok(seq) => e.resume_into(res, seq),
                 Err(why) => {
                     // `res` drops here: the reserved blocks go back to the pool.
                     tracing::warn!(request = %b.request_id, prefill = %url, error = %why, "KV transfer failed");
@@ -359,10 +336,11 @@ async fn generate(State(st): State<WorkerState>, Json(b): Json<GenerateBody>) ->
             let ev = h.events.recv().await?;
             let end = matches!(ev, Event::Finished { .. } | Event::Error(_));
             if let Some(w) = WireEvent::from_event(ev) {
-                let mut line = serde_json::to_vec(&w).unwrap_or_default();
-                line.push(b'\n');
                 let next = if end { None } else { Some(h) };
-                return Some((Ok::<_, std::io::Error>(axum::body::Bytes::from(line)), next));
+                return Some((
+                    Ok::<_, std::io::Error>(axum::body::Bytes::from(w.to_line())),
+                    next,
+                ));
             }
         }
     });
@@ -402,7 +380,7 @@ async fn membership(
         model: e.model_name.clone(),
         compat: e.compat().to_owned(),
         kv: opts.kv_listener.as_ref().map(|(_, a)| a.clone()),
-        kv_format: crate::kv::transfer::FORMAT_VERSION,
+        kv_format: crate::kv::payload::FORMAT_VERSION,
     };
     // Discovered workers (no gateway) do not register: serving is being listed as a
     // Ready endpoint, so they count as registered once they serve.
@@ -615,6 +593,3 @@ pub async fn run(
     }
     outcome
 }
-
-#[cfg(test)]
-mod tests;

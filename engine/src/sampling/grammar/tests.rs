@@ -103,8 +103,7 @@ fn a_token_the_grammar_does_not_allow_is_an_error_not_a_panic() {
 fn json_is_compact_unless_the_schema_says_otherwise() {
     let s = compact(&serde_json::json!({"type": "object"}));
     assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
-    let own =
-        serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
+    let own = serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
     assert_eq!(compact(&own), own);
     // A boolean schema has nowhere to say it: left as it is.
     assert_eq!(compact(&serde_json::json!(true)), serde_json::json!(true));
@@ -118,12 +117,7 @@ pub(crate) fn run_to_budget(g: &Grammar, prefix: &str, remaining: usize) -> (Str
 }
 
 /// [`run_to_budget`] with a "model" that writes `prefer` wherever it may.
-fn run_preferring(
-    g: &Grammar,
-    prefix: &str,
-    mut remaining: usize,
-    prefer: &str,
-) -> (String, bool) {
+fn run_preferring(g: &Grammar, prefix: &str, mut remaining: usize, prefer: &str) -> (String, bool) {
     let (c, tok) = compiler();
     let mut m = c.compile(g, "t").unwrap();
     let mut out: Vec<u32> = tok.encode(prefix, false).unwrap().get_ids().to_vec();
@@ -161,8 +155,8 @@ fn near_max_tokens_the_closing_path_completes_the_output() {
     let g = Grammar::JsonSchema(schema);
     for budget in [30, 45, 60, 100] {
         let (text, closed) = run_to_budget(&g, r#"{"name":"hel"#, budget);
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("budget {budget}: {e}: {text}"));
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("budget {budget}: {e}: {text}"));
         assert!(
             v["tags"].as_array().is_some_and(|t| !t.is_empty()),
             "{text}"
@@ -175,8 +169,7 @@ fn near_max_tokens_the_closing_path_completes_the_output() {
     let (text, _) = run_to_budget(&Grammar::JsonObject, r#"{"a":[[{"b":"x"#, 12);
     serde_json::from_str::<serde_json::Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
     // A regex: ends where it may (EOS), not mid-number.
-    let (text, closed) =
-        run_to_budget(&Grammar::Regex("[0-9]+\\.[0-9]+ (kg|lb)".into()), "12", 6);
+    let (text, closed) = run_to_budget(&Grammar::Regex("[0-9]+\\.[0-9]+ (kg|lb)".into()), "12", 6);
     assert!(closed, "{text}");
     assert!(text.ends_with(" kg") || text.ends_with(" lb"), "{text}");
     // Where the model's own choice still ends in time, it stands: the closer does
@@ -192,8 +185,7 @@ fn near_max_tokens_the_closing_path_completes_the_output() {
 #[test]
 fn a_vocabulary_llguidance_cannot_read_is_an_error() {
     let (_, tok) = compiler();
-    let json =
-        r#"{"decoder": {"type": "WordPiece"}, "added_tokens": [], "model": {"vocab": {}}}"#;
+    let json = r#"{"decoder": {"type": "WordPiece"}, "added_tokens": [], "model": {"vocab": {}}}"#;
     let e = GrammarCompiler::new(&tok, json, &[2]).unwrap_err();
     assert!(e.to_string().contains("structured outputs"), "{e}");
 }

@@ -11,6 +11,7 @@ use preheat_scaler::config::Config;
 use preheat_scaler::profile::Profile;
 use preheat_scaler::proto::external_scaler_client::ExternalScalerClient;
 use preheat_scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+use preheat_testkit::{Wait, wait_for_async};
 use tokio_stream::StreamExt;
 
 /// A `/metrics` endpoint whose body (or failure) the test controls.
@@ -97,13 +98,13 @@ impl Running {
                 let _ = stop_rx.await;
             },
         ));
-        let client = loop {
-            if let Ok(c) = ExternalScalerClient::connect(format!("http://127.0.0.1:{gport}")).await
-            {
-                break c;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let url = format!("http://127.0.0.1:{gport}");
+        let client = wait_for_async(
+            "the scaler to listen",
+            Duration::from_secs(30),
+            async || ExternalScalerClient::connect(url.clone()).await,
+        )
+        .await;
         Running {
             client,
             http_port: hport,
@@ -156,31 +157,37 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
     .await;
     let (client, hport) = (&mut scaler.client, scaler.http_port);
     // 1200 running sequences, ~230 per replica at a 45 ms ITL budget → about 6.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let d = desired(client, "decode").await;
-        if (5..=7).contains(&d) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "decode desired stuck at {d}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_async(
+        "decode desired 5 to 7",
+        Duration::from_secs(10),
+        async || {
+            let d = desired(client, "decode").await;
+            if (5..=7).contains(&d) {
+                Ok(())
+            } else {
+                Err(format!("decode desired stuck at {d}"))
+            }
+        },
+    )
+    .await;
     // Both endpoints die: the scaler holds instead of reading the silence as idle.
     *d0.lock().unwrap() = None;
     *d1.lock().unwrap() = None;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let d = desired(client, "decode").await;
-        if d == 2 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "blind: hold the 2 replicas that exist, not {d}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // ...and keeps holding them (not passing through 2 on the way down).
+    wait_for_async(
+        "blind: the 2 replicas that exist held",
+        Duration::from_secs(10),
+        async || {
+            let d = desired(client, "decode").await;
+            if d == 2 {
+                Ok(())
+            } else {
+                Err(format!("desired {d}"))
+            }
+        },
+    )
+    .await;
+    // ...and keeps holding them (not passing through 2 on the way down). Deliberate:
+    // only time passing shows it.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(desired(client, "decode").await, 2, "blind: still held");
     // The prefill pool has no replicas and no traffic: inactive after its idle grace.
@@ -189,12 +196,11 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
         .await
         .unwrap()
         .into_inner();
-    let mut state = active.next().await.unwrap().unwrap().result;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while state {
-        assert!(Instant::now() < deadline, "prefill never went inactive");
-        state = active.next().await.unwrap().unwrap().result;
-    }
+    // (Each look waits for the scaler's next push: no pause between looks.)
+    Wait::new("prefill inactive", Duration::from_secs(5))
+        .every(Duration::ZERO)
+        .until_async(async || !active.next().await.unwrap().unwrap().result)
+        .await;
     // A request held at the gateway: pushed active within a second.
     *gw.lock().unwrap() = Some(
         "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 1\n"

@@ -69,15 +69,10 @@ async fn first_prefill_decision(prometheus: &str, prefill: &str) -> i64 {
         ),
     ])
     .await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let d = loop {
-        let d = desired(&mut scaler.client, "prefill").await;
-        if d >= 0 {
-            break d;
-        }
-        assert!(Instant::now() < deadline, "no decision");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let d = wait_for_async("a decision", Duration::from_secs(10), async || {
+        Some(desired(&mut scaler.client, "prefill").await).filter(|d| *d >= 0)
+    })
+    .await;
     scaler.stop().await;
     d
 }

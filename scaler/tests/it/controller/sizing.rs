@@ -73,6 +73,7 @@ async fn regression_the_scaler_sized_every_prompt_and_sequence_at_2048_tokens() 
     ])
     .await;
     // Let the window fill (whole prompts of both lengths), then read the pools.
+    // Deliberate: the window (3 s) is time passing, not a state to look for.
     tokio::time::sleep(Duration::from_secs(4)).await;
     let c = &mut scaler.client;
     let (pl, ps, d) = (
@@ -130,6 +131,7 @@ async fn regression_a_scaler_started_at_a_steady_load_forecast_a_ramp() {
     // load while the level climbs, then over it.
     let mut seen = Vec::new();
     for _ in 0..8 {
+        // Deliberate: the readings' pace.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let m = scaler.metrics().await;
         if let (Some(o), Some(f)) = (load(&m, "observed"), load(&m, "forecast")) {

@@ -30,33 +30,25 @@ async fn at_zero_with_state_and(state: &std::path::Path, extra: &str) -> Running
 
 /// The pool's desired replicas once the scaler has decided.
 async fn first_decision(scaler: &mut Running, pool: &str) -> i64 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let d = desired(&mut scaler.client, pool).await;
-        if d >= 0 {
-            return d;
-        }
-        assert!(Instant::now() < deadline, "no decision");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_async("a decision", Duration::from_secs(10), async || {
+        Some(desired(&mut scaler.client, pool).await).filter(|d| *d >= 0)
+    })
+    .await
 }
 
 /// Waits for the state file at `path` to hold a save made after `after` (Unix s).
 async fn saved_after(path: &std::path::Path, after: f64) -> preheat_scaler::state::SavedState {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Ok(Some(s)) = preheat_scaler::state::load(path)
-            && s.saved_unix > after
-        {
-            return s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no state saved in {}",
-            path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_async(
+        format!("a state saved in {}", path.display()),
+        Duration::from_secs(10),
+        async || {
+            preheat_scaler::state::load(path)
+                .ok()
+                .flatten()
+                .filter(|s| s.saved_unix > after)
+        },
+    )
+    .await
 }
 
 fn unix_now() -> f64 {
@@ -220,21 +212,17 @@ async fn a_scaler_with_no_season_to_keep_is_never_reported_as_not_saving() {
 
 /// The scaler's last save on its /metrics once `ok` accepts it (10 s at most).
 async fn state_saved(scaler: &Running, ok: impl Fn(f64) -> bool) -> f64 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    let what = format!(
+        "{} as wanted on /metrics",
+        preheat_scaler::signals::names::own::STATE_SAVED
+    );
+    wait_for_async(what, Duration::from_secs(10), async || {
         let m = scaler.metrics().await;
         let saved = preheat_scaler::signals::text_format::samples(&m)
             .filter_map(Result::ok)
             .find(|s| s.name == preheat_scaler::signals::names::own::STATE_SAVED)
             .map(|s| s.value);
-        if let Some(v) = saved.filter(|v| ok(*v)) {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no {} as wanted on /metrics:\n{m}",
-            preheat_scaler::signals::names::own::STATE_SAVED
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        saved.filter(|v| ok(*v)).ok_or(m)
+    })
+    .await
 }
