@@ -11,13 +11,13 @@
 //! - [`disagg`]: the disaggregated path (gateway, prefill and decode workers, KV
 //!   transfer).
 
-pub mod api;
+mod api;
 pub mod backend;
 pub mod colocated;
 pub mod disagg;
 pub mod engine;
 mod error;
-pub mod frontend;
+mod frontend;
 pub mod kv;
 pub mod metrics;
 pub mod model;

@@ -3,7 +3,7 @@
 //! the same way: durations and latency targets ([`duration`]), `--host`/`--port`,
 //! `--chat-template` and `--json`.
 
-pub mod duration;
+mod duration;
 
 pub use duration::{duration_arg, seconds_arg};
 

@@ -15,16 +15,16 @@
 //!
 //! The on-disk layout is documented in [`format`].
 
-pub mod card;
-pub mod checksum;
-pub mod config;
-pub mod dtype;
+mod card;
+mod checksum;
+mod config;
+mod dtype;
 mod error;
 pub mod format;
 pub mod kernel_cache;
 pub mod manifest;
 pub mod packed;
-pub mod progress;
+mod progress;
 pub mod publish;
 mod reader;
 pub mod residency;

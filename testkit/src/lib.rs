@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-pub mod wait;
+mod wait;
 
 pub use wait::{Wait, wait_for, wait_for_async};
 

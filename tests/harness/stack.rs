@@ -184,15 +184,26 @@ impl Gateway {
         worker(role, model).gateway(&self.internal)
     }
 
-    /// The workers registered here (`GET /internal/workers`), none when it does not answer.
-    pub fn workers(&self) -> Vec<Value> {
-        http_get(
+    /// The workers registered here (`GET /internal/workers`); `None` unless the gateway
+    /// answers 200 with a worker list (a gateway that died or refused the token is not
+    /// one without workers).
+    pub fn try_workers(&self) -> Option<Vec<Value>> {
+        let (status, body) = http_get(
             &format!("{}/internal/workers", self.internal),
             Some(&bearer()),
-        )
-        .and_then(|(_, body)| serde_json::from_str::<Value>(&body).ok())
-        .and_then(|v| v["workers"].as_array().cloned())
-        .unwrap_or_default()
+        )?;
+        if status != 200 {
+            return None;
+        }
+        serde_json::from_str::<Value>(&body).ok()?["workers"]
+            .as_array()
+            .cloned()
+    }
+
+    /// [`Gateway::try_workers`] of a gateway that must be answering.
+    pub fn workers(&self) -> Vec<Value> {
+        self.try_workers()
+            .expect("the gateway answers GET /internal/workers with 200 and a worker list")
     }
 
     /// Its `/metrics` page (empty when it does not answer).
@@ -458,7 +469,7 @@ impl Stack {
             Duration::from_secs(secs),
         )
         .poll(|| {
-            let listed = self.workers();
+            let listed = self.gateway.try_workers().unwrap_or_default();
             if self.is_ready(&listed) {
                 Ok(())
             } else {

@@ -15,21 +15,21 @@
 //! - [`agent`] ties them together behind `/metrics` and a small HTTP API.
 
 pub mod agent;
-pub mod card;
+mod card;
 pub mod config;
 mod error;
-pub mod fetch;
+mod fetch;
 pub mod files;
-pub mod hot;
+mod hot;
 /// Compiled-kernel cache, shared with the engine (defined in the snapshot crate).
 pub use preheat_snapshot::kernel_cache;
-pub mod labels;
+mod labels;
 pub mod metrics;
-pub mod ownership;
+mod ownership;
 pub mod restart_backoff;
 pub mod stage;
 pub mod standby;
-pub mod store;
+mod store;
 pub mod worker_process;
 
 pub use card::fetch_card;

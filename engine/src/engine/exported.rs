@@ -13,6 +13,9 @@ use crate::sampling::SamplingParams;
 pub struct ExportedSequence {
     /// The id it was prefilled under (the transfer's, named by the decode side).
     pub request_id: String,
+    /// The KV compatibility hash of the engine that computed it
+    /// ([`crate::kv::payload::compat_hash`]): an engine imports only its own kind.
+    pub compat: String,
     /// Tokens whose K/V are carried (positions `0..prompt.len()`).
     pub prompt: Vec<u32>,
     /// Chained hashes of the prompt's full blocks.
@@ -32,8 +35,8 @@ pub struct ExportedSequence {
 
 impl ExportedSequence {
     /// Checks the sequence's shape and payload size against an importer's `layout`
-    /// and limit (what installing it into that cache needs; where the bytes came from,
-    /// and whether they arrived intact, the wire has checked).
+    /// and limit (what installing it into that cache needs; whether the bytes arrived
+    /// intact, the wire has checked).
     pub fn check(&self, layout: &KvLayout, max_payload: u64) -> Result<(), ShapeError> {
         let n = self.shape.check(
             self.prompt.len(),

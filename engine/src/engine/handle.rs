@@ -438,6 +438,17 @@ impl Engine {
         if res.is_none() && self.draining.load(Ordering::SeqCst) {
             return Err(EngineError::Unavailable("shutting down".into()));
         }
+        // The wire checked it against this engine already; an in-process caller may
+        // hand over a sequence of another model with the same layout.
+        if seq.compat != self.compat {
+            return Err(EngineError::invalid(
+                format!(
+                    "incompatible K/V: sender {}, receiver {} (another model, dtype or block layout)",
+                    seq.compat, self.compat
+                ),
+                "kv",
+            ));
+        }
         seq.check(&self.layout, self.max_kv_payload())
             .map_err(|e| EngineError::invalid(format!("K/V: {e}"), "kv"))?;
         let total = seq.prompt.len() + seq.params.max_tokens;

@@ -192,6 +192,9 @@ async fn refusals_leak_nothing() {
     let other = engine("qwen2-tiny", 64, Role::Decode);
     let e = over_the_wire(&msg, &p, &other, |_| {}).await.unwrap_err();
     assert!(e.to_string().contains("incompatible"), "{e}");
+    // ...and handed over in process, past the wire's checks.
+    let e = other.resume(msg.clone()).unwrap_err().to_string();
+    assert!(e.contains("incompatible"), "{e}");
     // A flipped payload byte: refused by digest.
     let d = engine("llama-tiny", 64, Role::Decode);
     let flip = |b: &mut Vec<u8>| *b.last_mut().unwrap() ^= 0x40;

@@ -100,9 +100,12 @@ impl DecodeClient<'_> {
         };
         let status = resp.status();
         if !status.is_success() {
-            let w = match read_capped(resp, MAX_ERROR_BYTES).await {
-                Ok(b) => serde_json::from_slice(&b).ok(),
-                Err(_) => None,
+            // Bounded in time as the headers were: a worker that stalls mid-answer
+            // must not hold the request.
+            let w = match tokio::time::timeout(self.idle, read_capped(resp, MAX_ERROR_BYTES)).await
+            {
+                Ok(Ok(b)) => serde_json::from_slice(&b).ok(),
+                _ => None,
             }
             .unwrap_or(WireError {
                 class: "internal".into(),

@@ -16,7 +16,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
 use super::kv_message::{KvMessage, MAX_HEADER};
 use super::kv_transport::{KvTransport, PullError, max_payload};
-use super::messages::{PrefillBody, WireError};
+use super::messages::{PrefillBody, WireError, read_capped};
+
+/// Most bytes read of an error answer.
+const MAX_ERROR_BYTES: usize = 64 << 10;
 use crate::engine::{Engine, ExportedSequence, GenerateRequest};
 use crate::{EngineError, Result};
 
@@ -60,7 +63,10 @@ impl HttpPull {
             .map_err(|err| PullError::Http(err.to_string()))?;
         let status = resp.status();
         if !status.is_success() {
-            let w: Option<WireError> = resp.json().await.ok();
+            let w: Option<WireError> = read_capped(resp, MAX_ERROR_BYTES)
+                .await
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
             return Err(PullError::Status {
                 status: status.as_u16(),
                 message: w.map_or_else(String::new, |w| w.message),

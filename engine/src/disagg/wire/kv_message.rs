@@ -130,6 +130,7 @@ impl KvMessage {
     pub fn of_sequence(seq: ExportedSequence, compat: &str) -> Self {
         let ExportedSequence {
             request_id,
+            compat: _,
             prompt,
             block_hashes,
             first_token,
@@ -173,6 +174,7 @@ impl KvMessage {
                 block_bytes: h.block_bytes,
             },
             request_id: h.request_id,
+            compat: h.compat,
             prompt: h.prompt,
             block_hashes: h.block_hashes,
             first_token: h.first_token,
@@ -371,6 +373,7 @@ mod tests {
         let n = (2 * 2 * block_bytes(&l)) as usize;
         ExportedSequence {
             request_id: "r1".into(),
+            compat: compat_hash(7, &layout()),
             block_hashes: crate::kv::PrefixKey::UNKEYED.block_hashes(&prompt, 4),
             prompt,
             first_token: 9,
@@ -422,6 +425,7 @@ mod tests {
         assert!(n > 3 * READ_PIECE, "{n} bytes cover several pieces");
         let seq = ExportedSequence {
             request_id: "big".into(),
+            compat: compat_hash(1, &l),
             block_hashes: crate::kv::PrefixKey::UNKEYED.block_hashes(&prompt, 16),
             prompt,
             first_token: 1,

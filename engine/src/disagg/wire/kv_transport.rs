@@ -104,6 +104,7 @@ mod tests {
     fn seq(request_id: &str, prompt: Vec<u32>, params: SamplingParams) -> ExportedSequence {
         ExportedSequence {
             request_id: request_id.into(),
+            compat: String::new(),
             // Forged: hashes that would file this K/V under another prefix.
             block_hashes: vec![42; prompt.len() / 4],
             prompt,

@@ -53,6 +53,7 @@ impl EngineLoop {
         self.metrics.generation_tokens.inc();
         let exported = ExportedSequence {
             request_id: live.prefill_only.clone().unwrap_or_default(),
+            compat: crate::kv::payload::compat_hash(self.backend.weights_fingerprint(), &layout),
             block_hashes: self.sched.prefix_key().block_hashes(&prompt, bs),
             prompt,
             first_token: token,
@@ -83,6 +84,7 @@ impl EngineLoop {
         };
         let ExportedSequence {
             request_id,
+            compat: _,
             prompt,
             block_hashes,
             first_token,
