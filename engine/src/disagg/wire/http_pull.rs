@@ -20,7 +20,7 @@ use super::messages::{PrefillBody, WireError, read_capped};
 
 /// Most bytes read of an error answer.
 const MAX_ERROR_BYTES: usize = 64 << 10;
-use crate::engine::{Engine, ExportedSequence, GenerateRequest};
+use crate::engine::{Engine, ExportedSequence};
 use crate::{EngineError, Result};
 
 /// Pulls over HTTP, never buffering more than the largest message the request's
@@ -141,16 +141,7 @@ impl AsyncRead for BodyReader {
 /// The prefill side: computes `req`'s K/V and first token on `e`, and answers with
 /// the K/V message as the body.
 pub async fn prefill_answer(e: &Engine, req: PrefillBody) -> Result<Vec<u8>> {
-    let seq = e
-        .prefill_sequence(
-            GenerateRequest {
-                prompt: req.prompt,
-                params: req.params,
-            },
-            &req.request_id,
-        )
-        .await?;
-    let m = KvMessage::of_sequence(seq, e.compat());
+    let m = super::kv_transport::prefilled(e, req).await?;
     let mut buf = Vec::with_capacity(m.payload.len() + 4096);
     m.write_to(&mut buf)
         .await

@@ -8,9 +8,9 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use super::kv_message::TransferError;
+use super::kv_message::{KvMessage, TransferError};
 use super::messages::PrefillBody;
-use crate::engine::{Engine, ExportedSequence};
+use crate::engine::{Engine, ExportedSequence, GenerateRequest};
 use crate::kv::PrefixKey;
 
 /// Why a pull brought no K/V. Every case is a prefill failure to the gateway, which
@@ -93,6 +93,21 @@ pub fn check_matches(
     }
     seq.block_hashes = key.block_hashes(&req.prompt, block_size);
     Ok(())
+}
+
+/// The prefill side of either transport: `req`'s prompt prefilled by `e`, as the K/V
+/// message that carries it.
+pub(crate) async fn prefilled(e: &Engine, req: PrefillBody) -> crate::Result<KvMessage> {
+    let seq = e
+        .prefill_sequence(
+            GenerateRequest {
+                prompt: req.prompt,
+                params: req.params,
+            },
+            &req.request_id,
+        )
+        .await?;
+    Ok(KvMessage::of_sequence(seq, e.compat()))
 }
 
 #[cfg(test)]

@@ -23,10 +23,10 @@ use preheat_edge::ClusterToken;
 use preheat_edge::token::nonce;
 
 use super::kv_message::KvMessage;
-use super::kv_transport::{KvTransport, PullError, max_payload};
+use super::kv_transport::{KvTransport, PullError, max_payload, prefilled};
 use super::messages::{PrefillBody, WireError};
 use crate::EngineError;
-use crate::engine::{Engine, ExportedSequence, GenerateRequest};
+use crate::engine::{Engine, ExportedSequence};
 
 /// Largest request frame: a prompt's token ids and bounded sampling parameters as
 /// JSON (a 128k-token prompt is under 1 MiB).
@@ -246,16 +246,7 @@ async fn answer(
         let e = engine
             .get()
             .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))?;
-        let seq = e
-            .prefill_sequence(
-                GenerateRequest {
-                    prompt: req.prompt,
-                    params: req.params,
-                },
-                &req.request_id,
-            )
-            .await?;
-        Ok::<_, EngineError>(KvMessage::of_sequence(seq, e.compat()))
+        prefilled(e, req).await
     }
     .await;
     match result {
