@@ -385,7 +385,8 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
     });
 }
 
-/// The README's "Disaggregated serving" example as written: a gateway that knows its
+/// The "Disaggregated serving" example of docs/engine.md (the README's when this was
+/// found) as written: a gateway that knows its
 /// model, one prefill and one decode worker on SmolLM2, then `bench serve` replaying
 /// 200 requests of the Azure code trace at 10×. Every request must complete: workers
 /// that are merely busy make a request wait at the gateway, they do not fail it.
