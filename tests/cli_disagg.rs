@@ -2,7 +2,11 @@
 //! processes on the tiny fixture. Greedy output through the gateway equals `engine
 //! serve`; a worker of another model is refused at registration; a decode worker
 //! killed mid-stream ends the client's stream with an error, not a hang; a dead prefill
-//! worker's requests are retried on another.
+//! worker's requests are retried on another; under load (the README's example, a
+//! worker killed mid-batch, requests waiting for room) nothing fails or is overtaken.
+//!
+//! Why one file over 600 lines: every test starts the same process stack through the
+//! harness and drives it as a client would; split, each part would repeat its helpers.
 
 mod harness;
 
@@ -388,8 +392,10 @@ fn regression_an_unreachable_decode_worker_failed_requests_another_could_serve()
 /// The "Disaggregated serving" example of docs/engine.md (the README's when this was
 /// found) as written: a gateway that knows its
 /// model, one prefill and one decode worker on SmolLM2, then `bench serve` replaying
-/// 200 requests of the Azure code trace at 10×. Every request must complete: workers
-/// that are merely busy make a request wait at the gateway, they do not fail it.
+/// 100 requests of the Azure code trace at 10× (about five times what 2 cores serve).
+/// Every request must complete: workers that are merely busy make a request wait at the
+/// gateway, they do not fail it, and it waits its turn (see
+/// `regression_requests_waiting_for_room_were_overtaken_and_timed_out`).
 #[test]
 fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
     let Some(model) = preheat_testkit::smollm2_gguf() else {
@@ -420,7 +426,7 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
         "--token-scale",
         "0.05",
         "--max-requests",
-        "200",
+        "100",
         "--json",
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -440,11 +446,60 @@ fn regression_the_readme_disaggregated_example_failed_requests_with_429() {
     );
     assert_eq!(
         (report["requests"].as_u64(), report["failed"].as_u64()),
-        (Some(200), Some(0)),
+        (Some(100), Some(0)),
         "errors: {}",
         report["errors"]
     );
     assert!(out.status.success(), "bench serve exited {}", out.status);
+}
+
+/// The bug: requests waiting at the gateway for room in a decode worker each asked again
+/// on a timer of their own, a pause growing to 1 s, so whichever timer fired just after
+/// room freed went next: a request that had just come (20 ms pause) beat one that had
+/// waited long (1 s pause). Under sustained overload the oldest waited past their
+/// clients' timeouts (the disaggregated example in CI: 6 of 200 timed out after 300 s
+/// while the median first token took 40 s). Now they wait in arrival order.
+#[test]
+fn regression_requests_waiting_for_room_were_overtaken_and_timed_out() {
+    let Some(model) = preheat_testkit::smollm2_gguf() else {
+        return;
+    };
+    let mut s = stack().log(Log::Piped).start();
+    // One running and one queued request: every other request waits at the gateway.
+    let w = s
+        .gateway
+        .worker("decode", &model)
+        .args(&["--max-running", "1", "--max-waiting", "1"])
+        .log(Log::Piped)
+        .start();
+    s.decode.push(w);
+    s.wait_ready(120);
+    let gw = s.url().to_owned();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let mut tasks = Vec::new();
+        for i in 0..8u32 {
+            let (c, gw) = (c.clone(), gw.clone());
+            tasks.push(tokio::spawn(async move {
+                let v = complete(&c, &gw, &json!([1, 2 + i, 3]), 24).await;
+                assert_eq!(v["usage"]["completion_tokens"], 24, "request {i}: {v}");
+                (Instant::now(), i)
+            }));
+            // Deliberate: requests arrive one after another, while earlier ones wait.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        let mut done = Vec::new();
+        for t in tasks {
+            done.push(t.await.unwrap());
+        }
+        done.sort();
+        let order: Vec<u32> = done.iter().map(|d| d.1).collect();
+        assert_eq!(
+            order,
+            (0..8).collect::<Vec<_>>(),
+            "finished out of arrival order"
+        );
+    });
 }
 
 /// A decode worker killed (SIGKILL) while it runs requests whose clients have had

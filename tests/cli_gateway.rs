@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::{Gateway, Worker, gateway, metric};
+use harness::{Gateway, Worker, gateway, metric, metric_sum};
 use preheat_testkit::{serve_files, wait_for_async};
 use serde_json::{Value, json};
 
@@ -50,7 +50,8 @@ async fn pending(c: &reqwest::Client, base: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    metric(&text, "preheat:gateway_pending_requests").unwrap_or(-1.0)
+    // Summed over the pools held requests wait for; absent, -1.
+    metric_sum(&text, "preheat:gateway_pending_requests").unwrap_or(-1.0)
 }
 
 #[test]

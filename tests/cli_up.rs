@@ -244,6 +244,14 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 /// One completion through `gw` (waiting for the gateway to listen), its status and body.
+/// A prompt prefix that clients share, longer than `--disagg-min-tokens` (32) in any
+/// tokenizer the tests use.
+const SHARED_PREFIX: &str = "The operators' view of the fleet: every model at zero until asked, \
+    each pool sized on its own from queue depth, cache pressure and latency against \
+    its targets, with a forecast whose lead time is the measured start of a replica, \
+    and the warm tiers decided by demand, so that a model asked for after hours of \
+    silence answers within seconds.";
+
 async fn one_completion(gw: &str) -> (u16, Value) {
     let c = reqwest::Client::new();
     let r = wait_for_async(
@@ -493,7 +501,7 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
             reqwest::get(format!("{gw}/health")).await
         })
         .await;
-        // The first request wakes both pools through their parked standbys (the
+        // The first requests wake both pools through their parked standbys (the
         // "promoted" panel needs one): wait until `up` says they are parked.
         wait_for("both standbys parked", Duration::from_secs(120).saturating_sub(t0.elapsed()), || {
             let out = up.stdout();
@@ -506,7 +514,9 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         let (status, body) = one_completion(&gw).await;
         assert_eq!(status, 200, "{body}");
         let c = reqwest::Client::new();
-        // Load: three clients with a shared prompt prefix (prefix-cache hits).
+        // Load: three clients with a shared prompt prefix (prefix-cache hits), long
+        // enough to be prefilled apart, so they want the prefill pool too (a short
+        // prompt wakes decode alone).
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let load: Vec<_> = (0..3)
             .map(|i| {
@@ -514,7 +524,7 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
                 tokio::spawn(async move {
                     let mut n = 0;
                     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        let prompt = format!("The operators' view of the fleet, client {i}, request {n}");
+                        let prompt = format!("{SHARED_PREFIX} client {i}, request {n}");
                         let _ = c
                             .post(format!("{gw}/v1/completions"))
                             .json(&json!({"prompt": prompt, "max_tokens": 24}))

@@ -208,9 +208,9 @@ fn all_ok(handles: Vec<std::thread::JoinHandle<Vec<(u16, Value)>>>) -> usize {
 }
 
 /// Asserts that no pool was set below what it had at history index `mark`. Prefill
-/// is left out while it serves nothing: the short prompts here never reach it, and an
-/// idle pool going back to zero is the policy at work, restart or not (the load's
-/// first requests, held while decode wakes from zero, wake it too).
+/// is left out while it serves nothing: the short prompts here never reach it (nor
+/// wake it: a held short prompt counts for decode alone), and an idle pool going back
+/// to zero is the policy at work, restart or not.
 fn assert_no_shrink(c: &Cluster, mark: usize, before: (i64, i64), during: &str) {
     let prefill_served = prefilled_by(c, PREFILL) > 0.0;
     let pools = [(PREFILL, before.0), (DECODE, before.1)];

@@ -36,7 +36,9 @@ pub mod names {
     /// Unix time the replica's current start began (process start, or promotion of a
     /// standby): with [`STARTUP_PHASE`], which starts were the last ones.
     pub const START_TIME: &str = "preheat:replica_start_time_seconds";
-    /// Gateway: requests held while no worker of a pool is available.
+    /// Gateway: requests waiting for a worker, by `model_name` and the `pool` they wait
+    /// for (held at zero or for room; a long prompt with no prefill worker also counts
+    /// for `prefill`).
     pub const GATEWAY_PENDING: &str = "preheat:gateway_pending_requests";
     /// Workers in a gateway's rotation, by `role` (prefill, decode).
     pub const GATEWAY_WORKERS: &str = "preheat:gateway_workers";

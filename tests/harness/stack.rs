@@ -99,6 +99,18 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// The sum of `name`'s samples (every label set) on a Prometheus text page; `None`
+/// when it has none.
+pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(['{', ' ']))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .reduce(|a, b| a + b)
+}
+
 /// A gateway to start: see [`gateway`].
 #[derive(Debug)]
 #[must_use = "nothing starts until `start`"]

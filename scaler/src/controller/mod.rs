@@ -196,7 +196,7 @@ impl Controller {
             let agents = pool_seen.agents.clone();
             let ready_pods = pool_seen.ready_pods;
             let unsure = pool_seen.signals.is_blind() || pool_seen.standby_failing;
-            let outcome = decide::decide(name, p, pool_seen, seen.held, t);
+            let outcome = decide::decide(name, p, pool_seen, seen.held.for_pool(p.pool), t);
             self.store.set_status(name, p.pool, outcome.status);
             let (Some(decision), Some(current)) = (outcome.decision, p.last_current) else {
                 continue;

@@ -27,10 +27,34 @@ pub(super) enum Source {
 /// What one tick reads once per model.
 #[derive(Debug, Default)]
 pub(super) struct ModelSeen {
-    /// Requests the model's gateways hold (its pools at zero, or busy).
-    pub held: f64,
+    /// Requests the model's gateways hold (its pools at zero, or busy), by the pool
+    /// they wait for.
+    pub held: Held,
     /// Each agent that answered, by base URL: its standbys per agent pool.
     pub agents: Vec<(String, BTreeMap<String, AgentPool>)>,
+}
+
+/// Requests a model's gateways hold, by the pool they wait for.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(super) struct Held(BTreeMap<String, f64>);
+
+impl Held {
+    /// Summed over the gateways' readings.
+    fn of<'a>(readings: impl Iterator<Item = &'a Reading>) -> Held {
+        let mut by_pool = BTreeMap::new();
+        for r in readings {
+            for (pool, n) in &r.gateway_pending_by_pool {
+                *by_pool.entry(pool.clone()).or_default() += n;
+            }
+        }
+        Held(by_pool)
+    }
+
+    /// Those that `pool` would serve: the ones that wait for it, and those of a
+    /// gateway that does not say which pool its requests wait for.
+    pub fn for_pool(&self, pool: Pool) -> f64 {
+        self.0.get(pool.as_str()).copied().unwrap_or(0.0) + self.0.get("").copied().unwrap_or(0.0)
+    }
 }
 
 /// What one tick saw of one pool.
@@ -102,7 +126,7 @@ impl Observer<'_> {
         let (gw, gw_failed) = scrape_all(self.client, &gateways, filter, self.timeout).await;
         m.gateway_failures
             .note("gateway", gw.iter().map(|(u, _)| u.as_str()), &gw_failed);
-        let held: f64 = gw.iter().filter_map(|(_, r)| r.gateway_pending).sum();
+        let held = Held::of(gw.iter().map(|(_, r)| r));
         let agents = match &m.agents {
             Some((set, _)) => {
                 let bases: Vec<String> = set.view().ready.into_values().collect();

@@ -19,6 +19,9 @@ pub struct Reading {
     pub kv_reserved: Option<f64>,
     pub prefill_queue_tokens: Option<f64>,
     pub gateway_pending: Option<f64>,
+    /// The same by the pool the requests wait for (its `pool` label; `""` for a
+    /// gateway that does not say, whose held requests wait for every pool).
+    pub gateway_pending_by_pool: BTreeMap<String, f64>,
     pub prompt_tokens: Option<f64>,
     pub generation_tokens: Option<f64>,
     pub prefix_queries: Option<f64>,
@@ -52,6 +55,11 @@ pub fn parse(text: &str, model: Option<&str>) -> Result<Reading> {
             r.startup.insert(key, s.value);
         } else if let Some(name) = known(&s.name, SCALARS) {
             *scalars.entry(name).or_default() += s.value;
+            if names::GATEWAY_PENDING.contains(&name) {
+                *r.gateway_pending_by_pool
+                    .entry(s.label("pool").unwrap_or("").to_owned())
+                    .or_default() += s.value;
+            }
         } else if let Some(base) = s.name.strip_suffix("_bucket")
             && let Some(name) = known(base, HISTOGRAMS)
         {

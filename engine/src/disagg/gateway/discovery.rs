@@ -39,6 +39,9 @@ impl Gateway {
             if let Some(e) = g.workers.get_mut(url.as_str()) {
                 // Admitted while the poll was out: nothing of ours was there then.
                 e.report(status.load.clone(), asked.unwrap_or_default());
+                if role == WorkerRole::Decode {
+                    self.room.room_may_have_freed();
+                }
                 if role == WorkerRole::Prefill {
                     g.prefix
                         .0
@@ -57,7 +60,10 @@ impl Gateway {
         });
         for (url, role, r) in futures_util::future::join_all(admits).await {
             match r {
-                Ok(()) => tracing::info!(worker = %url, role = role.as_str(), "worker discovered"),
+                Ok(()) => {
+                    tracing::info!(worker = %url, role = role.as_str(), "worker discovered");
+                    self.room.room_may_have_freed();
+                }
                 Err(why) => {
                     tracing::warn!(worker = %url, reason = %why, "listed worker not used");
                     refused.insert(url.clone(), Instant::now());
@@ -140,6 +146,7 @@ impl Gateway {
                 status.load,
             ),
         );
+        self.count_workers(&g);
         drop(g);
         self.announce_now.notify_one();
         Ok(())

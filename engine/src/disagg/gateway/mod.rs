@@ -8,6 +8,7 @@ mod discovery;
 mod front;
 mod in_flight;
 mod requests;
+mod room_queue;
 mod routes;
 
 use std::collections::HashMap;
@@ -195,8 +196,9 @@ pub struct Gateway {
     client: reqwest::Client,
     api: ApiState,
     opts: GatewayOptions,
-    /// `preheat:gateway_pending_requests`: requests waiting for a worker.
-    pending: IntGauge,
+    /// `preheat:gateway_pending_requests{model_name,pool}`: requests waiting for a
+    /// worker of that pool.
+    pending: prometheus::IntGaugeVec,
     /// `preheat:gateway_workers{role}`: the rotation's size.
     workers_gauge: prometheus::IntGaugeVec,
     /// `preheat:gateway_replays_total`: requests run again after a decode worker was
@@ -204,7 +206,8 @@ pub struct Gateway {
     replays: prometheus::IntCounter,
     /// What the router's block hashes start from (the workers' key).
     prefix_key: PrefixKey,
-    front: OnceLock<()>,
+    /// The served model's name, once the front is installed.
+    front: OnceLock<String>,
     /// This gateway's id in its announcements to decode workers (a restarted gateway
     /// gets a new one; its old list expires there).
     instance: String,
@@ -216,6 +219,8 @@ pub struct Gateway {
     /// Turns the candidates' order each pick, so equally loaded workers share requests
     /// instead of the first in the map's order taking them all.
     rotation: std::sync::atomic::AtomicUsize,
+    /// Requests waiting for room in a decode worker.
+    room: Arc<room_queue::RoomQueue>,
 }
 
 /// Lets a repeated message through at most once per period.
@@ -253,6 +258,8 @@ struct Picked {
     /// Where a decode worker pulls K/V from (the KV transport, else the URL).
     kv: String,
     _in_flight: InFlight,
+    /// A decode worker's: its end may free room for those waiting.
+    _frees_room: Option<room_queue::FreesRoom>,
 }
 
 impl Gateway {
@@ -273,7 +280,11 @@ impl Gateway {
             g.compat = Some(info.compat.clone());
             g.block_size = info.block_size;
         }
-        if self.front.set(()).is_ok() {
+        if self.front.set(info.model.clone()).is_ok() {
+            // Both pools read 0 from the start, as the rotation does.
+            for role in [WorkerRole::Prefill, WorkerRole::Decode] {
+                self.pending_for(role).set(0);
+            }
             self.api.set_frontend(Arc::new(GatewayFront::new(
                 Arc::clone(self),
                 tok,
@@ -285,6 +296,12 @@ impl Gateway {
             tracing::info!(model = %info.model, "gateway serving");
         }
         Ok(())
+    }
+
+    /// The count of this model's requests waiting for a worker of `pool`.
+    fn pending_for(&self, pool: WorkerRole) -> IntGauge {
+        let model = self.front.get().map_or("", String::as_str);
+        self.pending.with_label_values(&[model, pool.as_str()])
     }
 
     fn token(&self) -> Option<&ClusterToken> {
@@ -311,6 +328,19 @@ impl Gateway {
         g.prefix.0.remove(id);
         if g.workers.remove(id).is_some() {
             tracing::warn!(worker = %id, reason = why, "worker dropped");
+        }
+        self.count_workers(&g);
+    }
+
+    /// Sets `preheat:gateway_workers` from `g`, at every change to the rotation and
+    /// under its lock: a scrape never reads a rotation that has changed since, and two
+    /// changes cannot set their counts in the wrong order.
+    fn count_workers(&self, g: &Registry) {
+        for role in [WorkerRole::Prefill, WorkerRole::Decode] {
+            let n = g.workers.values().filter(|e| e.reg.role == role).count();
+            self.workers_gauge
+                .with_label_values(&[role.as_str()])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 
@@ -403,9 +433,12 @@ pub async fn run(
 ) -> Result<()> {
     let listener = public;
     let api = ApiState::new(DEFAULT_MAX_BODY).with_api_keys(opts.api_keys.clone());
-    let pending = IntGauge::new(
-        crate::metrics::names::GATEWAY_PENDING,
-        "Requests held at the gateway waiting for a worker",
+    let pending = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            crate::metrics::names::GATEWAY_PENDING,
+            "Requests held at the gateway waiting for a worker, by the pool they wait for",
+        ),
+        &["model_name", "pool"],
     )
     .map_err(|e| EngineError::Internal(e.to_string()))?;
     let workers_gauge = prometheus::IntGaugeVec::new(
@@ -448,7 +481,10 @@ pub async fn run(
             last: Mutex::new(None),
         },
         rotation: std::sync::atomic::AtomicUsize::new(0),
+        room: Arc::default(),
     });
+    // Both roles read 0 from the start: a scrape at zero sees an empty rotation.
+    gw.count_workers(&gw.lock());
     if let Some(info) = opts.model.clone() {
         gw.install_front(info)?;
     }
@@ -531,16 +567,6 @@ pub async fn run(
                     .collect();
                 for id in dead {
                     gw.drop_worker(&id, "missed heartbeats");
-                }
-                let counts = {
-                    let g = gw.lock();
-                    [WorkerRole::Prefill, WorkerRole::Decode]
-                        .map(|r| (r, g.workers.values().filter(|e| e.reg.role == r).count()))
-                };
-                for (role, n) in counts {
-                    gw.workers_gauge
-                        .with_label_values(&[role.as_str()])
-                        .set(i64::try_from(n).unwrap_or(i64::MAX));
                 }
             }
         })

@@ -2,6 +2,7 @@
 //! zero), a prefill worker it may pull from (prefix-aware), the K/V handed over, and
 //! the decode worker's events streamed back; failures retried on another worker.
 
+use super::room_queue::{FreesRoom, Ticket};
 use super::*;
 use crate::disagg::wire::decode_client::{DecodeClient, DecodeStream, Refusal, StreamFault};
 
@@ -58,12 +59,21 @@ impl Gateway {
             url: e.reg.url.clone(),
             kv: e.kv_address(),
             _in_flight: e.in_flight.start(blocks),
+            _frees_room: (role == WorkerRole::Decode).then(|| FreesRoom(Arc::clone(&self.room))),
         })
     }
 
     /// Waits for a decode worker (held at the gateway while the pool is at zero), up
-    /// to the hold time, or until the workers are known not to start.
-    pub(super) async fn wait_decode(&self, blocks: usize, exclude: &[String]) -> Result<Picked> {
+    /// to the hold time, or until the workers are known not to start. While held, the
+    /// request counts as waiting for the decode pool and, when its prompt is `long`
+    /// enough to be prefilled apart and no prefill worker is there, for the prefill
+    /// pool too: the scaler wakes the pools a request needs, and only those.
+    pub(super) async fn wait_decode(
+        &self,
+        blocks: usize,
+        exclude: &[String],
+        long: bool,
+    ) -> Result<Picked> {
         let outage = |why: String| EngineError::NoWorkers {
             message: format!("no decode worker can be had: {why}"),
             retry_after_secs: 30,
@@ -74,9 +84,16 @@ impl Gateway {
         if let Some(why) = self.opts.outage.reason() {
             return Err(outage(why));
         }
-        let _held = Held::count(&self.pending);
+        let _held = Held::count(self.pending_for(WorkerRole::Decode));
+        let mut for_prefill = None;
         let deadline = Instant::now() + self.opts.hold_timeout;
         loop {
+            let no_prefill = long && !self.has_worker(WorkerRole::Prefill, &[]);
+            if no_prefill && for_prefill.is_none() {
+                for_prefill = Some(Held::count(self.pending_for(WorkerRole::Prefill)));
+            } else if !no_prefill {
+                for_prefill = None;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
             if let Some(p) = self.pick(WorkerRole::Decode, &[], blocks, exclude, None) {
                 return Ok(p);
@@ -100,9 +117,9 @@ impl Gateway {
     /// - a prefill worker that fails before the first token: another prefill worker,
     ///   then a prefill on the decode worker itself;
     /// - a decode worker that is draining, unreachable or has no room now: another one;
-    ///   with none free, the request waits at the gateway (counted in
-    ///   `preheat:gateway_pending_requests`, which the scaler reads) and tries again,
-    ///   within the hold time;
+    ///   with none free, the request waits at the gateway, first come first served
+    ///   ([`RoomQueue`](super::room_queue::RoomQueue); counted in `preheat:gateway_pending_requests`, which the scaler
+    ///   reads), within the hold time;
     /// - a decode worker lost before the request finished: the request runs again
     ///   elsewhere from the start, after an [`Event::Replayed`] when output had come
     ///   (a consumer that showed none of it discards it; a stream under way ends with
@@ -121,21 +138,26 @@ impl Gateway {
         // What the decode worker reserves before the K/V flows.
         let blocks = req.prompt.len().div_ceil(bs);
         let mut tries = Tries::new(self.opts.hold_timeout);
+        // Counted for the prefill pool while this request, long enough to be
+        // prefilled apart, runs without a prefill worker because the pool has none:
+        // the scaler's only sign that prefill is wanted while decode serves.
+        let mut wants_prefill: Option<Held> = None;
         let client = DecodeClient {
             http: &self.client,
             token: self.token(),
             idle: self.opts.stream_idle_timeout,
         };
         loop {
-            if let Err(e) = self.wait_while_busy(&mut tries).await {
+            if let Err(e) = self.wait_for_room(&mut tries).await {
                 return fail(e);
             }
-            let decode = match self.wait_decode(blocks, &tries.passed_over()).await {
+            tries.room_mark = self.room.mark();
+            let long = req.prompt.len() >= self.opts.disagg_min_tokens;
+            let decode = match self.wait_decode(blocks, &tries.passed_over(), long).await {
                 Ok(d) => d,
                 Err(e) => return fail(e),
             };
-            let disagg = tries.prefill_failures < MAX_PREFILL_TRIES
-                && req.prompt.len() >= self.opts.disagg_min_tokens;
+            let disagg = tries.prefill_failures < MAX_PREFILL_TRIES && long;
             if disagg {
                 self.await_announcement(&decode.id).await;
             }
@@ -150,6 +172,14 @@ impl Gateway {
             } else {
                 None
             };
+            if prefill.is_some() {
+                wants_prefill = None;
+            } else if disagg
+                && wants_prefill.is_none()
+                && !self.has_worker(WorkerRole::Prefill, &[])
+            {
+                wants_prefill = Some(Held::count(self.pending_for(WorkerRole::Prefill)));
+            }
             let body = GenerateBody {
                 request_id: format!("gw-{id}"),
                 prompt: req.prompt.clone(),
@@ -158,6 +188,8 @@ impl Gateway {
             };
             let lost = match client.generate(&decode.url, &body).await {
                 Ok(stream) => {
+                    // Admitted: the next request waiting for room goes.
+                    tries.ticket = None;
                     // The K/V has been pulled: the prefill worker is done with it.
                     if let Some(p) = prefill {
                         self.lock()
@@ -189,8 +221,7 @@ impl Gateway {
             }
             tries.replays += 1;
             tries.lost = Some(EngineError::Unavailable(lost.to_string()));
-            tries.busy_deadline = Instant::now() + self.opts.hold_timeout;
-            tries.busy_pause = FIRST_BUSY_PAUSE;
+            tries.busy_deadline = tokio::time::Instant::now() + self.opts.hold_timeout;
             self.replays.inc();
             tracing::warn!(decode = %decode.url, error = %lost, replay = tries.replays, "decode worker lost before the request finished; replaying it elsewhere");
             if std::mem::take(&mut tries.forwarded) && out.send(Event::Replayed(lost)).is_err() {
@@ -199,23 +230,36 @@ impl Gateway {
         }
     }
 
-    /// While every decode worker has answered "no room now" and none other is free:
-    /// waits (counted as pending) with a growing pause, then lets them be asked again;
-    /// past the hold time, the request fails.
-    async fn wait_while_busy(&self, tries: &mut Tries) -> Result<()> {
-        if tries.busy.is_empty() || self.has_worker(WorkerRole::Decode, &tries.passed_over()) {
-            return Ok(());
+    /// While every decode worker has answered "no room now" and none other is free, or
+    /// other requests already wait for room: waits in the [`RoomQueue`](super::room_queue::RoomQueue) (counted as
+    /// pending) for this request's turn, and, once refused, for a sign that room may
+    /// have freed; past the hold time, the request fails.
+    async fn wait_for_room(&self, tries: &mut Tries) -> Result<()> {
+        let refused_everywhere =
+            !tries.busy.is_empty() && !self.has_worker(WorkerRole::Decode, &tries.passed_over());
+        if tries.ticket.is_none() {
+            if !refused_everywhere && self.room.is_empty() {
+                return Ok(());
+            }
+            tries.ticket = Some(self.room.join());
         }
-        if Instant::now() >= tries.busy_deadline {
-            return Err(EngineError::Overloaded {
-                retry_after_secs: 1,
-            });
+        let overloaded = || EngineError::Overloaded {
+            retry_after_secs: 1,
+        };
+        if refused_everywhere && tokio::time::Instant::now() >= tries.busy_deadline {
+            return Err(overloaded());
         }
-        {
-            let _held = Held::count(&self.pending);
-            tokio::time::sleep(tries.busy_pause).await;
+        let after = refused_everywhere.then_some(tries.room_mark);
+        let turn = {
+            let _held = Held::count(self.pending_for(WorkerRole::Decode));
+            let ticket = tries.ticket.as_ref().expect("joined above");
+            self.room
+                .wait_turn(ticket, after, tries.busy_deadline)
+                .await
+        };
+        if !turn {
+            return Err(overloaded());
         }
-        tries.busy_pause = (tries.busy_pause * 2).min(MAX_BUSY_PAUSE);
         tries.busy.clear();
         Ok(())
     }
@@ -366,9 +410,6 @@ const MAX_PREFILL_TRIES: usize = 2;
 /// Decode workers lost (killed, crashed, cut off) before one request finished, after
 /// which it fails: a request that kills its workers should not kill the pool.
 const MAX_REPLAYS: usize = 2;
-/// The first and the longest pause between asks while every decode worker is busy.
-const FIRST_BUSY_PAUSE: Duration = Duration::from_millis(20);
-const MAX_BUSY_PAUSE: Duration = Duration::from_secs(1);
 
 /// What one request has been through on its way to a worker.
 #[derive(Debug)]
@@ -388,9 +429,13 @@ struct Tries {
     replays: usize,
     /// Output has gone to the consumer since the last replay.
     forwarded: bool,
-    busy_pause: Duration,
+    /// This request's place among those waiting for room, until a decode worker
+    /// admits it.
+    ticket: Option<Ticket>,
+    /// [`RoomQueue::mark`](super::room_queue::RoomQueue::mark) before the last ask.
+    room_mark: u64,
     /// When waiting for room ends.
-    busy_deadline: Instant,
+    busy_deadline: tokio::time::Instant,
 }
 
 impl Tries {
@@ -405,8 +450,9 @@ impl Tries {
             refusals: 0,
             replays: 0,
             forwarded: false,
-            busy_pause: FIRST_BUSY_PAUSE,
-            busy_deadline: Instant::now() + hold,
+            ticket: None,
+            room_mark: 0,
+            busy_deadline: tokio::time::Instant::now() + hold,
         }
     }
 
@@ -439,16 +485,16 @@ enum Relayed {
 /// One request counted in `preheat:gateway_pending_requests` while this lives: a
 /// request's task is dropped wherever it waits when its client goes away, and the
 /// count must go with it.
-struct Held<'a>(&'a IntGauge);
+struct Held(IntGauge);
 
-impl<'a> Held<'a> {
-    fn count(g: &'a IntGauge) -> Self {
+impl Held {
+    fn count(g: IntGauge) -> Self {
         g.inc();
         Held(g)
     }
 }
 
-impl Drop for Held<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
         self.0.dec();
     }

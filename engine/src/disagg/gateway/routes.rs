@@ -76,10 +76,14 @@ pub(super) async fn register(
         }
     }
     tracing::info!(worker = %r.id, role = r.role.as_str(), url = %r.url, "worker registered");
-    gw.lock()
-        .workers
-        .insert(r.id.clone(), Entry::new(r, Load::default()));
+    {
+        let mut g = gw.lock();
+        g.workers
+            .insert(r.id.clone(), Entry::new(r, Load::default()));
+        gw.count_workers(&g);
+    }
     gw.announce_now.notify_one();
+    gw.room.room_may_have_freed();
     StatusCode::OK.into_response()
 }
 
@@ -93,6 +97,9 @@ pub(super) async fn heartbeat(
         Some(e) => {
             let now = e.in_flight.snapshot();
             e.report(h.load, now);
+            if e.reg.role == WorkerRole::Decode {
+                gw.room.room_may_have_freed();
+            }
             if e.reg.role == WorkerRole::Prefill {
                 g.prefix.0.entry(h.id).or_default().replace(&h.blocks);
             }
@@ -111,9 +118,12 @@ pub(super) async fn deregister(
     State(gw): State<Arc<Gateway>>,
     Json(d): Json<Deregister>,
 ) -> Response {
-    if gw.lock().workers.remove(&d.id).is_some() {
+    let mut g = gw.lock();
+    if g.workers.remove(&d.id).is_some() {
         tracing::info!(worker = %d.id, "worker deregistered");
     }
+    gw.count_workers(&g);
+    drop(g);
     StatusCode::OK.into_response()
 }
 

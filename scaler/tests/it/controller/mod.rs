@@ -246,6 +246,69 @@ async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero(
     scaler.stop().await;
 }
 
+/// A held request names the pool it waits for (`pool` on
+/// `preheat:gateway_pending_requests`): a short prompt held for a decode worker wakes
+/// the decode pool only; one long enough to be disaggregated, with no prefill worker,
+/// wakes prefill too. Every held request woke both pools before (the count had no pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_request_wakes_only_the_pool_it_waits_for() {
+    let held = |decode: u32, prefill: u32| {
+        format!(
+            "# TYPE preheat:gateway_pending_requests gauge\n\
+             preheat:gateway_pending_requests{{model_name=\"llama\",pool=\"decode\"}} {decode}\n\
+             preheat:gateway_pending_requests{{model_name=\"llama\",pool=\"prefill\"}} {prefill}\n\
+             preheat:gateway_pending_requests{{model_name=\"other\",pool=\"prefill\"}} 3\n"
+        )
+    };
+    let gw = Arc::new(Mutex::new(Some(held(0, 0))));
+    let ug = fake(gw.clone()).await;
+    let mut scaler = Running::start(&[
+        "interval_s=0.1".into(),
+        "window_s=2".into(),
+        format!(
+            "models=[{{name: llama, metrics_model_name: llama, gateway: [{ug}], prefill: {{idle_grace_s: 0.5}}, decode: {{idle_grace_s: 0.5}}}}]"
+        ),
+    ])
+    .await;
+    let client = &mut scaler.client;
+    // `None` before the pool's first decision (the scaler answers Unavailable then).
+    let active = async |c: &mut ExternalScalerClient<tonic::transport::Channel>, pool: &str| {
+        c.is_active(sref(pool))
+            .await
+            .ok()
+            .map(|r| r.into_inner().result)
+    };
+    Wait::new("both pools inactive", Duration::from_secs(10))
+        .until_async(async || {
+            active(&mut *client, "decode").await == Some(false)
+                && active(&mut *client, "prefill").await == Some(false)
+        })
+        .await;
+    // Held for a decode worker: decode wakes, prefill (another model's held requests
+    // beside it) stays at zero.
+    *gw.lock().unwrap() = Some(held(2, 0));
+    Wait::new("decode active", Duration::from_secs(5))
+        .until_async(async || active(&mut *client, "decode").await == Some(true))
+        .await;
+    for _ in 0..5 {
+        // Deliberate: prefill must stay inactive, which only time passing shows.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            active(&mut *client, "prefill").await,
+            Some(false),
+            "prefill woke"
+        );
+        assert_eq!(desired(&mut *client, "prefill").await, 0);
+    }
+    // A long prompt with no prefill worker: prefill wakes too.
+    *gw.lock().unwrap() = Some(held(2, 1));
+    Wait::new("prefill active", Duration::from_secs(5))
+        .until_async(async || active(&mut *client, "prefill").await == Some(true))
+        .await;
+    assert!(desired(&mut *client, "prefill").await >= 1);
+    scaler.stop().await;
+}
+
 /// What a fake Prometheus has seen beyond the steady 100k prompt tokens/s.
 #[derive(Clone, Copy, PartialEq)]
 enum History {
