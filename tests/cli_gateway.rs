@@ -40,6 +40,25 @@ fn completion(c: &reqwest::Client, base: &str) -> reqwest::RequestBuilder {
         .json(&json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
 }
 
+/// `base`'s `GET /v1/models`: the page, and the ids it lists.
+async fn models(c: &reqwest::Client, base: &str) -> (Value, Vec<String>) {
+    let page: Value = c
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids = page["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| Some(m["id"].as_str()?.to_owned()))
+        .collect();
+    (page, ids)
+}
+
 /// Requests held at `base`'s gateway.
 async fn pending(c: &reqwest::Client, base: &str) -> f64 {
     let text = c
@@ -65,15 +84,8 @@ fn regression_gateway_at_zero_was_never_ready_and_refused_requests_at_once() {
     let base = gw.url.clone();
     rt().block_on(async {
         let c = reqwest::Client::new();
-        let models: Value = c
-            .get(format!("{base}/v1/models"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+        let (page, ids) = models(&c, &base).await;
+        assert_eq!(ids, ["tiny"], "{page}");
         // The gateway refuses what it would not honour at once, by name, before
         // holding anything (the same checks as `engine serve`).
         for (field, value) in [
@@ -190,6 +202,74 @@ fn gateway_refuses_a_model_source_that_is_not_a_snapshot() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("bogus.preheat") && err.contains("magic"),
+        "{err}"
+    );
+}
+
+/// `--model NAME=SOURCE`, repeated: one gateway lists every model, serves a worker of
+/// each (a worker joins the model it names), and a model whose source cannot be read
+/// answers 503 with the cause while the others serve; the one-model options that
+/// cannot apply to several are refused by name.
+#[test]
+fn one_gateway_fronts_several_models_and_one_unreadable_fails_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = harness::synth_tiny(dir.path(), "a-snap", 1);
+    let b = harness::synth_tiny(dir.path(), "b-snap", 2);
+    let bogus = dir.path().join("bogus.preheat");
+    std::fs::write(&bogus, vec![7u8; 4096]).unwrap();
+    let named = |n: &str, p: &std::path::Path| format!("{n}={}", p.display());
+    let gw = gateway()
+        .model(&named("alpha", &a))
+        .model(&named("beta", &b))
+        .model(&named("gamma", &bogus))
+        .args(&["--hold-timeout-secs", "60"])
+        .start();
+    gw.wait_healthy(60);
+    let base = gw.url.clone();
+    let _worker = gw
+        .worker("decode", &b)
+        .args(&["--served-model-name", "beta"])
+        .start();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let (page, ids) = models(&c, &base).await;
+        assert_eq!(ids, ["alpha", "beta", "gamma"], "{page}");
+        let ask = async |model: &str| {
+            let r = c
+                .post(format!("{base}/v1/completions"))
+                .json(&json!({"model": model, "prompt": "hello", "max_tokens": 2}))
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        };
+        let (status, body) = ask("beta").await;
+        assert_eq!(status, 200, "{body}");
+        let (status, body) = ask("gamma").await;
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            body.contains("bogus.preheat") && body.contains("magic"),
+            "{body}"
+        );
+    });
+    // Options of one model, given with several: refused, each by name, at once.
+    let out = harness::preheat([
+        "engine",
+        "gateway",
+        "--model",
+        &named("alpha", &a),
+        "--model",
+        b.to_str().unwrap(),
+        "--served-model-name",
+        "x",
+        "--chat-template",
+        "t.jinja",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--served-model-name names one model") && err.contains("--chat-template"),
         "{err}"
     );
 }
@@ -379,7 +459,10 @@ fn gateways_find_workers_in_endpoint_slices_ready_and_of_their_model_only() {
                 "the unlisted worker dropped",
                 Duration::from_secs(10),
                 async || {
-                    metric(&g.metrics(), "preheat:gateway_workers{role=\"decode\"}") == Some(0.0)
+                    metric(
+                        &g.metrics(),
+                        "preheat:gateway_workers{model_name=\"tiny\",role=\"decode\"}",
+                    ) == Some(0.0)
                 },
             )
             .await;

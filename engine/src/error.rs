@@ -11,9 +11,9 @@ pub enum EngineError {
         message: String,
         param: Option<String>,
     },
-    /// The model named in the request is not served here.
-    #[error("model {0:?} is not served here")]
-    UnknownModel(String),
+    /// The model named in the request is not served here (`known`: those that are).
+    #[error("model {model:?} is not served here; served: {}", known.join(", "))]
+    UnknownModel { model: String, known: Vec<String> },
     /// The waiting queue is full; retry after the given seconds.
     #[error("server is at capacity; retry later")]
     Overloaded { retry_after_secs: u64 },

@@ -344,7 +344,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
         let gw_internal = format!("http://{}", gil.local_addr()?);
         let outage = Arc::new(gateway::Outage::default());
         let gopts = GatewayOptions {
-            model: Some(info),
+            models: vec![gateway::GatewayModel::new(info)],
             chat_template: o.chat_template.clone(),
             hold_timeout: Duration::from_secs(600),
             outage: Arc::clone(&outage),

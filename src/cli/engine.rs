@@ -48,19 +48,24 @@ pub enum EngineCmd {
 
 #[derive(Debug, Args)]
 pub struct GatewayArgs {
-    /// The served model, read for its manifest and tokenizer only (no weights): a
-    /// snapshot or packed snapshot as a path or http(s) URL (Range reads), or a
-    /// Hugging Face directory or .gguf file (converted, as workers do). With it the
-    /// gateway is ready at once and holds requests while both pools are at zero;
-    /// without it, the first worker to register sets the model. Also
-    /// `$PREHEAT_MODEL_SOURCE`, so a URL with credentials stays out of argv.
+    /// A served model, `[NAME=]SOURCE`, read for its manifest and tokenizer only (no
+    /// weights): a snapshot or packed snapshot as a path or http(s) URL (Range
+    /// reads), or a Hugging Face directory or .gguf file (converted, as workers do).
+    /// Repeat it for several models: the request's `model` field picks one, and each
+    /// has its own workers (a worker joins the model it names). With it the gateway is
+    /// ready at once and holds a model's requests while its pools are at zero; without
+    /// it, the first worker to register sets the model. One model whose manifest
+    /// cannot be read answers 503 naming the cause while the others serve (alone, it
+    /// stops the gateway). Also `$PREHEAT_MODEL_SOURCE` (one model), so a URL with
+    /// credentials stays out of argv.
     #[arg(long, env = "PREHEAT_MODEL_SOURCE", hide_env_values = true)]
-    pub model: Option<String>,
-    /// Name clients use in the `model` field (default: the file name).
+    pub model: Vec<String>,
+    /// Name clients use in the `model` field, with one `--model` (default: the file
+    /// name; with several, give `NAME=SOURCE`).
     #[arg(long)]
     pub served_model_name: Option<String>,
     /// A chat template (Jinja, as in Hugging Face's `chat_template`) rendered instead of
-    /// the model's own (the gateway renders every chat; workers' templates are not used), e.g. one that renders `tools`
+    /// the model's own, with one model (the gateway renders every chat; workers' templates are not used), e.g. one that renders `tools`
     /// (`testdata/chat_templates/smollm2_hermes_tools.jinja` for ChatML models).
     #[arg(long)]
     pub chat_template: Option<PathBuf>,

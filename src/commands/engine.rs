@@ -79,19 +79,55 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         errs.push("--block-size must be > 0".to_owned());
     }
     let addr = preheat_flags::socket_addr(&a.host, a.port, &mut errs);
+    let specs: Vec<(Option<&str>, &str)> = a.model.iter().map(|m| split_named(m)).collect();
+    let discovering = a.discover_namespace.is_some();
+    if specs.len() > 1 {
+        if a.served_model_name.is_some() {
+            errs.push("--served-model-name names one model; with several --model give each as NAME=SOURCE".to_owned());
+        }
+        if a.chat_template.is_some() {
+            errs.push("--chat-template replaces one model's template; it cannot be given with several --model".to_owned());
+        }
+        if discovering {
+            errs.push("--discover-namespace finds one model's workers (--prefill-service, --decode-service); with several --model the workers register".to_owned());
+        }
+    }
+    if let (Some(_), Some(_)) = (
+        a.served_model_name.as_ref(),
+        specs.first().and_then(|s| s.0),
+    ) {
+        errs.push(
+            "--served-model-name and --model NAME=SOURCE both name the model; give one".to_owned(),
+        );
+    }
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
     }
     let rt = runtime()?;
-    let model = match &a.model {
-        Some(m) => Some(rt.block_on(gateway_model(
-            m,
-            a.served_model_name.as_deref(),
-            a.block_size,
-        ))?),
-        None => None,
-    };
-    let discovering = a.discover_namespace.is_some();
+    let reads = specs.iter().map(|&(name, source)| {
+        let name = name.or(a.served_model_name.as_deref());
+        gateway_model(source, name, a.block_size)
+    });
+    let read = rt.block_on(futures_util::future::join_all(reads));
+    let mut models = Vec::new();
+    for ((name, source), info) in specs.iter().zip(read) {
+        match info {
+            Ok(info) => models.push(gateway::GatewayModel::new(info)),
+            // Alone, a model that cannot be read stops the gateway: it could serve nothing.
+            Err(e) if specs.len() == 1 => return Err(e),
+            Err(e) => {
+                let name = match name {
+                    Some(n) => (*n).to_owned(),
+                    None => served_name_of(source).with_context(|| {
+                        format!(
+                            "--model {source}: {e:#}; and no model name in it: give NAME=SOURCE"
+                        )
+                    })?,
+                };
+                models.push(gateway::GatewayModel::unreadable(name, format!("{e:#}")));
+            }
+        }
+    }
     let internal_addr = if discovering {
         if a.internal_port.is_some() {
             anyhow::bail!(
@@ -127,8 +163,8 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         hold_timeout: a.hold_timeout,
         disagg_min_tokens: a.disagg_min_tokens,
         drain_grace: a.drain_grace,
-        model,
         chat_template: preheat_flags::read_chat_template(a.chat_template.as_deref())?,
+        models,
         ..gateway::GatewayOptions::default()
     };
     let addr = addr.context("checked above")?;
@@ -148,7 +184,9 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
                     a.standby_agents_service.as_deref(),
                     opts.cluster_token.clone(),
                 );
-            opts.discovery = Some(source);
+            for m in &mut opts.models {
+                m.discovery = Some(std::sync::Arc::clone(&source));
+            }
         }
         let l = tokio::net::TcpListener::bind(addr)
             .await
@@ -165,6 +203,38 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--model [NAME=]SOURCE` as (name, source): the part before the first `=` is a name
+/// when it could be one (letters, digits, `.`, `_`, `-`; a path or URL has `/` or `:`
+/// before any `=` it holds).
+fn split_named(arg: &str) -> (Option<&str>, &str) {
+    match arg.split_once('=') {
+        Some((name, source))
+            if !name.is_empty()
+                && !source.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) =>
+        {
+            (Some(name), source)
+        }
+        _ => (None, arg),
+    }
+}
+
+/// The name a model from `source` is served under when none is given: its file's
+/// name, as a worker of it would say.
+fn served_name_of(source: &str) -> anyhow::Result<String> {
+    let s = preheat_warmpool::Source::parse(source);
+    match &s {
+        preheat_warmpool::Source::Path(p)
+            if p.is_dir() || p.extension().is_some_and(|e| e == "gguf") =>
+        {
+            Ok(preheat_engine::colocated::default_name(p))
+        }
+        _ => preheat_warmpool::stage::default_name(&s).context("no model name in it"),
+    }
 }
 
 /// The model a gateway fronts, from `--model`: a snapshot (plain or packed, path or

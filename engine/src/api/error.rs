@@ -22,7 +22,7 @@ impl ApiError {
             EngineError::InvalidRequest { .. } => {
                 (StatusCode::BAD_REQUEST, "invalid_request_error", None)
             }
-            EngineError::UnknownModel(_) => (
+            EngineError::UnknownModel { .. } => (
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 Some("model_not_found"),
@@ -50,7 +50,7 @@ impl ApiError {
         let (_, ty, code) = self.status_and_type();
         let param = match &self.0 {
             EngineError::InvalidRequest { param, .. } => param.clone(),
-            EngineError::UnknownModel(_) => Some("model".to_owned()),
+            EngineError::UnknownModel { .. } => Some("model".to_owned()),
             _ => None,
         };
         json!({"error": {"message": self.0.to_string(), "type": ty, "param": param, "code": code}})

@@ -8,7 +8,8 @@ mod respond;
 mod tools;
 pub mod unread_fields;
 
-use std::sync::{Arc, OnceLock};
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -32,10 +33,19 @@ pub const DEFAULT_MAX_BODY: usize = 4 << 20;
 /// What requests are served through, shared by every connection.
 type Front = Arc<dyn Frontend>;
 
-/// Shared state of the API: the front once the model is loaded.
+/// The models the API serves: a front per model name, and the models configured
+/// but not servable, with why.
+#[derive(Default)]
+struct Fronts {
+    by_name: BTreeMap<String, Front>,
+    unavailable: BTreeMap<String, String>,
+}
+
+/// Shared state of the API: a front per served model once it is loaded (one for an
+/// engine, one per model for a gateway).
 #[derive(Clone)]
 pub struct ApiState {
-    front: Arc<OnceLock<Front>>,
+    fronts: Arc<RwLock<Fronts>>,
     /// A standby's loaded engine, waiting for promotion.
     parked: Arc<std::sync::Mutex<Option<Engine>>>,
     max_body: usize,
@@ -56,7 +66,7 @@ impl ApiState {
     #[must_use]
     pub fn new(max_body: usize) -> Self {
         ApiState {
-            front: Arc::new(OnceLock::new()),
+            fronts: Arc::default(),
             parked: Arc::default(),
             max_body,
             api_keys: None,
@@ -75,9 +85,39 @@ impl ApiState {
         self.set_frontend(Arc::new(e));
     }
 
-    /// Serves through `front` from now on (the first one installed stays).
+    /// Serves `front`'s model through it from now on (the first front installed for a
+    /// name stays).
     pub fn set_frontend(&self, front: Front) {
-        let _ = self.front.set(front);
+        let mut f = self.write();
+        let name = front.model_name().to_owned();
+        f.unavailable.remove(&name);
+        f.by_name.entry(name).or_insert(front);
+    }
+
+    /// Names a configured model that cannot be served, and why: requests for it are
+    /// answered 503 with the cause, and the other models serve.
+    pub fn set_unavailable(&self, model: &str, why: impl Into<String>) {
+        let mut f = self.write();
+        if !f.by_name.contains_key(model) {
+            f.unavailable.insert(model.to_owned(), why.into());
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Fronts> {
+        self.fronts
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Fronts> {
+        self.fronts
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Every front installed, in model-name order.
+    fn all(&self) -> Vec<Front> {
+        self.read().by_name.values().cloned().collect()
     }
 
     /// Holds a loaded engine as a parked standby: `/health` stays 503 and the API
@@ -101,7 +141,7 @@ impl ApiState {
     /// `loading`, `standby` or `serving`.
     #[must_use]
     pub fn state(&self) -> &'static str {
-        if self.front.get().is_some() {
+        if !self.read().by_name.is_empty() {
             "serving"
         } else if self.parked.lock().expect("no panics while held").is_some() {
             "standby"
@@ -110,11 +150,72 @@ impl ApiState {
         }
     }
 
-    /// What requests are served through, once loaded.
-    pub fn front(&self) -> Result<&Front> {
-        self.front
-            .get()
+    /// What requests are served through, once loaded: the one front (the first, in
+    /// name order, where there are several).
+    pub fn front(&self) -> Result<Front> {
+        self.read()
+            .by_name
+            .values()
+            .next()
+            .cloned()
             .ok_or_else(|| EngineError::Unavailable("the model is still loading".into()))
+    }
+
+    /// The front of the model a request names (`model`); a request that names none is
+    /// served where one model is served, and refused by name where there are several.
+    pub fn front_for(&self, model: Option<&str>) -> Result<Front> {
+        let f = self.read();
+        let Some(model) = model else {
+            let mut names = f.by_name.keys().chain(f.unavailable.keys());
+            return match (
+                f.by_name.values().next(),
+                f.by_name.len() + f.unavailable.len(),
+            ) {
+                (Some(front), 1) => Ok(Arc::clone(front)),
+                (_, 0) => Err(EngineError::Unavailable(
+                    "the model is still loading".into(),
+                )),
+                (None, 1) => {
+                    let name = names.next().cloned().unwrap_or_default();
+                    Err(unavailable(&name, &f.unavailable[&name]))
+                }
+                _ => Err(EngineError::invalid(
+                    format!(
+                        "this server serves several models; name one in `model`: {}",
+                        names.cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                    "model",
+                )),
+            };
+        };
+        if let Some(front) = f.by_name.get(model) {
+            return Ok(Arc::clone(front));
+        }
+        if let Some(why) = f.unavailable.get(model) {
+            return Err(unavailable(model, why));
+        }
+        if f.by_name.is_empty() && f.unavailable.is_empty() {
+            return Err(EngineError::Unavailable(
+                "the model is still loading".into(),
+            ));
+        }
+        Err(EngineError::UnknownModel {
+            model: model.to_owned(),
+            known: f
+                .by_name
+                .keys()
+                .chain(f.unavailable.keys())
+                .cloned()
+                .collect(),
+        })
+    }
+}
+
+/// A configured model that cannot be served: 503, naming the cause.
+fn unavailable(model: &str, why: &str) -> EngineError {
+    EngineError::NoWorkers {
+        message: format!("model {model:?} cannot be served: {why}"),
+        retry_after_secs: 30,
     }
 }
 
@@ -163,17 +264,25 @@ async fn promote_route(State(st): State<ApiState>) -> Response {
 }
 
 async fn health(State(st): State<ApiState>) -> Response {
-    health_of(st.front.get().map(|f| &**f))
+    // Healthy while any model can be served (a gateway's others may be unavailable).
+    let fronts = st.all();
+    let front = fronts.iter().find(|f| f.is_alive()).or(fronts.first());
+    health_of(front.map(|f| &**f))
 }
 
 async fn metrics(State(st): State<ApiState>) -> Response {
-    if st.front.get().is_none()
+    let fronts = st.all();
+    if fronts.is_empty()
         && let Some(e) = st.parked.lock().expect("no panics while held").as_ref()
     {
         // A standby reports its load phases while parked.
         return metrics_of(Some(e as &dyn Frontend));
     }
-    let mut r = metrics_of(st.front.get().map(|f| &**f));
+    let mut r = match fronts.as_slice() {
+        [] => metrics_of(None),
+        [one] => metrics_of(Some(&**one)),
+        several => text_metrics(render_merged(several.iter().map(|f| &**f))),
+    };
     if let Some(keys) = &st.api_keys
         && let Ok(more) = prometheus::TextEncoder::new().encode_to_string(&keys.registry().gather())
     {
@@ -199,16 +308,66 @@ pub fn health_of(engine: Option<&dyn Frontend>) -> Response {
 
 /// `/metrics` in the Prometheus text format (empty before the engine loads).
 pub fn metrics_of(engine: Option<&dyn Frontend>) -> Response {
-    let body = engine.map(|e| e.metrics().render()).unwrap_or_default();
+    text_metrics(engine.map(|e| e.metrics().render()).unwrap_or_default())
+}
+
+fn text_metrics(body: String) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
+/// Several models' metrics as one exposition: each family once, with every model's
+/// series in it (a family written twice is refused by Prometheus' parser).
+fn render_merged<'a>(fronts: impl Iterator<Item = &'a dyn Frontend>) -> String {
+    let mut families: BTreeMap<String, prometheus::proto::MetricFamily> = BTreeMap::new();
+    for f in fronts {
+        for mut fam in f.metrics().registry.gather() {
+            match families.get_mut(fam.name()) {
+                Some(into) => {
+                    let more = fam.take_metric();
+                    into.mut_metric().extend(more);
+                }
+                None => {
+                    families.insert(fam.name().to_owned(), fam);
+                }
+            }
+        }
+    }
+    let all: Vec<_> = families.into_values().collect();
+    prometheus::TextEncoder::new()
+        .encode_to_string(&all)
+        .unwrap_or_default()
+}
+
+/// Every model served, those at zero included; a configured model that cannot be
+/// served is listed too, saying why.
 async fn models(State(st): State<ApiState>) -> std::result::Result<Json<Value>, ApiError> {
-    let e = st.front()?;
-    Ok(Json(json!({"object": "list", "data": [{
-        "id": e.model_name(), "object": "model", "created": now(), "owned_by": "preheat",
-        "root": e.model_name(), "max_model_len": e.max_model_len(),
-    }]})))
+    let (fronts, unavailable) = {
+        let f = st.read();
+        (
+            f.by_name.values().cloned().collect::<Vec<_>>(),
+            f.unavailable.clone(),
+        )
+    };
+    if fronts.is_empty() && unavailable.is_empty() {
+        return Err(EngineError::Unavailable("the model is still loading".into()).into());
+    }
+    let mut data: Vec<Value> = fronts
+        .iter()
+        .map(|e| {
+            json!({
+                "id": e.model_name(), "object": "model", "created": now(), "owned_by": "preheat",
+                "root": e.model_name(), "max_model_len": e.max_model_len(),
+            })
+        })
+        .collect();
+    data.extend(unavailable.iter().map(|(name, why)| {
+        json!({
+            "id": name, "object": "model", "created": now(), "owned_by": "preheat",
+            "root": name, "available": false, "reason": why,
+        })
+    }));
+    data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+    Ok(Json(json!({"object": "list", "data": data})))
 }
 
 fn now() -> u64 {
@@ -284,21 +443,13 @@ fn check_capacity(e: &dyn Frontend, c: openai::Choices) -> Result<()> {
     }
 }
 
-fn check_model(e: &dyn Frontend, model: Option<&str>) -> Result<()> {
-    match model {
-        Some(m) if m != e.model_name() => Err(EngineError::UnknownModel(m.to_owned())),
-        _ => Ok(()),
-    }
-}
-
 async fn completions(
     State(st): State<ApiState>,
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body, st.max_body).await?;
     unread_fields::check(&req.rest, unread_fields::Endpoint::Completions)?;
-    let e = st.front()?;
-    check_model(&**e, req.common.model.as_deref())?;
+    let e = &st.front_for(req.common.model.as_deref())?;
     if req.echo && req.logprobs.is_some() {
         // Echo with logprobs asks for the prompt tokens' logprobs, not computed here.
         return Err(EngineError::invalid(
@@ -360,8 +511,7 @@ async fn chat_completions(
 ) -> std::result::Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body, st.max_body).await?;
     unread_fields::check(&req.rest, unread_fields::Endpoint::Chat)?;
-    let e = st.front()?;
-    check_model(&**e, req.common.model.as_deref())?;
+    let e = &st.front_for(req.common.model.as_deref())?;
     let top = if req.logprobs {
         Some(req.top_logprobs.unwrap_or(0))
     } else {
@@ -432,13 +582,17 @@ pub(crate) async fn settle(in_flight: impl Fn() -> usize, grace: Duration) -> us
     in_flight()
 }
 
-/// Stops new requests and waits up to `grace` for in-flight ones to finish.
+/// Stops new requests to every model and waits up to `grace` for in-flight ones to
+/// finish.
 pub async fn drain(state: &ApiState, grace: Duration) {
-    let Ok(e) = state.front() else { return };
-    e.drain();
-    if settle(|| e.in_flight(), grace).await > 0 {
+    let fronts = state.all();
+    for e in &fronts {
+        e.drain();
+    }
+    let in_flight = || fronts.iter().map(|e| e.in_flight()).sum::<usize>();
+    if settle(in_flight, grace).await > 0 {
         tracing::warn!(
-            in_flight = e.in_flight(),
+            in_flight = in_flight(),
             "grace period over; exiting with requests in flight"
         );
     }

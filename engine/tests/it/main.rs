@@ -6,6 +6,8 @@ mod choices;
 mod cuda_gpu;
 mod cuda_nvrtc;
 mod disagg_worker;
+mod gateway_counts;
+mod gateway_models;
 mod gateway_routing;
 mod reference;
 mod regressions;

@@ -30,6 +30,14 @@ pub(crate) async fn healthy(client: &reqwest::Client, base: &str) -> Result<(), 
     }
 }
 
+/// `GET url` as JSON (`Null` when it does not answer with JSON).
+pub(crate) async fn get_json(client: &reqwest::Client, url: &str) -> Value {
+    match client.get(url).send().await {
+        Ok(r) => r.json().await.unwrap_or_default(),
+        Err(_) => Value::Null,
+    }
+}
+
 /// `base`'s `/metrics` page.
 pub(crate) async fn scrape(client: &reqwest::Client, base: &str) -> String {
     let r = client.get(format!("{base}/metrics")).send().await.unwrap();

@@ -1,10 +1,13 @@
 //! The gateway process: the OpenAI API (the same server code as `engine serve`) over a
-//! front ([`front`]) whose requests run on the workers ([`requests`]), the worker
-//! registry (registered through [`routes`] or found by [`discovery`]) and the
-//! announcements of which prefill workers decode workers may pull from ([`announce`]).
+//! front per model ([`front`]) whose requests run on that model's workers
+//! ([`requests`]), each model's worker registry (registered through [`routes`] or found
+//! by [`discovery`]) and the announcements of which prefill workers decode workers may
+//! pull from ([`announce`]); [`fleet`] runs one such gateway per model behind one pair
+//! of listeners.
 
 mod announce;
 mod discovery;
+mod fleet;
 mod front;
 mod in_flight;
 mod requests;
@@ -22,13 +25,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use prometheus::IntGauge;
 
+pub use self::fleet::run;
 use self::front::GatewayFront;
 use self::in_flight::{InFlight, InFlightCounts};
-use self::routes::{deregister, heartbeat, register, unannounceable, workers};
+use self::routes::unannounceable;
 use super::wire::messages::{
     GenerateBody, Heartbeat, Load, ModelInfo, Registration, WorkerRole, WorkerStatus, read_capped,
 };
-use crate::api::{ApiState, DEFAULT_MAX_BODY, drain, public_router};
+use crate::api::ApiState;
 use crate::disagg::peers::Announcement;
 use crate::disagg::router::{PrefixIndex, pick_decode, pick_prefill};
 use crate::engine::{Event, GenerateRequest};
@@ -59,23 +63,66 @@ pub struct GatewayOptions {
     /// Longest silence in a decode worker's stream before it counts as dead.
     pub stream_idle_timeout: Duration,
     pub drain_grace: Duration,
-    /// The model, known from the start (requests are then held even before the first
-    /// worker registers); otherwise the first worker's.
-    pub model: Option<ModelInfo>,
+    /// The models served, known from the start (requests are then held even before
+    /// the first worker registers); with none, the first worker's model is served.
+    pub models: Vec<GatewayModel>,
     /// Set by whoever runs the workers when they cannot start.
     pub outage: Arc<Outage>,
-    /// Where workers come from when they do not register themselves; with it the
-    /// gateway serves no registration endpoints. Needs `model` (workers are checked
-    /// against it before use).
-    pub discovery: Option<Arc<dyn WorkerSource>>,
     /// The deployment's cluster token: registration asks for it, and every request to
     /// a worker carries it.
     pub cluster_token: Option<Arc<ClusterToken>>,
     /// Keys the OpenAI API asks for.
     pub api_keys: Option<Arc<ApiKeys>>,
-    /// A chat template rendered instead of the model's (`--chat-template`): the
-    /// gateway renders every chat, so only its template counts.
+    /// A chat template rendered instead of the model's (`--chat-template`), for a
+    /// model whose [`GatewayModel`] has none (the gateway renders every chat, so only
+    /// its template counts).
     pub chat_template: Option<String>,
+}
+
+/// One model a gateway serves.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct GatewayModel {
+    /// The name clients give in `model`.
+    pub name: String,
+    /// What its workers report, read from its manifest; or why that could not be
+    /// read: the model is then listed and answers 503 naming the cause, while the
+    /// others serve.
+    pub info: std::result::Result<ModelInfo, String>,
+    /// Where its workers come from when they do not register themselves; with it the
+    /// gateway serves no registration endpoints (workers are checked against `info`
+    /// before use).
+    pub discovery: Option<Arc<dyn WorkerSource>>,
+    /// Its chat template, rendered instead of the model's own.
+    pub chat_template: Option<String>,
+}
+
+impl GatewayModel {
+    /// A model read from its manifest, served under the name in `info`.
+    pub fn new(info: ModelInfo) -> Self {
+        GatewayModel {
+            name: info.model.clone(),
+            info: Ok(info),
+            discovery: None,
+            chat_template: None,
+        }
+    }
+
+    /// A model named `name` whose manifest could not be read (`why`).
+    pub fn unreadable(name: impl Into<String>, why: impl Into<String>) -> Self {
+        GatewayModel {
+            name: name.into(),
+            info: Err(why.into()),
+            discovery: None,
+            chat_template: None,
+        }
+    }
+
+    /// Finds its workers in `source` instead of taking registrations.
+    pub fn discovered_by(mut self, source: Arc<dyn WorkerSource>) -> Self {
+        self.discovery = Some(source);
+        self
+    }
 }
 
 /// The workers that may serve now, as a platform lists them (Kubernetes: the pools'
@@ -121,9 +168,8 @@ impl Default for GatewayOptions {
             disagg_min_tokens: DEFAULT_DISAGG_MIN_TOKENS,
             stream_idle_timeout: Duration::from_secs(60),
             drain_grace: Duration::from_secs(30),
-            model: None,
+            models: Vec::new(),
             outage: Arc::default(),
-            discovery: None,
             cluster_token: None,
             api_keys: None,
             chat_template: None,
@@ -190,20 +236,18 @@ struct Registry {
     block_size: usize,
 }
 
-/// Shared gateway state.
+/// One model's gateway state: its workers, router and front.
 pub struct Gateway {
     reg: Mutex<Registry>,
     client: reqwest::Client,
     api: ApiState,
     opts: GatewayOptions,
-    /// `preheat:gateway_pending_requests{model_name,pool}`: requests waiting for a
-    /// worker of that pool.
-    pending: prometheus::IntGaugeVec,
-    /// `preheat:gateway_workers{role}`: the rotation's size.
-    workers_gauge: prometheus::IntGaugeVec,
-    /// `preheat:gateway_replays_total`: requests run again after a decode worker was
-    /// lost.
-    replays: prometheus::IntCounter,
+    /// Where this model's workers are listed, when they do not register.
+    discovery: Option<Arc<dyn WorkerSource>>,
+    /// Rendered instead of the model's chat template.
+    chat_template: Option<String>,
+    /// This model's gateway metrics, once its name is known.
+    metrics: OnceLock<GatewayMetrics>,
     /// What the router's block hashes start from (the workers' key).
     prefix_key: PrefixKey,
     /// The served model's name, once the front is installed.
@@ -258,33 +302,112 @@ struct Picked {
     /// Where a decode worker pulls K/V from (the KV transport, else the URL).
     kv: String,
     _in_flight: InFlight,
-    /// A decode worker's: its end may free room for those waiting.
-    _frees_room: Option<room_queue::FreesRoom>,
+}
+
+/// A model's gateway metrics, each labelled with its `model_name` (one process's
+/// models share one `/metrics` page).
+struct GatewayMetrics {
+    /// `preheat:gateway_pending_requests{pool}`: requests waiting for a worker of
+    /// that pool.
+    pending: prometheus::IntGaugeVec,
+    /// `preheat:gateway_workers{role}`: the rotation's size.
+    workers: prometheus::IntGaugeVec,
+    /// `preheat:gateway_replays_total`: requests run again after a decode worker was
+    /// lost.
+    replays: prometheus::IntCounter,
+}
+
+impl GatewayMetrics {
+    fn new(model: &str) -> std::result::Result<Self, prometheus::Error> {
+        let labels = HashMap::from([("model_name".to_owned(), model.to_owned())]);
+        let opts =
+            |name: &str, help: &str| prometheus::Opts::new(name, help).const_labels(labels.clone());
+        Ok(GatewayMetrics {
+            pending: prometheus::IntGaugeVec::new(
+                opts(
+                    crate::metrics::names::GATEWAY_PENDING,
+                    "Requests held at the gateway waiting for a worker, by the pool they wait for",
+                ),
+                &["pool"],
+            )?,
+            workers: prometheus::IntGaugeVec::new(
+                opts(
+                    crate::metrics::names::GATEWAY_WORKERS,
+                    "Workers in this gateway's rotation, by role",
+                ),
+                &["role"],
+            )?,
+            replays: prometheus::IntCounter::with_opts(opts(
+                crate::metrics::names::GATEWAY_REPLAYS,
+                "Requests run again from the start after their decode worker was lost",
+            ))?,
+        })
+    }
 }
 
 impl Gateway {
+    /// A gateway for one model (`None`: the first worker to register teaches it).
+    fn new(
+        api: ApiState,
+        client: reqwest::Client,
+        opts: &GatewayOptions,
+        model: Option<&GatewayModel>,
+        instance: String,
+    ) -> Self {
+        Gateway {
+            prefix_key: PrefixKey::of_deployment(opts.cluster_token.as_deref()),
+            reg: Mutex::new(Registry::default()),
+            client,
+            api,
+            opts: opts.clone(),
+            discovery: model.and_then(|m| m.discovery.clone()),
+            chat_template: model
+                .and_then(|m| m.chat_template.clone())
+                .or_else(|| opts.chat_template.clone()),
+            metrics: OnceLock::new(),
+            front: OnceLock::new(),
+            instance,
+            announce_now: tokio::sync::Notify::new(),
+            announcements: std::sync::atomic::AtomicU64::new(1),
+            refusal_log: LogEvery {
+                period: Duration::from_secs(30),
+                last: Mutex::new(None),
+            },
+            rotation: std::sync::atomic::AtomicUsize::new(0),
+            room: Arc::default(),
+        }
+    }
+
+    /// The served model's name, once known.
+    fn model_name(&self) -> Option<&str> {
+        self.front.get().map(String::as_str)
+    }
+
     /// Starts serving `info`'s model: the front engine the OpenAI API runs on.
     fn install_front(self: &Arc<Self>, info: ModelInfo) -> Result<()> {
         let mut tok = Tokenizer::from_parts(info.tokenizer)?;
-        if let Some(t) = &self.opts.chat_template {
+        if let Some(t) = &self.chat_template {
             tok = tok.with_chat_template(t.clone())?;
         }
         let metrics = Arc::new(EngineMetrics::new(&info.model, Role::Gateway));
-        let _ = metrics.registry.register(Box::new(self.pending.clone()));
-        let _ = metrics
-            .registry
-            .register(Box::new(self.workers_gauge.clone()));
-        let _ = metrics.registry.register(Box::new(self.replays.clone()));
+        let ours = GatewayMetrics::new(&info.model)
+            .map_err(|e| EngineError::Internal(format!("gateway metrics: {e}")))?;
+        let _ = metrics.registry.register(Box::new(ours.pending.clone()));
+        let _ = metrics.registry.register(Box::new(ours.workers.clone()));
+        let _ = metrics.registry.register(Box::new(ours.replays.clone()));
         {
             let mut g = self.lock();
             g.compat = Some(info.compat.clone());
             g.block_size = info.block_size;
         }
-        if self.front.set(info.model.clone()).is_ok() {
-            // Both pools read 0 from the start, as the rotation does.
+        if self.metrics.set(ours).is_ok() && self.front.set(info.model.clone()).is_ok() {
+            // Both pools read 0 from the start, and the rotation as it is.
             for role in [WorkerRole::Prefill, WorkerRole::Decode] {
-                self.pending_for(role).set(0);
+                if let Some(g) = self.pending_for(role) {
+                    g.set(0);
+                }
             }
+            self.count_workers(&self.lock());
             self.api.set_frontend(Arc::new(GatewayFront::new(
                 Arc::clone(self),
                 tok,
@@ -298,10 +421,11 @@ impl Gateway {
         Ok(())
     }
 
-    /// The count of this model's requests waiting for a worker of `pool`.
-    fn pending_for(&self, pool: WorkerRole) -> IntGauge {
-        let model = self.front.get().map_or("", String::as_str);
-        self.pending.with_label_values(&[model, pool.as_str()])
+    /// The count of this model's requests waiting for a worker of `pool` (none
+    /// before the model is known, when no request can be taken).
+    fn pending_for(&self, pool: WorkerRole) -> Option<IntGauge> {
+        let m = self.metrics.get()?;
+        Some(m.pending.with_label_values(&[pool.as_str()]))
     }
 
     fn token(&self) -> Option<&ClusterToken> {
@@ -336,9 +460,10 @@ impl Gateway {
     /// under its lock: a scrape never reads a rotation that has changed since, and two
     /// changes cannot set their counts in the wrong order.
     fn count_workers(&self, g: &Registry) {
+        let Some(m) = self.metrics.get() else { return };
         for role in [WorkerRole::Prefill, WorkerRole::Decode] {
             let n = g.workers.values().filter(|e| e.reg.role == role).count();
-            self.workers_gauge
+            m.workers
                 .with_label_values(&[role.as_str()])
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
@@ -421,182 +546,3 @@ const PEERS_TICK: Duration = Duration::from_millis(200);
 
 /// A listed worker that serves another model is asked again after this.
 const REFUSED_RETRY: Duration = Duration::from_secs(30);
-
-/// Runs the gateway until `stop` resolves: the OpenAI API on `public`, worker
-/// registration (when workers register rather than being discovered) on `internal`,
-/// behind the cluster token.
-pub async fn run(
-    public: tokio::net::TcpListener,
-    internal: Option<tokio::net::TcpListener>,
-    opts: GatewayOptions,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<()> {
-    let listener = public;
-    let api = ApiState::new(DEFAULT_MAX_BODY).with_api_keys(opts.api_keys.clone());
-    let pending = prometheus::IntGaugeVec::new(
-        prometheus::Opts::new(
-            crate::metrics::names::GATEWAY_PENDING,
-            "Requests held at the gateway waiting for a worker, by the pool they wait for",
-        ),
-        &["model_name", "pool"],
-    )
-    .map_err(|e| EngineError::Internal(e.to_string()))?;
-    let workers_gauge = prometheus::IntGaugeVec::new(
-        prometheus::Opts::new(
-            crate::metrics::names::GATEWAY_WORKERS,
-            "Workers in this gateway's rotation, by role",
-        ),
-        &["role"],
-    )
-    .map_err(|e| EngineError::Internal(e.to_string()))?;
-    let replays = prometheus::IntCounter::new(
-        crate::metrics::names::GATEWAY_REPLAYS,
-        "Requests run again from the start after their decode worker was lost",
-    )
-    .map_err(|e| EngineError::Internal(e.to_string()))?;
-    let gw = Arc::new(Gateway {
-        workers_gauge,
-        replays,
-        prefix_key: PrefixKey::of_deployment(opts.cluster_token.as_deref()),
-        reg: Mutex::new(Registry::default()),
-        // A worker that does not accept a connection within seconds is not there.
-        client: preheat_edge::client::internal()
-            .build()
-            .map_err(|e| EngineError::Internal(e.to_string()))?,
-        api: api.clone(),
-        opts: opts.clone(),
-        pending,
-        front: OnceLock::new(),
-        instance: format!(
-            "gw-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos())
-        ),
-        announce_now: tokio::sync::Notify::new(),
-        announcements: std::sync::atomic::AtomicU64::new(1),
-        refusal_log: LogEvery {
-            period: Duration::from_secs(30),
-            last: Mutex::new(None),
-        },
-        rotation: std::sync::atomic::AtomicUsize::new(0),
-        room: Arc::default(),
-    });
-    // Both roles read 0 from the start: a scrape at zero sees an empty rotation.
-    gw.count_workers(&gw.lock());
-    if let Some(info) = opts.model.clone() {
-        gw.install_front(info)?;
-    }
-    let mut discovery = None;
-    let mut registration = None;
-    match &opts.discovery {
-        Some(source) => {
-            if opts.model.is_none() {
-                return Err(EngineError::Model(
-                    "a gateway that discovers its workers needs its model (--model) to check them against".into(),
-                ));
-            }
-            let gw = Arc::clone(&gw);
-            let source = Arc::clone(source);
-            discovery = Some(tokio::spawn(async move {
-                let mut refused = HashMap::new();
-                loop {
-                    gw.discover(source.as_ref(), &mut refused).await;
-                    tokio::time::sleep(DISCOVERY_PERIOD).await;
-                }
-            }));
-        }
-        None => {
-            let Some(internal) = internal else {
-                return Err(EngineError::Unavailable(
-                    "a gateway whose workers register needs an internal listener for them".into(),
-                ));
-            };
-            let routes = axum::Router::new()
-                .route("/internal/register", post(register))
-                .route("/internal/heartbeat", post(heartbeat))
-                .route("/internal/deregister", post(deregister))
-                .route("/internal/workers", axum::routing::get(workers))
-                .route("/health", axum::routing::get(|| async { "ok" }))
-                .layer(axum::extract::DefaultBodyLimit::max(MAX_REGISTRY_BODY))
-                .with_state(Arc::clone(&gw));
-            let server = preheat_edge::listener::InternalServer::new(
-                internal,
-                routes,
-                opts.cluster_token.clone(),
-            )
-            .warn_if_open("worker registration");
-            registration = Some(tokio::spawn(async move {
-                if let Err(e) = server.serve(std::future::pending()).await {
-                    tracing::error!(error = %e, "the gateway's internal listener failed");
-                }
-            }));
-        }
-    }
-    let app = public_router(api.clone());
-    let announcer = {
-        let gw = Arc::clone(&gw);
-        tokio::spawn(async move {
-            loop {
-                gw.announce_peers().await;
-                tokio::select! {
-                    () = tokio::time::sleep(PEERS_TICK) => {}
-                    () = gw.announce_now.notified() => {}
-                }
-            }
-        })
-    };
-    // Drop workers whose heartbeats stopped.
-    let reaper = {
-        let gw = Arc::clone(&gw);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                let horizon = if gw.opts.discovery.is_some() {
-                    gw.opts.worker_timeout.max(DISCOVERED_SILENCE)
-                } else {
-                    gw.opts.worker_timeout
-                };
-                let dead: Vec<String> = gw
-                    .lock()
-                    .workers
-                    .values()
-                    .filter(|e| e.last_seen.elapsed() > horizon)
-                    .map(|e| e.reg.id.clone())
-                    .collect();
-                for id in dead {
-                    gw.drop_worker(&id, "missed heartbeats");
-                }
-            }
-        })
-    };
-    tracing::info!(addr = %listener.local_addr().map_err(|e| EngineError::Unavailable(e.to_string()))?, model_known = opts.model.is_some(), discovery = opts.discovery.is_some(), "gateway listening");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let grace = opts.drain_grace;
-    let outage = Arc::clone(&opts.outage);
-    tokio::spawn(async move {
-        stop.await;
-        tracing::info!("gateway shutting down: draining in-flight requests");
-        // Held requests have not started: they get 503 + Retry-After now, and the
-        // client's retry reaches another replica, instead of a reset at the grace's end.
-        outage.set("this gateway is shutting down; retry");
-        drain(&api, grace).await;
-        let _ = stop_tx.send(());
-    });
-    let r = preheat_edge::listener::serve(
-        listener,
-        app,
-        preheat_edge::listener::Limits::PUBLIC,
-        async move {
-            let _ = stop_rx.await;
-        },
-    )
-    .await;
-    reaper.abort();
-    announcer.abort();
-    for t in [discovery, registration].into_iter().flatten() {
-        t.abort();
-    }
-    r.map_err(|e| EngineError::Unavailable(format!("gateway: {e}")))
-}

@@ -59,7 +59,6 @@ impl Gateway {
             url: e.reg.url.clone(),
             kv: e.kv_address(),
             _in_flight: e.in_flight.start(blocks),
-            _frees_room: (role == WorkerRole::Decode).then(|| FreesRoom(Arc::clone(&self.room))),
         })
     }
 
@@ -188,8 +187,12 @@ impl Gateway {
             };
             let lost = match client.generate(&decode.url, &body).await {
                 Ok(stream) => {
-                    // Admitted: the next request waiting for room goes.
+                    // Admitted: the next request waiting for room goes, and this one's
+                    // end may free room for those after it. (Only an admitted request:
+                    // a refusal frees nothing, and signalling it sent the refused
+                    // request straight back to ask again, in a loop without a pause.)
                     tries.ticket = None;
+                    let _frees_room = FreesRoom(Arc::clone(&self.room));
                     // The K/V has been pulled: the prefill worker is done with it.
                     if let Some(p) = prefill {
                         self.lock()
@@ -222,7 +225,9 @@ impl Gateway {
             tries.replays += 1;
             tries.lost = Some(EngineError::Unavailable(lost.to_string()));
             tries.busy_deadline = tokio::time::Instant::now() + self.opts.hold_timeout;
-            self.replays.inc();
+            if let Some(m) = self.metrics.get() {
+                m.replays.inc();
+            }
             tracing::warn!(decode = %decode.url, error = %lost, replay = tries.replays, "decode worker lost before the request finished; replaying it elsewhere");
             if std::mem::take(&mut tries.forwarded) && out.send(Event::Replayed(lost)).is_err() {
                 return;
@@ -485,17 +490,21 @@ enum Relayed {
 /// One request counted in `preheat:gateway_pending_requests` while this lives: a
 /// request's task is dropped wherever it waits when its client goes away, and the
 /// count must go with it.
-struct Held(IntGauge);
+struct Held(Option<IntGauge>);
 
 impl Held {
-    fn count(g: IntGauge) -> Self {
-        g.inc();
+    fn count(g: Option<IntGauge>) -> Self {
+        if let Some(g) = &g {
+            g.inc();
+        }
         Held(g)
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.0.dec();
+        if let Some(g) = &self.0 {
+            g.dec();
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The internal routes workers call: registration, heartbeats, leaving, and the
 //! operators' `/internal/workers` view.
 
+use super::fleet::Fleet;
 use super::*;
 
 pub(super) fn conflict(msg: String) -> Response {
@@ -15,12 +16,19 @@ pub(super) fn unannounceable(url: &str, kv: Option<&str>) -> Option<String> {
 }
 
 pub(super) async fn register(
-    State(gw): State<Arc<Gateway>>,
+    State(fleet): State<Arc<Fleet>>,
     Json(r): Json<Registration>,
 ) -> Response {
     if let Some(why) = unannounceable(&r.url, r.kv.as_deref()) {
         return (StatusCode::BAD_REQUEST, why).into_response();
     }
+    let gw = match fleet.for_worker(&r) {
+        Ok(gw) => Arc::clone(gw),
+        Err(msg) => {
+            tracing::warn!("refusing worker: {msg}");
+            return conflict(msg);
+        }
+    };
     // A worker that speaks another KV format version reads requests differently: an
     // older one would drop the fields it does not know (a grammar, say) without a word.
     let ours = crate::kv::payload::FORMAT_VERSION;
@@ -88,10 +96,13 @@ pub(super) async fn register(
 }
 
 pub(super) async fn heartbeat(
-    State(gw): State<Arc<Gateway>>,
+    State(fleet): State<Arc<Fleet>>,
     Json(mut h): Json<Heartbeat>,
 ) -> Response {
     h.blocks.truncate(MAX_PEER_BLOCKS);
+    let Some(gw) = fleet.holding(&h.id) else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
     let mut g = gw.lock();
     match g.workers.get_mut(&h.id) {
         Some(e) => {
@@ -115,9 +126,12 @@ pub(super) struct Deregister {
 }
 
 pub(super) async fn deregister(
-    State(gw): State<Arc<Gateway>>,
+    State(fleet): State<Arc<Fleet>>,
     Json(d): Json<Deregister>,
 ) -> Response {
+    let Some(gw) = fleet.holding(&d.id) else {
+        return StatusCode::OK.into_response();
+    };
     let mut g = gw.lock();
     if g.workers.remove(&d.id).is_some() {
         tracing::info!(worker = %d.id, "worker deregistered");
@@ -127,20 +141,20 @@ pub(super) async fn deregister(
     StatusCode::OK.into_response()
 }
 
-pub(super) async fn workers(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
-    let g = gw.lock();
-    let mut list: Vec<_> = g
-        .workers
-        .values()
-        .map(|e| {
-            let mut w = serde_json::json!({"id": e.reg.id, "role": e.reg.role, "url": e.reg.url, "load": e.load, "in_flight": e.in_flight.requests()});
+pub(super) async fn workers(State(fleet): State<Arc<Fleet>>) -> Json<serde_json::Value> {
+    let mut list = Vec::new();
+    for gw in &fleet.gateways {
+        let model = gw.model_name().unwrap_or_default().to_owned();
+        let g = gw.lock();
+        list.extend(g.workers.values().map(|e| {
+            let mut w = serde_json::json!({"id": e.reg.id, "model": model, "role": e.reg.role, "url": e.reg.url, "load": e.load, "in_flight": e.in_flight.requests()});
             if e.reg.role == WorkerRole::Decode {
                 // How many prefill workers it was told it may pull from.
                 w["prefill_peers"] = e.told_now().len().into();
             }
             w
-        })
-        .collect();
+        }));
+    }
     list.sort_by_key(|v| v["id"].as_str().unwrap_or("").to_owned());
     Json(serde_json::json!({"workers": list}))
 }

@@ -137,7 +137,7 @@ impl WireError {
     #[must_use]
     pub fn from_engine(e: &EngineError, prefill_failed: bool) -> Self {
         let class = match e {
-            EngineError::InvalidRequest { .. } | EngineError::UnknownModel(_) => "invalid",
+            EngineError::InvalidRequest { .. } | EngineError::UnknownModel { .. } => "invalid",
             EngineError::Overloaded { .. } => "overloaded",
             EngineError::Unavailable(_) | EngineError::NoWorkers { .. } => "unavailable",
             _ => "internal",
