@@ -253,13 +253,18 @@ const SHARED_PREFIX: &str = "The operators' view of the fleet: every model at ze
     silence answers within seconds.";
 
 async fn one_completion(gw: &str) -> (u16, Value) {
+    completion_of(gw, json!({"prompt": "hello", "max_tokens": 4})).await
+}
+
+/// A completion of `body` at the gateway `gw`, once it listens.
+async fn completion_of(gw: &str, body: Value) -> (u16, Value) {
     let c = reqwest::Client::new();
     let r = wait_for_async(
         "the gateway to listen",
         Duration::from_secs(120),
         async || match c
             .post(format!("{gw}/v1/completions"))
-            .json(&json!({"prompt": "hello", "max_tokens": 4}))
+            .json(&body)
             .timeout(Duration::from_secs(120))
             .send()
             .await
@@ -292,6 +297,74 @@ fn regression_up_served_a_stale_staged_model_after_switching_models() {
     );
     let (status, body) = rt().block_on(one_completion(&up.url));
     assert_eq!(status, 200, "after switching --model: {body}");
+}
+
+/// Two models from one `up` (`--model NAME=PATH`, twice): each at zero until asked,
+/// asking one wakes that model's pools only, and `preheat status` lists both.
+#[test]
+fn up_serves_two_models_each_from_zero_on_its_own() {
+    let src = tempfile::tempdir().unwrap();
+    let a = harness::synth_tiny(src.path(), "alpha-src", 1);
+    let b = harness::synth_tiny(src.path(), "beta-src", 2);
+    let cache = tempfile::tempdir().unwrap();
+    let named = |n: &str, p: &std::path::Path| format!("{n}={}", p.display());
+    let up = harness::up(cache.path())
+        .args(&[
+            "--model",
+            &named("alpha", &a),
+            "--model",
+            &named("beta", &b),
+        ])
+        .args(&["--standbys", "0", "--idle-grace", "30s"])
+        .start();
+    let complete = async |model: &str| {
+        completion_of(
+            &up.url,
+            json!({"model": model, "prompt": "hello", "max_tokens": 4}),
+        )
+        .await
+    };
+    rt().block_on(async {
+        let (status, body) = complete("alpha").await;
+        assert_eq!(status, 200, "alpha: {body}");
+        let alpha = up.workers_of(Some("alpha")).unwrap();
+        assert!(alpha.1 >= 1, "alpha's decode pool woke: {alpha:?}");
+        assert_eq!(
+            up.workers_of(Some("beta")),
+            Some((0, 0)),
+            "beta stayed at zero"
+        );
+        let (status, body) = complete("beta").await;
+        assert_eq!(status, 200, "beta: {body}");
+        assert!(up.workers_of(Some("beta")).unwrap().1 >= 1);
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_preheat"))
+        .arg("status")
+        .args([
+            "--scaler",
+            &format!("http://127.0.0.1:{}", up.ports.scaler_http),
+        ])
+        .args(["--agent", &format!("http://127.0.0.1:{}", up.ports.agent)])
+        .args([
+            "--cluster-token-file",
+            up.token_file().to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let models: Vec<&str> = v["scaler"]["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["model"].as_str())
+        .collect();
+    assert_eq!(models, ["alpha", "beta"], "{v}");
 }
 
 #[test]

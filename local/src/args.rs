@@ -8,10 +8,14 @@ use preheat_flags::{duration_arg, seconds_arg};
 
 #[derive(Debug, Args)]
 pub struct UpArgs {
-    /// A .preheat snapshot, HF checkpoint directory or .gguf (staged once as a
-    /// snapshot); default: an embedded synthetic tiny model that works offline.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    /// A model to serve, `[NAME=]PATH`: a .preheat snapshot, HF checkpoint directory
+    /// or .gguf (staged once as a snapshot). Repeat it for several models, each
+    /// answering under its name with its own pools, to zero on its own. NAME defaults
+    /// to the file's stem made a DNS label (`SmolLM2-135M-Instruct.Q4_1.gguf` →
+    /// `smollm2-135m-instruct-q4-1`). Default: an embedded synthetic tiny model,
+    /// `default`, that works offline.
+    #[arg(long, value_name = "[NAME=]PATH")]
+    pub model: Vec<String>,
     /// A chat template rendered instead of the model's own (the gateway renders every
     /// chat), e.g. `testdata/chat_templates/smollm2_hermes_tools.jinja` for tools.
     #[arg(long)]

@@ -20,6 +20,9 @@ pub(super) struct Replica {
 pub(super) const QUICK_DEATH: Duration = Duration::from_secs(30);
 
 pub(super) struct PoolState {
+    /// The model it serves, and the staged snapshot its workers start from.
+    pub(super) model: String,
+    pub(super) snap: PathBuf,
     pub(super) pool: Pool,
     pub(super) role: &'static str,
     pub(super) min: u32,
@@ -36,6 +39,16 @@ pub(super) struct PoolState {
 }
 
 impl PoolState {
+    /// `MODEL/` before the pool's role in what `up` prints, where it serves several
+    /// models (none for the embedded one alone).
+    pub(super) fn label(&self) -> String {
+        if self.model == MODEL {
+            String::new()
+        } else {
+            format!("{}/", self.model)
+        }
+    }
+
     pub(super) fn publish(&self) {
         let list: Vec<String> = self
             .replicas
@@ -48,19 +61,13 @@ impl PoolState {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = list;
     }
 
-    pub(super) fn start(
-        &mut self,
-        snap: &Path,
-        gw: &str,
-        logs: &Path,
-        kv_mib: usize,
-    ) -> anyhow::Result<()> {
+    pub(super) fn start(&mut self, gw: &str, logs: &Path, kv_mib: usize) -> anyhow::Result<()> {
         let port = free_port()?;
         let mut args: Vec<std::ffi::OsString> = ["engine", self.role, "--model"]
             .iter()
             .map(Into::into)
             .collect();
-        args.push(snap.into());
+        args.push(self.snap.clone().into());
         let (port_s, kv_mib_s) = (port.to_string(), kv_mib.to_string());
         args.extend(
             [
@@ -73,7 +80,7 @@ impl PoolState {
                 "--kv-cache-mib",
                 &kv_mib_s,
                 "--served-model-name",
-                MODEL,
+                &self.model,
             ]
             .iter()
             .map(Into::into),
@@ -81,7 +88,7 @@ impl PoolState {
         if self.pool == Pool::Prefill {
             args.extend(["--kv-port".into(), free_port()?.to_string().into()]);
         }
-        let log_path = logs.join(format!("{}-{port}.log", self.role));
+        let log_path = logs.join(format!("{}-{}-{port}.log", self.model, self.role));
         let cmd = worker_command(
             std::env::current_exe()?,
             args,
@@ -107,7 +114,6 @@ impl PoolState {
     /// milliseconds), else a cold start.
     pub(super) async fn add(
         &mut self,
-        snap: &Path,
         gw: &str,
         logs: &Path,
         kv_mib: usize,
@@ -130,7 +136,7 @@ impl PoolState {
                 tracing::warn!(pool = self.role, error = %e, "standby promotion failed; starting cold")
             }
         }
-        self.start(snap, gw, logs, kv_mib)?;
+        self.start(gw, logs, kv_mib)?;
         Ok("cold")
     }
 
@@ -181,13 +187,13 @@ impl PoolState {
     }
 }
 
-pub(super) fn sref(pool: Pool) -> ScaledObjectRef {
+pub(super) fn sref(model: &str, pool: Pool) -> ScaledObjectRef {
     ScaledObjectRef {
-        name: format!("{MODEL}-{}", pool.as_str()),
+        name: format!("{model}-{}", pool.as_str()),
         namespace: "local".into(),
         scaler_metadata: HashMap::from([
             ("pool".to_owned(), pool.as_str().to_owned()),
-            ("model".to_owned(), MODEL.to_owned()),
+            ("model".to_owned(), model.to_owned()),
         ]),
     }
 }
@@ -195,15 +201,21 @@ pub(super) fn sref(pool: Pool) -> ScaledObjectRef {
 /// What KEDA + the HPA would set: 0 when inactive, else the metric (target 1).
 pub(super) async fn target(
     c: &mut ExternalScalerClient<tonic::transport::Channel>,
+    model: &str,
     pool: Pool,
 ) -> Option<u32> {
-    let active = c.is_active(sref(pool)).await.ok()?.into_inner().result;
+    let active = c
+        .is_active(sref(model, pool))
+        .await
+        .ok()?
+        .into_inner()
+        .result;
     if !active {
         return Some(0);
     }
     let m = c
         .get_metrics(GetMetricsRequest {
-            scaled_object_ref: Some(sref(pool)),
+            scaled_object_ref: Some(sref(model, pool)),
             metric_name: String::new(),
         })
         .await

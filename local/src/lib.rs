@@ -14,6 +14,7 @@
 
 mod args;
 mod driver;
+mod models;
 pub mod ports;
 pub mod profile;
 mod staging;
@@ -45,8 +46,10 @@ use tokio::process::{Child, Command};
 use crate::ports::{free_port, free_port_run};
 
 use self::driver::{PoolState, target};
+use self::models::{ModelArg, Served, agent_config, model_arg};
 use self::staging::{measured_profile, stage, staged_name};
 
+/// The name of the embedded model, served when no `--model` is given.
 const MODEL: &str = "default";
 
 struct Options {
@@ -59,7 +62,8 @@ struct Options {
     limits: [(u32, u32); 2],
     cache: PathBuf,
     state_file: PathBuf,
-    model: Option<PathBuf>,
+    /// The models served, in the order given (the embedded one when none was).
+    models: Vec<ModelArg>,
     chat_template: Option<String>,
     kv_cache_mib: usize,
     slo_ttft: f64,
@@ -115,13 +119,35 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
             .iter()
             .filter_map(|o| policy_override_problem(o)),
     );
-    if let Some(m) = &a.model
-        && !m.exists()
-    {
-        errs.push(format!(
-            "--model {}: no such file or directory",
-            m.display()
-        ));
+    let mut models: Vec<ModelArg> = a.model.iter().map(|m| model_arg(m)).collect();
+    let mut names = std::collections::BTreeSet::new();
+    for m in &models {
+        if let Some(p) = &m.path
+            && !p.exists()
+        {
+            errs.push(format!(
+                "--model {}: no such file or directory",
+                p.display()
+            ));
+        }
+        if !names.insert(m.name.as_str()) {
+            errs.push(format!(
+                "--model: the name {:?} is given twice; name each model (NAME=PATH)",
+                m.name
+            ));
+        }
+    }
+    if models.len() > 1 && a.chat_template.is_some() {
+        errs.push(
+            "--chat-template replaces one model's template; it cannot be given with several --model"
+                .to_owned(),
+        );
+    }
+    if models.is_empty() {
+        models.push(ModelArg {
+            name: MODEL.to_owned(),
+            path: None,
+        });
     }
     if !errs.is_empty() {
         bail!("invalid options:\n  {}", errs.join("\n  "));
@@ -139,7 +165,7 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
             .state_file
             .clone()
             .unwrap_or_else(|| a.cache_dir.join(STATE_FILE)),
-        model: a.model.clone(),
+        models,
         chat_template: preheat_flags::read_chat_template(a.chat_template.as_deref())?,
         kv_cache_mib: a.kv_cache_mib,
         slo_ttft: a.slo_ttft,
@@ -179,26 +205,6 @@ fn policy_override_problem(spec: &str) -> Option<String> {
     }
 }
 
-/// The warm-pool agent's view of this machine: one model, staged into `<cache>/node`
-/// and kept hot, with the kernel cache beside it.
-fn agent_config(o: &Options, source: &Path, name: &str) -> anyhow::Result<AgentConfig> {
-    let bytes = std::fs::metadata(source)?.len();
-    Ok(AgentConfig {
-        dir: o.cache.join("node"),
-        disk_budget: bytes.saturating_mul(4).max(1 << 30),
-        memory_budget: bytes.saturating_mul(2).max(256 << 20),
-        listen: o.agent,
-        refresh: Duration::from_secs(5),
-        kernel_cache_dir: Some(o.cache.join("kernels")),
-        models: vec![ModelSpec {
-            name: name.to_owned(),
-            source: preheat_warmpool::Source::Path(source.to_path_buf()),
-            hot: true,
-        }],
-        ..AgentConfig::default()
-    })
-}
-
 /// The scaler's decision interval and metric window in local mode: quick, since a
 /// local replica starts in about a second.
 pub const INTERVAL_S: f64 = 0.5;
@@ -231,14 +237,17 @@ pub struct Setup {
 
 pub fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
     let o = options(a)?;
-    let source = stage(&o)?;
+    let [model] = &o.models[..] else {
+        bail!("one --model is simulated at a time");
+    };
+    let source = stage(&o, model)?;
     // The policies the scaler will run: this run's flags and `--set`.
     let cfg = policies_config(&o)?;
     let [m] = &cfg.models[..] else {
         bail!("scaler config: one model expected");
     };
     Ok(Setup {
-        profile: measured_profile(&source, o.kv_cache_mib)?,
+        profile: Profile::from_file(&measured_profile(&source, o.kv_cache_mib)?)?,
         snapshot: source,
         prefill: m.prefill.policy.clone(),
         decode: m.decode.policy.clone(),
@@ -250,13 +259,16 @@ pub fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
 /// relearning it over a day.
 const STATE_FILE: &str = "scaler-state.json";
 
-/// The scaler's config for this machine: both pools' endpoints come from the driver at
-/// run time (`run_with`), quick ticks, this run's SLOs and limits, then `--set`;
-/// checked as a file would be (`files`: the token and state files' places too).
+/// The scaler's config for this machine: every model's pools, whose endpoints come
+/// from the driver at run time (`run_with`), each model sized by its own measured
+/// profile (`profiles`, in the order of `o.models`, where known), quick ticks, this
+/// run's SLOs and limits, then `--set`; checked as a file would be (`files`: the token
+/// and state files' places too).
 fn scaler_config(
     o: &Options,
     gw_url: &str,
     token_file: &Path,
+    profiles: &[PathBuf],
     files: bool,
 ) -> anyhow::Result<Config> {
     let pool = |limits| PoolConfig {
@@ -271,16 +283,23 @@ fn scaler_config(
         state_file: Some(o.state_file.clone()),
         interval_s: INTERVAL_S,
         window_s: WINDOW_S,
-        models: vec![ModelConfig {
-            name: MODEL.to_owned(),
-            metrics_model_name: None,
-            gateway: vec![format!("{gw_url}/metrics")],
-            gateway_selector: None,
-            gateway_port: PoolConfig::default().metrics_port,
-            standbys: None,
-            prefill: pool(o.limits[0]),
-            decode: pool(o.limits[1]),
-        }],
+        models: o
+            .models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ModelConfig {
+                name: m.name.clone(),
+                // One gateway and one set of workers' pages hold every model's series.
+                metrics_model_name: Some(m.name.clone()),
+                gateway: vec![format!("{gw_url}/metrics")],
+                gateway_selector: None,
+                gateway_port: PoolConfig::default().metrics_port,
+                standbys: None,
+                profile: profiles.get(i).cloned(),
+                prefill: pool(o.limits[0]),
+                decode: pool(o.limits[1]),
+            })
+            .collect(),
         ..Config::default()
     };
     cfg.with_overrides(&o.overrides, files)
@@ -290,7 +309,7 @@ fn scaler_config(
 /// The scaler config with this run's pool policies, before the gateway and token it
 /// will name exist: for the policies alone, and to check `--set` early.
 fn policies_config(o: &Options) -> anyhow::Result<Config> {
-    scaler_config(o, "http://127.0.0.1:1/metrics", &o.cache, false)
+    scaler_config(o, "http://127.0.0.1:1/metrics", &o.cache, &[], false)
 }
 
 /// Runs the stack until `stop` resolves (the CLI's: SIGTERM or Ctrl-C), then drains it.
@@ -299,14 +318,20 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
     // A bad `--set` is refused before the model is staged and profiled.
     policies_config(&o)?;
     let started = Instant::now();
-    let source = stage(&o)?;
-    let profile = measured_profile(&source, o.kv_cache_mib)?;
-    let info = gateway::model_info(&source, 16, Some(MODEL))?;
+    let served = o
+        .models
+        .iter()
+        .map(|m| Served::prepare(&o, m))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // The shared profile is the first model's; each model is sized by its own.
+    let profile = Profile::from_file(&served[0].profile)?;
     let logs = o.cache.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let staged = staged_name(&source)?;
-    let agent_cfg = agent_config(&o, &source, &staged)?;
-    let snap = preheat_warmpool::stage::snapshot_path(&agent_cfg.dir, &staged);
+    let agent_cfg = agent_config(&o, &served)?;
+    let snaps: Vec<PathBuf> = served
+        .iter()
+        .map(|s| preheat_warmpool::stage::snapshot_path(&agent_cfg.dir, &s.staged))
+        .collect();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -315,6 +340,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
     let token_file = o.cache.join("cluster-token");
     let token = Arc::new(preheat_edge::ClusterToken::generate_to(&token_file)?);
     let mut agent_cfg = agent_cfg;
+    let agent_dir = agent_cfg.dir.clone();
     agent_cfg.cluster_token = Some((Arc::clone(&token), token_file.clone()));
     let fatal = rt.block_on(async {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -326,13 +352,13 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
         let al = tokio::net::TcpListener::bind(agent_cfg.listen).await?;
         let agent_url = format!("http://{}", al.local_addr()?);
         let agent_task = tokio::spawn(preheat_warmpool::agent::run(agent_cfg, al, stopped(stop_rx.clone())));
-        while !snap.exists() {
+        while !snaps.iter().all(|s| s.exists()) {
             if agent_task.is_finished() {
-                bail!("the warm-pool agent stopped before staging the model");
+                bail!("the warm-pool agent stopped before staging the models");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        // Gateway, knowing the model from the start so it holds requests at zero.
+        // Gateway, knowing the models from the start so it holds requests at zero.
         let gl = tokio::net::TcpListener::bind(o.gateway)
             .await
             .with_context(|| format!("binding {}", o.gateway))?;
@@ -344,7 +370,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
         let gw_internal = format!("http://{}", gil.local_addr()?);
         let outage = Arc::new(gateway::Outage::default());
         let gopts = GatewayOptions {
-            models: vec![gateway::GatewayModel::new(info)],
+            models: served.iter().map(|s| gateway::GatewayModel::new(s.info.clone())).collect(),
             chat_template: o.chat_template.clone(),
             hold_timeout: Duration::from_secs(600),
             outage: Arc::clone(&outage),
@@ -353,10 +379,10 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
         };
         let gw_task = tokio::spawn(gateway::run(gl, Some(gil), gopts, stopped(stop_rx.clone())));
         let exe = std::env::current_exe()?.to_string_lossy().into_owned();
-        let standby_spec = |role: &str| -> anyhow::Result<StandbySpec> {
+        let standby_spec = |role: &str, s: &Served| -> anyhow::Result<StandbySpec> {
             Ok(StandbySpec {
                 pool: role.to_owned(),
-                model: staged.clone(),
+                model: s.staged.clone(),
                 drain_grace: Duration::from_secs(30),
                 // Local mode's driver owns promoted standbys (promote_take).
                 unlist_delay: Duration::ZERO,
@@ -366,18 +392,27 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                 command: [
                     exe.as_str(), "engine", role, "--model", "{model_path}", "--host", "127.0.0.1",
                     "--port", "{port}", "--gateway", &gw_internal, "--kv-cache-mib",
-                    &o.kv_cache_mib.to_string(), "--served-model-name", MODEL, "--standby",
+                    &o.kv_cache_mib.to_string(), "--served-model-name", &s.name, "--standby",
                 ]
                 .map(str::to_owned)
                 .to_vec(),
             })
         };
-        // Scaler, fed the live worker lists by the driver below.
-        let mut pools: Vec<PoolState> = [(Pool::Prefill, "prefill"), (Pool::Decode, "decode")]
-            .into_iter()
-            .zip(o.limits)
-            .map(|((pool, role), (min, max))| {
+        // Scaler, fed the live worker lists by the driver below: a prefill and a decode
+        // pool per model.
+        let mut pools: Vec<PoolState> = served
+            .iter()
+            .zip(&snaps)
+            .flat_map(|(s, snap)| {
+                [(Pool::Prefill, "prefill"), (Pool::Decode, "decode")]
+                    .into_iter()
+                    .zip(o.limits)
+                    .map(move |(r, l)| (s, snap, r, l))
+            })
+            .map(|(s, snap, (pool, role), (min, max))| {
                 Ok(PoolState {
+                    model: s.name.clone(),
+                    snap: snap.clone(),
                     pool,
                     role,
                     min,
@@ -385,7 +420,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                     replicas: Vec::new(),
                     stopping: Vec::new(),
                     endpoints: Arc::new(RwLock::new(Vec::new())),
-                    standby: StandbyPool::new(standby_spec(role)?, &snap)
+                    standby: StandbyPool::new(standby_spec(role, s)?, snap)
                         .with_log_dir(&logs)
                         .with_token(Some((Arc::clone(&token), token_file.clone()))),
                     backoff: RestartBackoff::default(),
@@ -394,10 +429,11 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        let cfg = scaler_config(&o, &gw_url, &token_file, true)?;
+        let profiles: Vec<PathBuf> = served.iter().map(|s| s.profile.clone()).collect();
+        let cfg = scaler_config(&o, &gw_url, &token_file, &profiles, true)?;
         let shared = pools
             .iter()
-            .map(|p| (MODEL.to_owned(), p.pool, Arc::clone(&p.endpoints)))
+            .map(|p| (p.model.clone(), p.pool, Arc::clone(&p.endpoints)))
             .collect();
         // The scaler stops first, on its own signal: its last state save then holds
         // the load as it was, not the workers' drain down to nothing.
@@ -408,12 +444,14 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
             stopped(scaler_stop_rx),
             shared,
         ));
-        println!("preheat up: model {} ({})", MODEL, snap.display());
+        for (s, snap) in served.iter().zip(&snaps) {
+            println!("preheat up: model {} ({})", s.name, snap.display());
+        }
         println!("  OpenAI API        {gw_url}/v1  (health {gw_url}/health, metrics {gw_url}/metrics)");
         println!("  KEDA scaler gRPC  {}  (/metrics and /status at http://{})", o.scaler, o.scaler_http);
         println!(
-            "  warm pool         {agent_url}/models  (staged {}; {} parked standby per pool)",
-            snap.display(),
+            "  warm pool         {agent_url}/models  (staged in {}; {} parked standby per pool)",
+            agent_dir.display(),
             o.standbys
         );
         println!(
@@ -462,12 +500,12 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                 if let Some(why) = why {
                     // Spinning would only hide the cause: say it, fail what is held
                     // at once, and stop.
-                    let msg = format!("the {} workers cannot start: {why}", p.role);
+                    let msg = format!("the {} workers of {} cannot start: {why}", p.role, p.model);
                     outage.set(msg.clone());
                     fatal = Some(msg);
                     break 'driver;
                 }
-                let Some(want) = target(&mut client, p.pool).await else { continue };
+                let Some(want) = target(&mut client, &p.model, p.pool).await else { continue };
                 let want = want.clamp(p.min, p.max);
                 let have = p.replicas.len() as u32;
                 let mut how = Vec::new();
@@ -475,7 +513,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                     if !p.backoff.may_start(Instant::now()) {
                         break;
                     }
-                    how.push(p.add(&snap, &gw_internal, &logs, o.kv_cache_mib).await?);
+                    how.push(p.add(&gw_internal, &logs, o.kv_cache_mib).await?);
                 }
                 for _ in want..have {
                     p.stop_newest();
@@ -483,15 +521,15 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                 let now_have = p.replicas.len() as u32;
                 if now_have != have {
                     let how = if how.is_empty() { String::new() } else { format!(" ({})", how.join(", ")) };
-                    println!("[{:>7.1}s] {}: {have} → {now_have} replicas{how}", started.elapsed().as_secs_f64(), p.role);
+                    println!("[{:>7.1}s] {}{}: {have} → {now_have} replicas{how}", started.elapsed().as_secs_f64(), p.label(), p.role);
                 }
                 if let Err(e) = p.standby.reconcile().await {
-                    tracing::warn!(pool = p.role, error = %e, "standbys not kept");
+                    tracing::warn!(model = %p.model, pool = p.role, error = %e, "standbys not kept");
                 }
                 // A promotion is reported with the replicas; a new parked one here.
                 let parked = p.standby.ready();
                 if parked > p.parked {
-                    println!("[{:>7.1}s] {}: standby parked ({parked} ready)", started.elapsed().as_secs_f64(), p.role);
+                    println!("[{:>7.1}s] {}{}: standby parked ({parked} ready)", started.elapsed().as_secs_f64(), p.label(), p.role);
                 }
                 p.parked = parked;
             }

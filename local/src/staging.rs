@@ -7,10 +7,10 @@ use crate::profile::PROFILE_BATCHES;
 /// The snapshot workers start from: the given one, a conversion of the given HF
 /// directory or GGUF staged once in the cache, or the embedded default (a synthetic
 /// tiny Llama with a byte tokenizer, made offline).
-pub(super) fn stage(o: &Options) -> anyhow::Result<PathBuf> {
+pub(super) fn stage(o: &Options, model: &ModelArg) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(&o.cache).with_context(|| format!("creating {}", o.cache.display()))?;
     let bar = preheat_output::progress_bar::Bar::new();
-    match &o.model {
+    match &model.path {
         Some(m) if m.extension().is_some_and(|e| e == "preheat") => Ok(m.clone()),
         Some(m) => {
             let stem = m
@@ -79,20 +79,20 @@ pub(super) fn source_identity(path: &Path) -> anyhow::Result<u64> {
 /// The name the warm pool stages a snapshot under: the served name and the digest of
 /// its manifest (which holds every tensor's digest), so a run with another model can
 /// never pick up this one's staged file.
-pub(super) fn staged_name(snap: &Path) -> anyhow::Result<String> {
+pub(super) fn staged_name(name: &str, snap: &Path) -> anyhow::Result<String> {
     let digest = preheat_snapshot::Snapshot::open(snap)
         .with_context(|| format!("opening {}", snap.display()))?
         .header()
         .manifest_checksum
         .0;
-    Ok(format!("{MODEL}-{digest:016x}"))
+    Ok(format!("{name}-{digest:016x}"))
 }
 
-/// A measured CPU profile of this model with the workers' KV budget and compute
-/// threads (workers inherit this process's `RAYON_NUM_THREADS`), cached beside the
-/// snapshot. Both are in the name: the scaler sizes decode by KV tokens and every pool
+/// Where a measured CPU profile of this model with the workers' KV budget and compute
+/// threads (workers inherit this process's `RAYON_NUM_THREADS`) lies, cached beside
+/// the snapshot (measured first when it is not there). Both are in the name: the scaler sizes decode by KV tokens and every pool
 /// by speed, and a profile measured otherwise would tell it the wrong capacity.
-pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<Profile> {
+pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<PathBuf> {
     let threads = rayon::current_num_threads();
     // `b10`: decode timed at ten batch sizes up to the engine's 64 (a cached profile
     // from before, timed at 1, 4 and 16, is measured again rather than reused).
@@ -101,5 +101,7 @@ pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<Pro
         tracing::info!("measuring one replica's capacity (once per model and KV budget)");
         crate::profile::measure(snap, &path, &[16, 64, 256], &PROFILE_BATCHES, 4, kv_mib)?;
     }
-    Ok(Profile::from_file(&path)?)
+    // Read once here, so a damaged cached profile fails before anything starts.
+    Profile::from_file(&path)?;
+    Ok(path)
 }

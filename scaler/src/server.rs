@@ -71,12 +71,22 @@ pub async fn run_with(
         )),
         None => None,
     };
+    // Each model's own profile, read before binding so a bad file fails the start.
+    let mut model_profiles = Vec::new();
+    for m in &cfg.models {
+        if let Some(p) = &m.profile {
+            model_profiles.push((m.name.clone(), Profile::from_file(p)?));
+        }
+    }
     let store = DecisionStore::new(models.clone());
     let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen).await?;
     let http_listener = tokio::net::TcpListener::bind(cfg.http_listen).await?;
     tracing::info!(grpc = %grpc_listener.local_addr()?, http = %http_listener.local_addr()?, models = ?models, profile = %profile.source, "scaler listening");
     let mut ctl = Controller::new(cfg, profile, Arc::clone(&store), kube)
         .with_agent_token(agent_token.clone());
+    for (model, profile) in model_profiles {
+        ctl = ctl.with_model_profile(&model, profile);
+    }
     for (model, pool, list) in shared {
         ctl = ctl.with_shared(&model, pool, list);
     }

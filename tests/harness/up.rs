@@ -111,6 +111,11 @@ impl Up {
     /// Registered (prefill, decode) workers; `None` before the gateway and its token
     /// are there.
     pub fn workers(&self) -> Option<(usize, usize)> {
+        self.workers_of(None)
+    }
+
+    /// Registered (prefill, decode) workers of `model` (every model's with `None`).
+    pub fn workers_of(&self, model: Option<&str>) -> Option<(usize, usize)> {
         let token = std::fs::read_to_string(self.token_file()).ok()?;
         let (_, body) = http_get(
             &format!("{}/internal/workers", self.internal),
@@ -118,7 +123,11 @@ impl Up {
         )?;
         let v: Value = serde_json::from_str(&body).ok()?;
         let w = v["workers"].as_array()?;
-        let n = |role: &str| w.iter().filter(|x| x["role"] == role).count();
+        let n = |role: &str| {
+            w.iter()
+                .filter(|x| x["role"] == role && model.is_none_or(|m| x["model"] == m))
+                .count()
+        };
         Some((n("prefill"), n("decode")))
     }
 }

@@ -132,6 +132,10 @@ pub struct ModelConfig {
     /// replicas than it wants (see [`crate::standbys`]).
     #[serde(default)]
     pub standbys: Option<crate::standbys::StandbyConfig>,
+    /// This model's capacity profile (`preheat engine profile` output), where its
+    /// replicas differ from the others'; the top-level `profile` otherwise.
+    #[serde(default)]
+    pub profile: Option<PathBuf>,
     pub prefill: PoolConfig,
     pub decode: PoolConfig,
 }

@@ -71,6 +71,8 @@ pub struct Controller {
     store: Arc<DecisionStore>,
     cfg: Config,
     profile: Profile,
+    /// Profiles of the models that have their own (`models[].profile`).
+    model_profiles: std::collections::HashMap<String, Profile>,
     kube: Option<kube::Client>,
     shared: std::collections::HashMap<(String, Pool), SharedEndpoints>,
     /// The cluster token the warm-pool agents' API asks for.
@@ -99,10 +101,18 @@ impl Controller {
             store,
             cfg,
             profile,
+            model_profiles: std::collections::HashMap::new(),
             kube,
             shared: std::collections::HashMap::new(),
             agent_token: None,
         }
+    }
+
+    /// Sizes `model`'s replicas by `profile` instead of the shared one.
+    #[must_use]
+    pub fn with_model_profile(mut self, model: &str, profile: Profile) -> Self {
+        self.model_profiles.insert(model.to_owned(), profile);
+        self
     }
 
     /// Calls the warm-pool agents with the cluster token.
@@ -236,7 +246,14 @@ impl Controller {
                     .map(|(pool, p)| PoolLoop {
                         pool,
                         windows: PoolWindows::new(self.cfg.window_s),
-                        policy: PreheatPolicy::new(pool, p.policy.clone(), self.profile.clone()),
+                        policy: PreheatPolicy::new(
+                            pool,
+                            p.policy.clone(),
+                            self.model_profiles
+                                .get(&m.name)
+                                .unwrap_or(&self.profile)
+                                .clone(),
+                        ),
                         source: self.source(&m.name, pool, p),
                         deployment: p.deployment.clone(),
                         last_current: None,
