@@ -296,6 +296,7 @@ fn scaler_config(
                 gateway_port: PoolConfig::default().metrics_port,
                 standbys: None,
                 profile: profiles.get(i).cloned(),
+                priority: 0,
                 prefill: pool(o.limits[0]),
                 decode: pool(o.limits[1]),
             })

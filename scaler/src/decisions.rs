@@ -32,6 +32,9 @@ pub struct PoolStatus {
     pub slo: SloView,
     /// `None` before the first decision and while blind.
     pub load: Option<crate::policy::LoadView>,
+    /// Replicas the pool's policy wanted, before the fleet's GPU budget granted
+    /// `desired` (the same unless the budget cut it); `None` when nothing was decided.
+    pub wanted: Option<u32>,
 }
 
 /// A pool's latency over the scaler's window against the targets it sizes for.
@@ -85,6 +88,8 @@ pub struct DecisionStore {
     closed: std::sync::atomic::AtomicBool,
     /// Unix time of the state file's last successful save.
     state_saved: RwLock<Option<f64>>,
+    /// GPU-seconds each model's replicas have held since the scaler started.
+    gpu_seconds: RwLock<HashMap<String, f64>>,
 }
 
 impl DecisionStore {
@@ -99,6 +104,7 @@ impl DecisionStore {
             version: watch::channel(0).0,
             closed: false.into(),
             state_saved: RwLock::new(None),
+            gpu_seconds: RwLock::new(HashMap::new()),
         })
     }
 
@@ -154,6 +160,19 @@ impl DecisionStore {
     }
 
     /// Records what the last tick saw of a pool (KEDA never reads this; `/metrics` does).
+    /// Counts `secs` GPU-seconds more for `model`.
+    pub fn add_gpu_seconds(&self, model: &str, secs: f64) {
+        let mut g = self.gpu_seconds.write().unwrap_or_else(|e| e.into_inner());
+        *g.entry(model.to_owned()).or_default() += secs;
+    }
+
+    /// GPU-seconds `model`'s replicas have held since the scaler started.
+    #[must_use]
+    pub fn gpu_seconds(&self, model: &str) -> f64 {
+        let g = self.gpu_seconds.read().unwrap_or_else(|e| e.into_inner());
+        g.get(model).copied().unwrap_or(0.0)
+    }
+
     pub fn set_status(&self, model: &str, pool: Pool, s: PoolStatus) {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.insert((model.to_owned(), pool), s);

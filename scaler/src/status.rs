@@ -40,6 +40,9 @@ pub struct PoolReport {
     pub failing: Vec<String>,
     pub slo: crate::decisions::SloView,
     pub load: Option<LoadView>,
+    /// Replicas the policy wanted before the fleet's GPU budget; `desired` is what
+    /// was granted.
+    pub wanted: Option<u32>,
 }
 
 /// The report of every pool of `models`.
@@ -68,6 +71,7 @@ pub fn report(store: &DecisionStore, models: &[String]) -> StatusReport {
                             failing: s.failing,
                             slo: s.slo,
                             load: s.load,
+                            wanted: s.wanted,
                         }
                     })
                     .collect(),
@@ -226,7 +230,47 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
         g.set(unix);
         registry.register(Box::new(g))
     });
-    for e in families.into_iter().chain(saved).filter_map(Result::err) {
+    // Per model: the GPUs its pools wanted and were granted under the fleet's budget,
+    // and the GPU-seconds its replicas have held.
+    let fleet = (|| -> prometheus::Result<()> {
+        let gpus = prometheus::GaugeVec::new(
+            prometheus::Opts::new(
+                own::FLEET_GPUS,
+                "GPUs a model's pools wanted and were granted under the fleet's GPU budget",
+            ),
+            &["model", "state"],
+        )?;
+        let held = prometheus::CounterVec::new(
+            prometheus::Opts::new(
+                own::FLEET_GPU_SECONDS,
+                "GPU-seconds a model's replicas have held since the scaler started",
+            ),
+            &["model"],
+        )?;
+        for m in &report.models {
+            let sum = |f: &dyn Fn(&PoolReport) -> Option<u32>| -> Option<f64> {
+                let v: Vec<u32> = m.pools.iter().filter_map(f).collect();
+                (!v.is_empty()).then(|| v.iter().map(|&n| f64::from(n)).sum())
+            };
+            // (One GPU per replica: the bundled engine has no tensor parallelism.)
+            if let (Some(wanted), Some(granted)) = (sum(&|p| p.wanted), sum(&|p| p.desired)) {
+                gpus.get_metric_with_label_values(&[&m.model, "wanted"])?
+                    .set(wanted);
+                gpus.get_metric_with_label_values(&[&m.model, "granted"])?
+                    .set(granted);
+            }
+            held.get_metric_with_label_values(&[&m.model])?
+                .inc_by(store.gpu_seconds(&m.model));
+        }
+        registry.register(Box::new(gpus))?;
+        registry.register(Box::new(held))
+    })();
+    for e in families
+        .into_iter()
+        .chain(saved)
+        .chain([fleet])
+        .filter_map(Result::err)
+    {
         // Only a malformed name or label could fail, and those are constants here.
         tracing::error!(error = %e, "a scaler metric family could not be built");
     }
@@ -276,6 +320,7 @@ mod tests {
                     lead_s: 20.0,
                     needed: 2.4,
                 }),
+                wanted: Some(5),
                 ..PoolStatus::default()
             },
         );
@@ -310,11 +355,15 @@ mod tests {
         assert_eq!(value(own::LEAD, &[]), Some(20.0));
         assert_eq!(value(own::DECISION, &[("reason", "scale up")]), Some(1.0));
         for name in own::ALL {
-            assert!(
-                text.contains(&format!("# TYPE {name} gauge")),
-                "{name} missing"
-            );
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }
+        let fleet = |state: &str| {
+            samples
+                .iter()
+                .find(|s| s.name == own::FLEET_GPUS && s.label("state") == Some(state))
+                .map(|s| s.value)
+        };
+        assert_eq!((fleet("wanted"), fleet("granted")), (Some(5.0), Some(3.0)));
         let r = report(&store, &["m".into()]);
         assert_eq!(
             r.models[0].pools[0].failing,

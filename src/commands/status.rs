@@ -300,6 +300,11 @@ fn pool_line(model: &str, p: &PoolReport) -> String {
         (Some(d), _) => d.to_string(),
         (None, _) => "-".to_owned(),
     };
+    // Cut by the fleet's GPU budget: what the policy wanted too.
+    let desired = match (p.wanted, p.desired) {
+        (Some(w), Some(d)) if w > d => format!("{desired} of {w}"),
+        _ => desired,
+    };
     let slo = &p.slo;
     let ttft = format!(
         "{}/{} ({}, {})",
@@ -509,10 +514,22 @@ mod tests {
             scaler: Some(ScalerView {
                 url: "http://s".into(),
                 report: StatusReport {
-                    models: vec![preheat_scaler::ModelReport {
-                        model: "llama".into(),
-                        pools: vec![pool("prefill", false), pool("decode", true)],
-                    }],
+                    models: vec![
+                        preheat_scaler::ModelReport {
+                            model: "llama".into(),
+                            pools: vec![pool("prefill", false), pool("decode", true)],
+                        },
+                        preheat_scaler::ModelReport {
+                            model: "qwen".into(),
+                            // Cut by the fleet's GPU budget.
+                            pools: vec![PoolReport {
+                                wanted: Some(5),
+                                reason: "fleet GPU budget: granted fewer replicas than wanted"
+                                    .into(),
+                                ..pool("decode", false)
+                            }],
+                        },
+                    ],
                 },
             }),
             agents: vec![AgentView {
@@ -539,6 +556,7 @@ mod tests {
         let text = render(&snap);
         for want in [
             "llama            prefill        3       2     1  scale up",
+            "qwen             decode    3 of 5       2     1  fleet GPU budget",
             "120ms/- (2.00s, 99.1%)",
             "1.5k→2.1k /s (20s)",
             "BLIND llama decode",

@@ -48,7 +48,20 @@ pub struct Config {
     /// rewritten every 30 s, so a restart resumes it; without it (or Prometheus to read
     /// it back from) a restarted scaler relearns its season over a whole period.
     pub state_file: Option<PathBuf>,
+    /// What the models share: the fleet's GPU budget.
+    pub fleet: FleetConfig,
     pub models: Vec<ModelConfig>,
+}
+
+/// Limits shared by every model of the config.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetConfig {
+    /// GPUs every model's replicas may hold together (0: no limit). The bundled engine
+    /// runs one GPU per replica (it has no tensor parallelism). When the models want
+    /// more, the scaler grants them in order: a model with requests held at zero, then
+    /// the largest SLO deficit, then `priority`.
+    pub max_gpus: u32,
 }
 
 /// PEM files for the gRPC endpoint.
@@ -105,6 +118,7 @@ impl Default for Config {
             tls: None,
             cluster_token_file: None,
             state_file: None,
+            fleet: FleetConfig::default(),
             models: Vec::new(),
         }
     }
@@ -136,6 +150,10 @@ pub struct ModelConfig {
     /// replicas differ from the others'; the top-level `profile` otherwise.
     #[serde(default)]
     pub profile: Option<PathBuf>,
+    /// Its rank for the fleet's GPU budget among models equally held and equally
+    /// short of their SLOs (higher first; default 0).
+    #[serde(default)]
+    pub priority: i32,
     pub prefill: PoolConfig,
     pub decode: PoolConfig,
 }

@@ -85,6 +85,8 @@ pub(super) fn decide(model: &str, p: &mut PoolLoop, seen: PoolSeen, held: f64, t
         failing: failing_urls(&p.failures),
         slo,
         load: p.policy.last_load(),
+        // What the policy wants; the fleet's budget may grant less.
+        wanted: Some(d.desired),
     };
     Outcome {
         decision: Some(d),

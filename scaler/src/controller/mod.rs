@@ -5,6 +5,8 @@
 //!    discovered through Kubernetes, or querying Prometheus), its replicas and measured
 //!    start-up, what the model's gateways hold and its agents park;
 //! 2. **decide** ([`decide`], no I/O): the pool's policy, and the status it explains;
+//!    then, once every model's pools have decided, the fleet's GPU budget ([`budget`],
+//!    no I/O) grants each pool its replicas when they want more than the fleet has;
 //! 3. **publish**: the status, into the [`DecisionStore`];
 //! 4. **act** ([`actuate`]): every [`actuate::Actuator`] the pool has: KEDA's (the
 //!    decision its gRPC service answers), the Deployment's replicas in direct mode, the
@@ -23,6 +25,7 @@ use crate::scrape::FailureLog;
 use crate::signals::PoolWindows;
 
 mod actuate;
+mod budget;
 mod decide;
 mod observe;
 mod state_keeper;
@@ -30,6 +33,19 @@ mod state_keeper;
 use actuate::{Actuator, Target};
 use observe::{Observer, Source};
 use state_keeper::StateKeeper;
+
+/// The attainment a pool's SLO deficit is measured from, for the fleet's budget.
+const SLO_TARGET: f64 = 0.99;
+
+/// What one pool's tick decided, waiting for the fleet's budget before it acts.
+struct Decided {
+    outcome: decide::Outcome,
+    agents: Vec<(String, crate::standbys::AgentPool)>,
+    ready_pods: Option<u32>,
+    unsure: bool,
+    /// Requests the model's gateways hold for this pool.
+    held: f64,
+}
 
 /// Endpoint URLs someone else keeps current (the local mode's replica driver).
 pub type SharedEndpoints = Arc<std::sync::RwLock<Vec<String>>>;
@@ -195,18 +211,98 @@ impl Controller {
         out
     }
 
-    /// One tick of one model: observe, then per pool decide, publish and act.
-    async fn tick(&self, observer: &Observer<'_>, m: &mut ModelLoop, t: f64) {
+    /// The first stages of one model's tick: observe, then each pool's decision.
+    async fn decide_model(
+        &self,
+        observer: &Observer<'_>,
+        m: &mut ModelLoop,
+        t: f64,
+    ) -> Vec<Decided> {
         let seen = observer.model(m).await;
         let name = m.cfg.name.as_str();
         let filter = m.cfg.metrics_model_name.as_deref();
+        let mut out = Vec::new();
         for p in &mut m.pools {
             let agent_pool = m.agents.as_ref().map(|(_, sb)| sb.agent_pool(p.pool));
             let pool_seen = observer.pool(name, filter, agent_pool, p, &seen, t).await;
             let agents = pool_seen.agents.clone();
             let ready_pods = pool_seen.ready_pods;
             let unsure = pool_seen.signals.is_blind() || pool_seen.standby_failing;
-            let outcome = decide::decide(name, p, pool_seen, seen.held.for_pool(p.pool), t);
+            let held = seen.held.for_pool(p.pool);
+            let outcome = decide::decide(name, p, pool_seen, held, t);
+            out.push(Decided {
+                outcome,
+                agents,
+                ready_pods,
+                unsure,
+                held,
+            });
+        }
+        out
+    }
+
+    /// Grants each decided pool its replicas within the fleet's GPU budget, where the
+    /// models want more than it holds; records what each wanted and was granted.
+    fn apply_budget(&self, models: &[ModelLoop], decided: &mut [Vec<Decided>]) {
+        let max = self.cfg.fleet.max_gpus;
+        let mut claims = Vec::new();
+        let mut at = Vec::new();
+        // Pools that decide nothing this tick keep what they have.
+        let mut kept = 0u32;
+        for (mi, (m, ds)) in models.iter().zip(decided.iter()).enumerate() {
+            for (pi, (p, d)) in m.pools.iter().zip(ds).enumerate() {
+                let current = d.outcome.status.current;
+                let Some(decision) = &d.outcome.decision else {
+                    kept = kept.saturating_add(current * budget::GPUS_PER_REPLICA);
+                    continue;
+                };
+                let attainment = match p.pool {
+                    Pool::Prefill => d.outcome.status.slo.ttft_attainment,
+                    Pool::Decode => d.outcome.status.slo.itl_attainment,
+                };
+                claims.push(budget::Claim {
+                    desired: decision.desired,
+                    min: p.policy.cfg.min_replicas,
+                    held_at_zero: d.held > 0.0 && current == 0,
+                    slo_deficit: attainment.map_or(0.0, |a| (SLO_TARGET - a).max(0.0)),
+                    priority: m.cfg.priority,
+                });
+                at.push((mi, pi));
+            }
+        }
+        let granted = if max == 0 {
+            claims.iter().map(|c| c.desired).collect()
+        } else {
+            budget::grant(&claims, max.saturating_sub(kept))
+        };
+        for ((mi, pi), (claim, g)) in at.into_iter().zip(claims.iter().zip(granted)) {
+            let d = &mut decided[mi][pi];
+            d.outcome.status.wanted = Some(claim.desired);
+            if let Some(decision) = &mut d.outcome.decision
+                && g < decision.desired
+            {
+                decision.desired = g;
+                decision.active = g > 0;
+                decision.reason = "fleet GPU budget: granted fewer replicas than wanted";
+                d.outcome.status.reason = decision.reason;
+            }
+        }
+    }
+
+    /// The last stages of one model's tick: publish each pool's status, and act.
+    async fn act_model(&self, m: &mut ModelLoop, decided: Vec<Decided>, interval_s: f64) {
+        let name = m.cfg.name.as_str();
+        for (p, d) in m.pools.iter_mut().zip(decided) {
+            let Decided {
+                outcome,
+                agents,
+                ready_pods,
+                unsure,
+                ..
+            } = d;
+            // What the pool holds now (serving or starting) is what it costs.
+            let gpus = f64::from(outcome.status.current) * f64::from(budget::GPUS_PER_REPLICA);
+            self.store.add_gpu_seconds(name, gpus * interval_s);
             self.store.set_status(name, p.pool, outcome.status);
             let (Some(decision), Some(current)) = (outcome.decision, p.last_current) else {
                 continue;
@@ -312,8 +408,13 @@ impl Controller {
                 _ = stop.wait_for(|v| *v) => break,
             }
             let t = start.elapsed().as_secs_f64();
+            let mut decided = Vec::with_capacity(models.len());
             for m in &mut models {
-                self.tick(&observer, m, t).await;
+                decided.push(self.decide_model(&observer, m, t).await);
+            }
+            self.apply_budget(&models, &mut decided);
+            for (m, d) in models.iter_mut().zip(decided) {
+                self.act_model(m, d, self.cfg.interval_s).await;
             }
             if let Some(k) = &mut keeper {
                 k.save_if_due(&models);

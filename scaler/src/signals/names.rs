@@ -65,6 +65,11 @@ pub mod own {
     /// 0 until the first; absent without a state file): the chart's
     /// `PreheatScalerStateNotSaved` alerts when `time() -` it passes two minutes.
     pub const STATE_SAVED: &str = "preheat:scaler_state_saved_timestamp_seconds";
+    /// GPUs a model's pools wanted and were granted under the fleet's budget, by
+    /// `model` and `state` (`wanted`, `granted`).
+    pub const FLEET_GPUS: &str = "preheat:scaler_fleet_gpus";
+    /// GPU-seconds a model's replicas have held since the scaler started, by `model`.
+    pub const FLEET_GPU_SECONDS: &str = "preheat:scaler_fleet_gpu_seconds_total";
 
     /// Every name above.
     pub const ALL: &[&str] = &[
@@ -81,5 +86,7 @@ pub mod own {
         LEAD,
         NEEDED,
         STATE_SAVED,
+        FLEET_GPUS,
+        FLEET_GPU_SECONDS,
     ];
 }

@@ -134,19 +134,48 @@ impl Running {
     }
 }
 
+type Body = Arc<Mutex<Option<String>>>;
+
+/// Two busy decode engines (600 running sequences each) and a gateway, each a fake
+/// `/metrics` endpoint whose body the test controls.
+struct Fakes {
+    d0: Body,
+    d1: Body,
+    gw: Body,
+    u0: String,
+    u1: String,
+    ug: String,
+}
+
+impl Fakes {
+    async fn start(gateway: &str) -> Fakes {
+        let d0: Body = Arc::new(Mutex::new(Some(engine_text(600))));
+        let d1: Body = Arc::new(Mutex::new(Some(engine_text(600))));
+        let gw: Body = Arc::new(Mutex::new(Some(gateway.to_owned())));
+        let (u0, u1, ug) = (
+            fake(d0.clone()).await,
+            fake(d1.clone()).await,
+            fake(gw.clone()).await,
+        );
+        Fakes {
+            d0,
+            d1,
+            gw,
+            u0,
+            u1,
+            ug,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_follow_the_scraped_load_and_the_gateway_wakes_a_pool_at_zero() {
-    let d0 = Arc::new(Mutex::new(Some(engine_text(600))));
-    let d1 = Arc::new(Mutex::new(Some(engine_text(600))));
-    let gw = Arc::new(Mutex::new(Some(
-        "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 0\n"
-            .to_owned(),
-    )));
-    let (u0, u1, ug) = (
-        fake(d0.clone()).await,
-        fake(d1.clone()).await,
-        fake(gw.clone()).await,
-    );
+    let f = Fakes::start(
+        "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 0\n",
+    )
+    .await;
+    let (d0, d1, gw) = (f.d0.clone(), f.d1.clone(), f.gw.clone());
+    let (u0, u1, ug) = (f.u0.clone(), f.u1.clone(), f.ug.clone());
     let mut scaler = Running::start(&[
         "interval_s=0.1".into(),
         "window_s=2".into(),
@@ -306,6 +335,93 @@ async fn a_held_request_wakes_only_the_pool_it_waits_for() {
         .until_async(async || active(&mut *client, "prefill").await == Some(true))
         .await;
     assert!(desired(&mut *client, "prefill").await >= 1);
+    scaler.stop().await;
+}
+
+/// `fleet.max_gpus` smaller than the models' wants: a model with a request held at
+/// zero gets its first replica, the busy model is granted the rest (less than it
+/// wants), and both are visible in the scaler's metrics and `/status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleets_gpu_budget_wakes_a_held_model_before_a_busy_one_grows() {
+    let f = Fakes::start(
+        "# TYPE preheat:gateway_pending_requests gauge\n\
+         preheat:gateway_pending_requests{model_name=\"b\",pool=\"decode\"} 0\n",
+    )
+    .await;
+    let (gw, u0, u1, ug) = (f.gw.clone(), f.u0.clone(), f.u1.clone(), f.ug.clone());
+    let mut scaler = Running::start(&[
+        "interval_s=0.1".into(),
+        "window_s=2".into(),
+        "fleet.max_gpus=3".into(),
+        format!(
+            "models=[{{name: a, prefill: {{idle_grace_s: 0.5}}, decode: {{endpoints: [{u0}, {u1}]}}}}, \
+             {{name: b, gateway: [{ug}], prefill: {{idle_grace_s: 0.5}}, decode: {{idle_grace_s: 0.5}}}}]"
+        ),
+    ])
+    .await;
+    let at = |model: &str, pool: &str| ScaledObjectRef {
+        name: format!("{model}-{pool}"),
+        namespace: "default".into(),
+        scaler_metadata: std::collections::HashMap::from([
+            ("model".to_owned(), model.to_owned()),
+            ("pool".to_owned(), pool.to_owned()),
+        ]),
+    };
+    let client = &mut scaler.client;
+    // Alone, the busy model takes the whole budget (it wants about 6).
+    wait_for_async(
+        "a granted the budget",
+        Duration::from_secs(10),
+        async || {
+            let d = desired_for(client, at("a", "decode")).await;
+            if d == 3 {
+                Ok(())
+            } else {
+                Err(format!("a decode desired {d}"))
+            }
+        },
+    )
+    .await;
+    // A request held for b, at zero: b's decode gets a GPU, taken from a.
+    *gw.lock().unwrap() = Some(
+        "# TYPE preheat:gateway_pending_requests gauge\n\
+         preheat:gateway_pending_requests{model_name=\"b\",pool=\"decode\"} 1\n"
+            .to_owned(),
+    );
+    wait_for_async(
+        "b woken within the budget",
+        Duration::from_secs(10),
+        async || {
+            let (a, b) = (
+                desired_for(client, at("a", "decode")).await,
+                desired_for(client, at("b", "decode")).await,
+            );
+            if (a, b) == (2, 1) {
+                Ok(())
+            } else {
+                Err(format!("a {a}, b {b}"))
+            }
+        },
+    )
+    .await;
+    let m = scaler.metrics().await;
+    for line in [
+        "preheat:scaler_fleet_gpus{model=\"a\",state=\"granted\"} 2",
+        "preheat:scaler_fleet_gpus{model=\"b\",state=\"granted\"} 1",
+        "preheat:scaler_decision{model=\"a\",pool=\"decode\",reason=\"fleet GPU budget: granted fewer replicas than wanted\"} 1",
+    ] {
+        assert!(m.contains(line), "missing {line:?} in\n{m}");
+    }
+    let wanted: f64 = m
+        .lines()
+        .find(|l| l.starts_with("preheat:scaler_fleet_gpus{model=\"a\",state=\"wanted\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap();
+    assert!(wanted > 2.0, "a wanted more than it was granted: {wanted}");
+    assert!(
+        m.contains("preheat:scaler_fleet_gpu_seconds_total{model=\"a\"}"),
+        "{m}"
+    );
     scaler.stop().await;
 }
 

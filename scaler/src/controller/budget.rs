@@ -1,0 +1,144 @@
+//! The fleet's GPU budget (`fleet.max_gpus`), a stage of the tick between deciding and
+//! acting, with no I/O. Every model's pools decide on their own; when what they want
+//! adds up to more GPUs than the fleet has, each pool is granted replicas in this
+//! order:
+//!
+//! 1. a pool with requests held and no replica (nobody can serve them) gets its first;
+//! 2. every pool gets its floor (`min_replicas`);
+//! 3. the rest goes up to what each wants.
+//!
+//! Within each pass pools are taken by the same rank: requests held at zero first,
+//! then the largest SLO deficit, then the model's `priority`, then the order of the
+//! config. A pool granted less than it has loses replicas (the pods drain; none of
+//! their requests is lost).
+
+use std::cmp::Ordering;
+
+/// GPUs one replica of the bundled engine holds: it runs one GPU per replica (it has
+/// no tensor parallelism).
+pub(super) const GPUS_PER_REPLICA: u32 = 1;
+
+/// One pool's claim on the budget.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Claim {
+    /// Replicas its policy wants.
+    pub desired: u32,
+    /// Its floor (`min_replicas`).
+    pub min: u32,
+    /// Requests are held for it and it has no replica.
+    pub held_at_zero: bool,
+    /// How far its SLO attainment falls short of its target (0 when met or unknown).
+    pub slo_deficit: f64,
+    pub priority: i32,
+}
+
+/// The replicas granted to each claim, in order, within `max_gpus`.
+pub(super) fn grant(claims: &[Claim], max_gpus: u32) -> Vec<u32> {
+    let wanted: u64 = claims
+        .iter()
+        .map(|c| u64::from(c.desired) * u64::from(GPUS_PER_REPLICA))
+        .sum();
+    if wanted <= u64::from(max_gpus) {
+        return claims.iter().map(|c| c.desired).collect();
+    }
+    let mut order: Vec<usize> = (0..claims.len()).collect();
+    order.sort_by(|&a, &b| rank(&claims[a], &claims[b]).then(a.cmp(&b)));
+    let mut granted = vec![0u32; claims.len()];
+    let mut left = max_gpus;
+    let mut give = |i: usize, up_to: u32, granted: &mut [u32]| {
+        while granted[i] < up_to && left >= GPUS_PER_REPLICA {
+            granted[i] += 1;
+            left -= GPUS_PER_REPLICA;
+        }
+    };
+    for &i in &order {
+        if claims[i].held_at_zero {
+            give(i, claims[i].desired.min(1), &mut granted);
+        }
+    }
+    for &i in &order {
+        give(i, claims[i].desired.min(claims[i].min), &mut granted);
+    }
+    for &i in &order {
+        give(i, claims[i].desired, &mut granted);
+    }
+    granted
+}
+
+/// Which of two claims is served first.
+fn rank(a: &Claim, b: &Claim) -> Ordering {
+    b.held_at_zero
+        .cmp(&a.held_at_zero)
+        .then(b.slo_deficit.total_cmp(&a.slo_deficit))
+        .then(b.priority.cmp(&a.priority))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(desired: u32) -> Claim {
+        Claim {
+            desired,
+            ..Claim::default()
+        }
+    }
+
+    #[test]
+    fn within_the_budget_every_pool_gets_what_it_wants() {
+        let c = [claim(2), claim(3)];
+        assert_eq!(grant(&c, 5), [2, 3]);
+        assert_eq!(grant(&c, 0), [0, 0], "no GPU left");
+    }
+
+    #[test]
+    fn a_model_held_at_zero_gets_its_first_replica_before_busier_ones_grow() {
+        let busy = Claim {
+            slo_deficit: 0.2,
+            priority: 5,
+            ..claim(4)
+        };
+        let woken = Claim {
+            held_at_zero: true,
+            ..claim(2)
+        };
+        // Held at zero ranks first: it gets what it wants, the busy pool the rest.
+        assert_eq!(grant(&[busy.clone(), woken.clone()], 4), [2, 2]);
+        // A floor does not keep it out: its first replica comes before floors.
+        let floored = Claim {
+            min: 4,
+            ..busy.clone()
+        };
+        assert_eq!(grant(&[floored, woken], 4), [3, 1]);
+        // Without requests held, the busier, higher-priority pool comes first.
+        assert_eq!(grant(&[busy, claim(2)], 4), [4, 0]);
+    }
+
+    #[test]
+    fn floors_come_before_growth_then_deficit_then_priority() {
+        let floor = Claim { min: 2, ..claim(3) };
+        let short = Claim {
+            slo_deficit: 0.05,
+            ..claim(3)
+        };
+        let important = Claim {
+            priority: 1,
+            ..claim(3)
+        };
+        // 6 GPUs: the floor's 2, then the SLO deficit's 3, then priority's 1.
+        assert_eq!(
+            grant(&[floor.clone(), short.clone(), important.clone()], 6),
+            [2, 3, 1]
+        );
+        // Equal in all: the config's order.
+        assert_eq!(grant(&[claim(2), claim(2)], 3), [2, 1]);
+    }
+
+    #[test]
+    fn nothing_is_granted_past_the_budget_whatever_the_floors() {
+        let c = [Claim { min: 3, ..claim(3) }, Claim { min: 3, ..claim(3) }];
+        let g = grant(&c, 4);
+        assert_eq!(g.iter().sum::<u32>(), 4);
+        assert_eq!(g, [3, 1]);
+    }
+}
