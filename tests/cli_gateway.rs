@@ -274,6 +274,88 @@ fn one_gateway_fronts_several_models_and_one_unreadable_fails_alone() {
     );
 }
 
+/// Discovery with several models: each model's workers come from its own Services
+/// (`--decode-service NAME=SERVICE`), so `b`'s decode worker serves `b` and `a`'s
+/// requests stay held; a Service not named for a model is refused by name.
+#[test]
+fn each_models_workers_are_discovered_from_its_own_services() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = harness::synth_tiny(dir.path(), "a-snap", 1);
+    let b = harness::synth_tiny(dir.path(), "b-snap", 2);
+    let worker = harness::worker("decode", &b)
+        .args(&["--served-model-name", "b"])
+        .kv_mib(16)
+        .start();
+    worker.wait_healthy(60);
+    let api = fake_kube::Shared::default();
+    api.lock().unwrap().slices = vec![fake_kube::slice(
+        "b-decode",
+        worker.port,
+        &[("127.0.0.1", true)],
+        1,
+    )];
+    let url = fake_kube::serve(api);
+    let named = |n: &str, p: &std::path::Path| format!("{n}={}", p.display());
+    let gw = gateway()
+        .discovering()
+        .model(&named("a", &a))
+        .model(&named("b", &b))
+        .args(&["--hold-timeout-secs", "3"])
+        .args(&["--discover-namespace", "llm", "--kube-api-url", &url])
+        .args(&[
+            "--prefill-service",
+            "a=a-prefill",
+            "--decode-service",
+            "a=a-decode",
+        ])
+        .args(&[
+            "--prefill-service",
+            "b=b-prefill",
+            "--decode-service",
+            "b=b-decode",
+        ])
+        .start();
+    gw.wait_healthy(60);
+    let base = gw.url.clone();
+    rt().block_on(async {
+        let c = reqwest::Client::new();
+        let ask = async |model: &str| {
+            c.post(format!("{base}/v1/completions"))
+                .json(&json!({"model": model, "prompt": "hello", "max_tokens": 2}))
+                .timeout(Duration::from_secs(30))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        };
+        assert_eq!(ask("b").await, 200);
+        // `a` has no worker in its Services: held, then 503 at the hold time.
+        assert_eq!(ask("a").await, 503);
+    });
+    let out = harness::preheat([
+        "engine",
+        "gateway",
+        "--model",
+        &named("a", &a),
+        "--model",
+        &named("b", &b),
+        "--discover-namespace",
+        "llm",
+        "--prefill-service",
+        "a=a-prefill",
+        "--decode-service",
+        "a-decode",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--decode-service a-decode: with several --model, give it as NAME=SERVICE")
+            && err.contains("--prefill-service: model b needs one NAME=SERVICE, 0 given"),
+        "{err}"
+    );
+}
+
 /// A Kubernetes API serving EndpointSlices (list, then a watch fed by `events`), as the
 /// gateway's kube-rs reflector reads them.
 mod fake_kube {

@@ -100,12 +100,14 @@ pub struct GatewayArgs {
     /// gateway replica sees the same workers. Needs --model.
     #[arg(long, requires_all = ["prefill_service", "decode_service", "model"])]
     pub discover_namespace: Option<String>,
-    /// The prefill pool's Service (with --discover-namespace).
+    /// The prefill pool's Service (with --discover-namespace); with several models,
+    /// one `NAME=SERVICE` per model.
     #[arg(long, requires = "discover_namespace")]
-    pub prefill_service: Option<String>,
-    /// The decode pool's Service (with --discover-namespace).
+    pub prefill_service: Vec<String>,
+    /// The decode pool's Service (with --discover-namespace); with several models,
+    /// one `NAME=SERVICE` per model.
     #[arg(long, requires = "discover_namespace")]
-    pub decode_service: Option<String>,
+    pub decode_service: Vec<String>,
     /// The warm-pool agents' Service (with --discover-namespace): each Ready agent's
     /// promoted standbys (`GET /standbys`, reached at the agent's own address) join
     /// their pools.

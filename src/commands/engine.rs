@@ -88,9 +88,6 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         if a.chat_template.is_some() {
             errs.push("--chat-template replaces one model's template; it cannot be given with several --model".to_owned());
         }
-        if discovering {
-            errs.push("--discover-namespace finds one model's workers (--prefill-service, --decode-service); with several --model the workers register".to_owned());
-        }
     }
     if let (Some(_), Some(_)) = (
         a.served_model_name.as_ref(),
@@ -99,6 +96,39 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         errs.push(
             "--served-model-name and --model NAME=SOURCE both name the model; give one".to_owned(),
         );
+    }
+    // Each model's pools' Services, by model name (`None`: the one model's).
+    let mut services: Vec<(Option<&str>, WorkerRole, &str)> = Vec::new();
+    for (role, flag, given) in [
+        (WorkerRole::Prefill, "--prefill-service", &a.prefill_service),
+        (WorkerRole::Decode, "--decode-service", &a.decode_service),
+    ] {
+        for s in given {
+            let (name, svc) = split_named(s);
+            if specs.len() > 1 && name.is_none() {
+                errs.push(format!(
+                    "{flag} {s}: with several --model, give it as NAME=SERVICE"
+                ));
+            }
+            services.push((name, role, svc));
+        }
+        if discovering {
+            for (name, _) in specs.iter().filter(|_| specs.len() > 1) {
+                let n = given.iter().filter(|s| split_named(s).0 == *name).count();
+                if n != 1 {
+                    errs.push(format!(
+                        "{flag}: model {} needs one NAME=SERVICE, {n} given",
+                        name.unwrap_or("(unnamed: give --model NAME=SOURCE)")
+                    ));
+                }
+            }
+            if specs.len() == 1 && given.len() != 1 {
+                errs.push(format!(
+                    "{flag}: one Service for the one model, {} given",
+                    given.len()
+                ));
+            }
+        }
     }
     if !errs.is_empty() {
         anyhow::bail!("invalid options:\n  {}", errs.join("\n  "));
@@ -169,23 +199,25 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
     };
     let addr = addr.context("checked above")?;
     rt.block_on(async move {
-        if let (Some(ns), Some(prefill), Some(decode)) =
-            (&a.discover_namespace, &a.prefill_service, &a.decode_service)
-        {
+        if let Some(ns) = &a.discover_namespace {
             let client = preheat_scaler::kube::client(a.kube_api_url.as_deref()).await?;
-            let source: std::sync::Arc<dyn gateway::WorkerSource> =
-                crate::endpoint_slices::EndpointSlices::watch(
-                    client,
-                    ns,
-                    &[
-                        (WorkerRole::Prefill, prefill.clone()),
-                        (WorkerRole::Decode, decode.clone()),
-                    ],
-                    a.standby_agents_service.as_deref(),
-                    opts.cluster_token.clone(),
-                );
+            let one = opts.models.len() == 1;
             for m in &mut opts.models {
-                m.discovery = Some(std::sync::Arc::clone(&source));
+                // Each model's own Services (the one model's are unnamed).
+                let pools: Vec<(WorkerRole, String)> = services
+                    .iter()
+                    .filter(|(name, _, _)| one || *name == Some(m.name.as_str()))
+                    .map(|&(_, role, svc)| (role, svc.to_owned()))
+                    .collect();
+                let source: std::sync::Arc<dyn gateway::WorkerSource> =
+                    crate::endpoint_slices::EndpointSlices::watch(
+                        client.clone(),
+                        ns,
+                        &pools,
+                        a.standby_agents_service.as_deref(),
+                        opts.cluster_token.clone(),
+                    );
+                m.discovery = Some(source);
             }
         }
         let l = tokio::net::TcpListener::bind(addr)
