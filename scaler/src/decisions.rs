@@ -90,6 +90,9 @@ pub struct DecisionStore {
     state_saved: RwLock<Option<f64>>,
     /// GPU-seconds each model's replicas have held since the scaler started.
     gpu_seconds: RwLock<HashMap<String, f64>>,
+    /// Since when each model has been granted fewer replicas than it wants by the
+    /// fleet's GPU budget (absent: not waiting).
+    budget_wait: RwLock<HashMap<String, std::time::Instant>>,
 }
 
 impl DecisionStore {
@@ -105,6 +108,7 @@ impl DecisionStore {
             closed: false.into(),
             state_saved: RwLock::new(None),
             gpu_seconds: RwLock::new(HashMap::new()),
+            budget_wait: RwLock::new(HashMap::new()),
         })
     }
 
@@ -164,6 +168,25 @@ impl DecisionStore {
     pub fn add_gpu_seconds(&self, model: &str, secs: f64) {
         let mut g = self.gpu_seconds.write().unwrap_or_else(|e| e.into_inner());
         *g.entry(model.to_owned()).or_default() += secs;
+    }
+
+    /// Records whether the fleet's budget granted `model` fewer replicas than it wants
+    /// this tick: a wait starts at the first such tick and ends at the first without.
+    pub fn set_budget_cut(&self, model: &str, cut: bool) {
+        let mut w = self.budget_wait.write().unwrap_or_else(|e| e.into_inner());
+        if cut {
+            w.entry(model.to_owned())
+                .or_insert_with(std::time::Instant::now);
+        } else {
+            w.remove(model);
+        }
+    }
+
+    /// Seconds `model` has waited on the fleet's budget (0: not waiting).
+    #[must_use]
+    pub fn budget_wait_s(&self, model: &str) -> f64 {
+        let w = self.budget_wait.read().unwrap_or_else(|e| e.into_inner());
+        w.get(model).map_or(0.0, |t| t.elapsed().as_secs_f64())
     }
 
     /// GPU-seconds `model`'s replicas have held since the scaler started.

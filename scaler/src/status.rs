@@ -240,6 +240,13 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
             ),
             &["model", "state"],
         )?;
+        let wait = prometheus::GaugeVec::new(
+            prometheus::Opts::new(
+                own::FLEET_WAIT,
+                "Seconds a model has been granted fewer GPUs than it wants by the fleet's budget (0: not waiting)",
+            ),
+            &["model"],
+        )?;
         let held = prometheus::CounterVec::new(
             prometheus::Opts::new(
                 own::FLEET_GPU_SECONDS,
@@ -261,8 +268,11 @@ pub fn metrics(store: &DecisionStore, models: &[String]) -> String {
             }
             held.get_metric_with_label_values(&[&m.model])?
                 .inc_by(store.gpu_seconds(&m.model));
+            wait.get_metric_with_label_values(&[&m.model])?
+                .set(store.budget_wait_s(&m.model));
         }
         registry.register(Box::new(gpus))?;
+        registry.register(Box::new(wait))?;
         registry.register(Box::new(held))
     })();
     for e in families

@@ -275,7 +275,9 @@ impl Controller {
         } else {
             budget::grant(&claims, max.saturating_sub(kept))
         };
+        let mut cut = vec![false; models.len()];
         for ((mi, pi), (claim, g)) in at.into_iter().zip(claims.iter().zip(granted)) {
+            cut[mi] |= g < claim.desired;
             let d = &mut decided[mi][pi];
             d.outcome.status.wanted = Some(claim.desired);
             if let Some(decision) = &mut d.outcome.decision
@@ -286,6 +288,9 @@ impl Controller {
                 decision.reason = "fleet GPU budget: granted fewer replicas than wanted";
                 d.outcome.status.reason = decision.reason;
             }
+        }
+        for (m, cut) in models.iter().zip(cut) {
+            self.store.set_budget_cut(&m.cfg.name, cut);
         }
     }
 

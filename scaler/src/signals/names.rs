@@ -68,6 +68,10 @@ pub mod own {
     /// GPUs a model's pools wanted and were granted under the fleet's budget, by
     /// `model` and `state` (`wanted`, `granted`).
     pub const FLEET_GPUS: &str = "preheat:scaler_fleet_gpus";
+    /// Seconds a model has been granted fewer GPUs than it wants by the fleet's
+    /// budget, by `model` (0: not waiting): the chart's
+    /// `PreheatModelWaitingOnGpuBudget` alerts when it passes the model's start-up.
+    pub const FLEET_WAIT: &str = "preheat:scaler_fleet_wait_seconds";
     /// GPU-seconds a model's replicas have held since the scaler started, by `model`.
     pub const FLEET_GPU_SECONDS: &str = "preheat:scaler_fleet_gpu_seconds_total";
 
@@ -87,6 +91,7 @@ pub mod own {
         NEEDED,
         STATE_SAVED,
         FLEET_GPUS,
+        FLEET_WAIT,
         FLEET_GPU_SECONDS,
     ];
 }

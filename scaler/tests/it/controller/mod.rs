@@ -422,6 +422,15 @@ async fn the_fleets_gpu_budget_wakes_a_held_model_before_a_busy_one_grows() {
         m.contains("preheat:scaler_fleet_gpu_seconds_total{model=\"a\"}"),
         "{m}"
     );
+    // `a` waits on the budget (the alert compares this with its start-up); `b` does not.
+    let waited = |model: &str| -> f64 {
+        let head = format!("preheat:scaler_fleet_wait_seconds{{model=\"{model}\"}}");
+        m.lines()
+            .find(|l| l.starts_with(&head))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap()
+    };
+    assert!(waited("a") > 0.0 && waited("b") == 0.0, "{m}");
     scaler.stop().await;
 }
 
