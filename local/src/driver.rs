@@ -23,6 +23,8 @@ pub(super) struct PoolState {
     /// The model it serves, and the staged snapshot its workers start from.
     pub(super) model: String,
     pub(super) snap: PathBuf,
+    /// `up` serves other models beside it (its lines then name it).
+    pub(super) several: bool,
     pub(super) pool: Pool,
     pub(super) role: &'static str,
     pub(super) min: u32,
@@ -40,12 +42,12 @@ pub(super) struct PoolState {
 
 impl PoolState {
     /// `MODEL/` before the pool's role in what `up` prints, where it serves several
-    /// models (none for the embedded one alone).
+    /// models.
     pub(super) fn label(&self) -> String {
-        if self.model == MODEL {
-            String::new()
-        } else {
+        if self.several {
             format!("{}/", self.model)
+        } else {
+            String::new()
         }
     }
 

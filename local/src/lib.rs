@@ -414,6 +414,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                 Ok(PoolState {
                     model: s.name.clone(),
                     snap: snap.clone(),
+                    several: served.len() > 1,
                     pool,
                     role,
                     min,

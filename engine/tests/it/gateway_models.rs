@@ -181,6 +181,31 @@ async fn one_gateway_serves_each_model_on_its_own_workers_and_holds_the_others()
     let text = r.text().await.unwrap();
     assert!(text.contains("a, b"), "{text}");
 
+    // An address registered again for another model (a reused port) leaves the first
+    // model's rotation.
+    for (model, fixture) in [("a", "llama-tiny"), ("b", "qwen2-tiny")] {
+        let r = c
+            .post(format!("{internal}/internal/register"))
+            .json(
+                &json!({"id": "reused", "role": "decode", "url": "http://127.0.0.1:9",
+                          "model": model, "compat": info(fixture, model).compat,
+                          "kv_format": preheat_engine::kv::payload::FORMAT_VERSION}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    }
+    let v = get_json(&c, &format!("{internal}/internal/workers")).await;
+    let reused: Vec<&Value> = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["id"] == "reused")
+        .collect();
+    assert_eq!(reused.len(), 1, "{v}");
+    assert_eq!(reused[0]["model"], "b", "{v}");
+
     held.abort();
     let _ = held.await;
     stop.send(true).unwrap();

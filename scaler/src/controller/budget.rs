@@ -3,7 +3,8 @@
 //! adds up to more GPUs than the fleet has, each pool is granted replicas in this
 //! order:
 //!
-//! 1. a pool with requests held and no replica (nobody can serve them) gets its first;
+//! 1. a pool with requests held and no replica serving (nobody can serve them) gets
+//!    its first, or keeps those it has starting;
 //! 2. every pool gets its floor (`min_replicas`);
 //! 3. the rest goes up to what each wants.
 //!
@@ -25,7 +26,9 @@ pub(super) struct Claim {
     pub desired: u32,
     /// Its floor (`min_replicas`).
     pub min: u32,
-    /// Requests are held for it and it has no replica.
+    /// Replicas it has, serving or starting.
+    pub current: u32,
+    /// Requests are held for it and no replica of it serves.
     pub held_at_zero: bool,
     /// How far its SLO attainment falls short of its target (0 when met or unknown).
     pub slo_deficit: f64,
@@ -53,7 +56,13 @@ pub(super) fn grant(claims: &[Claim], max_gpus: u32) -> Vec<u32> {
     };
     for &i in &order {
         if claims[i].held_at_zero {
-            give(i, claims[i].desired.min(1), &mut granted);
+            // Its first replica, or the ones already starting for it: taking back a
+            // start under way would leave it at zero again.
+            give(
+                i,
+                claims[i].desired.min(claims[i].current.max(1)),
+                &mut granted,
+            );
         }
     }
     for &i in &order {
@@ -112,6 +121,21 @@ mod tests {
         assert_eq!(grant(&[floored, woken], 4), [3, 1]);
         // Without requests held, the busier, higher-priority pool comes first.
         assert_eq!(grant(&[busy, claim(2)], 4), [4, 0]);
+    }
+
+    #[test]
+    fn replicas_starting_for_held_requests_are_not_taken_back() {
+        let busy = Claim {
+            slo_deficit: 0.3,
+            ..claim(4)
+        };
+        // Two replicas starting, none serving yet, requests held.
+        let starting = Claim {
+            current: 2,
+            held_at_zero: true,
+            ..claim(2)
+        };
+        assert_eq!(grant(&[busy, starting], 3), [1, 2]);
     }
 
     #[test]

@@ -247,13 +247,19 @@ impl Controller {
         let max = self.cfg.fleet.max_gpus;
         let mut claims = Vec::new();
         let mut at = Vec::new();
-        // Pools that decide nothing this tick keep what they have.
+        // Pools that decide nothing this tick keep what they have; with a pool whose
+        // replicas are not known at all (a scaler just started), what is left is not
+        // known either, and no pool grows past what it has.
         let mut kept = 0u32;
+        let mut unknown = false;
         for (mi, (m, ds)) in models.iter().zip(decided.iter()).enumerate() {
             for (pi, (p, d)) in m.pools.iter().zip(ds).enumerate() {
                 let current = d.outcome.status.current;
                 let Some(decision) = &d.outcome.decision else {
-                    kept = kept.saturating_add(current * budget::GPUS_PER_REPLICA);
+                    match p.last_current {
+                        Some(n) => kept = kept.saturating_add(n * budget::GPUS_PER_REPLICA),
+                        None => unknown = true,
+                    }
                     continue;
                 };
                 let attainment = match p.pool {
@@ -263,15 +269,20 @@ impl Controller {
                 claims.push(budget::Claim {
                     desired: decision.desired,
                     min: p.policy.cfg.min_replicas,
-                    held_at_zero: d.held > 0.0 && current == 0,
+                    current,
+                    // Starting replicas do not serve yet: a pool waking from zero
+                    // stays first until one does.
+                    held_at_zero: d.held > 0.0 && d.outcome.status.ready == 0,
                     slo_deficit: attainment.map_or(0.0, |a| (SLO_TARGET - a).max(0.0)),
                     priority: m.cfg.priority,
                 });
                 at.push((mi, pi));
             }
         }
-        let granted = if max == 0 {
+        let granted: Vec<u32> = if max == 0 {
             claims.iter().map(|c| c.desired).collect()
+        } else if unknown {
+            claims.iter().map(|c| c.desired.min(c.current)).collect()
         } else {
             budget::grant(&claims, max.saturating_sub(kept))
         };
@@ -295,7 +306,7 @@ impl Controller {
     }
 
     /// The last stages of one model's tick: publish each pool's status, and act.
-    async fn act_model(&self, m: &mut ModelLoop, decided: Vec<Decided>, interval_s: f64) {
+    async fn act_model(&self, m: &mut ModelLoop, decided: Vec<Decided>, dt: f64) {
         let name = m.cfg.name.as_str();
         for (p, d) in m.pools.iter_mut().zip(decided) {
             let Decided {
@@ -305,9 +316,15 @@ impl Controller {
                 unsure,
                 ..
             } = d;
-            // What the pool holds now (serving or starting) is what it costs.
-            let gpus = f64::from(outcome.status.current) * f64::from(budget::GPUS_PER_REPLICA);
-            self.store.add_gpu_seconds(name, gpus * interval_s);
+            // What the pool holds now (serving or starting) is what it costs, over the
+            // time since the last tick.
+            let replicas = if outcome.decision.is_some() {
+                outcome.status.current
+            } else {
+                p.last_current.unwrap_or(0)
+            };
+            let gpus = f64::from(replicas) * f64::from(budget::GPUS_PER_REPLICA);
+            self.store.add_gpu_seconds(name, gpus * dt);
             self.store.set_status(name, p.pool, outcome.status);
             let (Some(decision), Some(current)) = (outcome.decision, p.last_current) else {
                 continue;
@@ -398,6 +415,7 @@ impl Controller {
             None => None,
         };
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
+        let mut last_t: Option<f64> = None;
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let observer = Observer {
             client: &client,
@@ -413,13 +431,15 @@ impl Controller {
                 _ = stop.wait_for(|v| *v) => break,
             }
             let t = start.elapsed().as_secs_f64();
+            let dt = last_t.map_or(self.cfg.interval_s, |last| t - last);
+            last_t = Some(t);
             let mut decided = Vec::with_capacity(models.len());
             for m in &mut models {
                 decided.push(self.decide_model(&observer, m, t).await);
             }
             self.apply_budget(&models, &mut decided);
             for (m, d) in models.iter_mut().zip(decided) {
-                self.act_model(m, d, self.cfg.interval_s).await;
+                self.act_model(m, d, dt).await;
             }
             if let Some(k) = &mut keeper {
                 k.save_if_due(&models);

@@ -29,25 +29,25 @@ pub(super) enum Source {
 pub(super) struct ModelSeen {
     /// Requests the model's gateways hold (its pools at zero, or busy), by the pool
     /// they wait for.
-    pub held: Held,
+    pub held: HeldByPool,
     /// Each agent that answered, by base URL: its standbys per agent pool.
     pub agents: Vec<(String, BTreeMap<String, AgentPool>)>,
 }
 
 /// Requests a model's gateways hold, by the pool they wait for.
 #[derive(Debug, Default, Clone, PartialEq)]
-pub(super) struct Held(BTreeMap<String, f64>);
+pub(super) struct HeldByPool(BTreeMap<String, f64>);
 
-impl Held {
+impl HeldByPool {
     /// Summed over the gateways' readings.
-    fn of<'a>(readings: impl Iterator<Item = &'a Reading>) -> Held {
+    fn of<'a>(readings: impl Iterator<Item = &'a Reading>) -> HeldByPool {
         let mut by_pool = BTreeMap::new();
         for r in readings {
             for (pool, n) in &r.gateway_pending_by_pool {
                 *by_pool.entry(pool.clone()).or_default() += n;
             }
         }
-        Held(by_pool)
+        HeldByPool(by_pool)
     }
 
     /// Those that `pool` would serve: the ones that wait for it, and those of a
@@ -126,7 +126,7 @@ impl Observer<'_> {
         let (gw, gw_failed) = scrape_all(self.client, &gateways, filter, self.timeout).await;
         m.gateway_failures
             .note("gateway", gw.iter().map(|(u, _)| u.as_str()), &gw_failed);
-        let held = Held::of(gw.iter().map(|(_, r)| r));
+        let held = HeldByPool::of(gw.iter().map(|(_, r)| r));
         let agents = match &m.agents {
             Some((set, _)) => {
                 let bases: Vec<String> = set.view().ready.into_values().collect();

@@ -251,7 +251,7 @@ pub struct Gateway {
     /// What the router's block hashes start from (the workers' key).
     prefix_key: PrefixKey,
     /// The served model's name, once the front is installed.
-    front: OnceLock<String>,
+    model: OnceLock<String>,
     /// This gateway's id in its announcements to decode workers (a restarted gateway
     /// gets a new one; its old list expires there).
     instance: String,
@@ -365,7 +365,7 @@ impl Gateway {
                 .and_then(|m| m.chat_template.clone())
                 .or_else(|| opts.chat_template.clone()),
             metrics: OnceLock::new(),
-            front: OnceLock::new(),
+            model: OnceLock::new(),
             instance,
             announce_now: tokio::sync::Notify::new(),
             announcements: std::sync::atomic::AtomicU64::new(1),
@@ -380,7 +380,7 @@ impl Gateway {
 
     /// The served model's name, once known.
     fn model_name(&self) -> Option<&str> {
-        self.front.get().map(String::as_str)
+        self.model.get().map(String::as_str)
     }
 
     /// Starts serving `info`'s model: the front engine the OpenAI API runs on.
@@ -400,7 +400,7 @@ impl Gateway {
             g.compat = Some(info.compat.clone());
             g.block_size = info.block_size;
         }
-        if self.metrics.set(ours).is_ok() && self.front.set(info.model.clone()).is_ok() {
+        if self.metrics.set(ours).is_ok() && self.model.set(info.model.clone()).is_ok() {
             // Both pools read 0 from the start, and the rotation as it is.
             for role in [WorkerRole::Prefill, WorkerRole::Decode] {
                 if let Some(g) = self.pending_for(role) {

@@ -185,13 +185,34 @@ impl Gateway {
                 params: req.params.clone(),
                 prefill: prefill.as_ref().map(|p| p.kv.clone()),
             };
-            let lost = match client.generate(&decode.url, &body).await {
+            let ask = client.generate(&decode.url, &body);
+            let asked = if tries.ticket.is_some() {
+                // A worker without room refuses at once; an ask still out after
+                // `ADMITTED_AFTER` has been taken (its K/V is being pulled, which can
+                // take a prefill's time): the next request in the queue asks then,
+                // instead of after this one's first token. Refused late, this one
+                // takes its place back.
+                tokio::pin!(ask);
+                tokio::select! {
+                    r = &mut ask => r,
+                    () = tokio::time::sleep(ADMITTED_AFTER) => {
+                        if let Some(t) = tries.ticket.take() {
+                            tries.place = Some(t.place());
+                        }
+                        ask.await
+                    }
+                }
+            } else {
+                ask.await
+            };
+            let lost = match asked {
                 Ok(stream) => {
-                    // Admitted: the next request waiting for room goes, and this one's
-                    // end may free room for those after it. (Only an admitted request:
-                    // a refusal frees nothing, and signalling it sent the refused
-                    // request straight back to ask again, in a loop without a pause.)
+                    // Admitted: this one's end may free room for those after it.
+                    // (Only an admitted request: a refusal frees nothing, and
+                    // signalling it sent the refused request straight back to ask
+                    // again, in a loop without a pause.)
                     tries.ticket = None;
+                    tries.place = None;
                     let _frees_room = FreesRoom(Arc::clone(&self.room));
                     // The K/V has been pulled: the prefill worker is done with it.
                     if let Some(p) = prefill {
@@ -246,26 +267,41 @@ impl Gateway {
             if !refused_everywhere && self.room.is_empty() {
                 return Ok(());
             }
-            tries.ticket = Some(self.room.join());
+            // Back from asking a worker: the place it had, else the tail.
+            tries.ticket = Some(match tries.place {
+                Some(place) => self.room.rejoin(place),
+                None => self.room.join(),
+            });
         }
         let overloaded = || EngineError::Overloaded {
             retry_after_secs: 1,
         };
-        if refused_everywhere && tokio::time::Instant::now() >= tries.busy_deadline {
-            return Err(overloaded());
-        }
         let after = refused_everywhere.then_some(tries.room_mark);
-        let turn = {
-            let _held = Held::count(self.pending_for(WorkerRole::Decode));
+        let _held = Held::count(self.pending_for(WorkerRole::Decode));
+        loop {
+            // A gateway shutting down (or workers that cannot start) answers at once.
+            if let Some(why) = self.opts.outage.reason() {
+                return Err(EngineError::NoWorkers {
+                    message: format!("no decode worker can be had: {why}"),
+                    retry_after_secs: 30,
+                });
+            }
+            let now = tokio::time::Instant::now();
+            if now >= tries.busy_deadline {
+                return Err(overloaded());
+            }
             let ticket = tries.ticket.as_ref().expect("joined above");
-            self.room
-                .wait_turn(ticket, after, tries.busy_deadline)
-                .await
-        };
-        if !turn {
-            return Err(overloaded());
+            // In steps of at most a second, to see an outage.
+            let step = tries.busy_deadline.min(now + Duration::from_secs(1));
+            if self.room.wait_turn(ticket, after, step).await {
+                break;
+            }
         }
-        tries.busy.clear();
+        // Every worker is asked again after a wait for room; a request that still has
+        // one to ask (another worker not yet refused) keeps the ones that refused aside.
+        if refused_everywhere {
+            tries.busy.clear();
+        }
         Ok(())
     }
 
@@ -406,6 +442,11 @@ impl Gateway {
     }
 }
 
+/// How long an ask of a decode worker, made by a request at the head of the queue for
+/// room, goes unanswered before it counts as taken and the next request may ask: a
+/// refusal for room is answered at once.
+const ADMITTED_AFTER: Duration = Duration::from_millis(200);
+
 /// Tries on other decode workers after one refused (draining, unreachable) or lacked
 /// the prefill worker's announcement; a refusal for want of room is not counted (the
 /// hold time bounds those).
@@ -434,9 +475,10 @@ struct Tries {
     replays: usize,
     /// Output has gone to the consumer since the last replay.
     forwarded: bool,
-    /// This request's place among those waiting for room, until a decode worker
-    /// admits it.
+    /// This request's ticket among those waiting for room, while it waits.
     ticket: Option<Ticket>,
+    /// Its place, given up while it asks a worker, taken back if refused for room.
+    place: Option<u64>,
     /// [`RoomQueue::mark`](super::room_queue::RoomQueue::mark) before the last ask.
     room_mark: u64,
     /// When waiting for room ends.
@@ -456,6 +498,7 @@ impl Tries {
             replays: 0,
             forwarded: false,
             ticket: None,
+            place: None,
             room_mark: 0,
             busy_deadline: tokio::time::Instant::now() + hold,
         }

@@ -42,6 +42,14 @@ pub(super) struct Ticket {
     id: u64,
 }
 
+impl Ticket {
+    /// Where it stands among all tickets ever given: a request that leaves the queue to
+    /// ask a worker, and is refused, takes the same place back ([`RoomQueue::rejoin`]).
+    pub(super) fn place(&self) -> u64 {
+        self.id
+    }
+}
+
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut s = self.queue.lock();
@@ -91,6 +99,22 @@ impl RoomQueue {
         Ticket {
             queue: Arc::clone(self),
             id,
+        }
+    }
+
+    /// Back at `place` (a [`Ticket::place`] given up to ask a worker): ahead of every
+    /// request that joined after it, so asking costs no request its turn.
+    pub(super) fn rejoin(self: &Arc<Self>, place: u64) -> Ticket {
+        let mut s = self.lock();
+        // The queue is in place order: joins take increasing places, rejoins are put
+        // back where they belong.
+        let at = s.waiting.partition_point(|&t| t < place);
+        if s.waiting.get(at) != Some(&place) {
+            s.waiting.insert(at, place);
+        }
+        Ticket {
+            queue: Arc::clone(self),
+            id: place,
         }
     }
 
@@ -210,6 +234,27 @@ mod tests {
             "{took:?}"
         );
         signal.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_request_back_from_asking_takes_its_place_ahead_of_later_ones() {
+        let q = Arc::new(RoomQueue::default());
+        let a = q.join();
+        let b = q.join();
+        // `a` leaves to ask a worker; `b` heads the queue meanwhile, `c` joins.
+        let place = a.place();
+        drop(a);
+        assert!(q.wait_turn(&b, None, soon()).await);
+        let c = q.join();
+        // Refused, `a` comes back ahead of both.
+        let a = q.rejoin(place);
+        assert!(q.wait_turn(&a, None, soon()).await);
+        let t0 = Instant::now();
+        assert!(!q.wait_turn(&b, None, t0 + Duration::from_millis(100)).await);
+        drop(a);
+        assert!(q.wait_turn(&b, None, soon()).await);
+        drop(b);
+        assert!(q.wait_turn(&c, None, soon()).await);
     }
 
     #[tokio::test]

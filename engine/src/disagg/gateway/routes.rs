@@ -83,6 +83,12 @@ pub(super) async fn register(
             }
         }
     }
+    // One rotation per worker: an address another model's worker had (a restart on a
+    // reused port) leaves that model's rotation, or its heartbeats would keep the old
+    // entry alive and that model's requests would reach these weights.
+    for other in fleet.gateways.iter().filter(|g| !Arc::ptr_eq(g, &gw)) {
+        other.drop_worker(&r.id, "registered again for another model");
+    }
     tracing::info!(worker = %r.id, role = r.role.as_str(), url = %r.url, "worker registered");
     {
         let mut g = gw.lock();
