@@ -73,7 +73,7 @@ panel("timeseries", "SLO attainment",
 endrow()
 panel("timeseries", "Requests held at the gateway",
       "Requests the gateways hold while a pool is at zero or has no ready worker; they are answered once a replica is up.",
-      [t(f'sum(preheat:gateway_pending_requests{{{W}}})', "held")], w=12)
+      [t(f'sum by (pool) (preheat:gateway_pending_requests{{{W}}})', "held for {{pool}}")], w=12)
 panel("timeseries", "Finished requests",
       "Requests finished per second by reason (stop, length, abort) and pool.",
       [t(f'sum by (role, finished_reason) (rate(vllm:request_success_total{{{E}}}[{RI}]))', "{{role}} {{finished_reason}}")],
