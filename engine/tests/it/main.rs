@@ -8,6 +8,7 @@ mod cuda_nvrtc;
 mod disagg_worker;
 mod gateway_counts;
 mod gateway_models;
+mod gateway_room;
 mod gateway_routing;
 mod reference;
 mod regressions;
