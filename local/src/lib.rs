@@ -269,6 +269,7 @@ fn scaler_config(
     gw_url: &str,
     token_file: &Path,
     profiles: &[PathBuf],
+    identities: &[String],
     files: bool,
 ) -> anyhow::Result<Config> {
     let pool = |limits| PoolConfig {
@@ -296,6 +297,8 @@ fn scaler_config(
                 gateway_port: PoolConfig::default().metrics_port,
                 standbys: None,
                 profile: profiles.get(i).cloned(),
+                // Its staged name: the name and the manifest's digest.
+                identity: identities.get(i).cloned(),
                 priority: 0,
                 prefill: pool(o.limits[0]),
                 decode: pool(o.limits[1]),
@@ -310,7 +313,7 @@ fn scaler_config(
 /// The scaler config with this run's pool policies, before the gateway and token it
 /// will name exist: for the policies alone, and to check `--set` early.
 fn policies_config(o: &Options) -> anyhow::Result<Config> {
-    scaler_config(o, "http://127.0.0.1:1/metrics", &o.cache, &[], false)
+    scaler_config(o, "http://127.0.0.1:1/metrics", &o.cache, &[], &[], false)
 }
 
 /// Runs the stack until `stop` resolves (the CLI's: SIGTERM or Ctrl-C), then drains it.
@@ -432,7 +435,8 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
             })
             .collect::<anyhow::Result<_>>()?;
         let profiles: Vec<PathBuf> = served.iter().map(|s| s.profile.clone()).collect();
-        let cfg = scaler_config(&o, &gw_url, &token_file, &profiles, true)?;
+        let identities: Vec<String> = served.iter().map(|s| s.staged.clone()).collect();
+        let cfg = scaler_config(&o, &gw_url, &token_file, &profiles, &identities, true)?;
         let shared = pools
             .iter()
             .map(|p| (p.model.clone(), p.pool, Arc::clone(&p.endpoints)))

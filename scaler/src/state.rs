@@ -59,6 +59,9 @@ pub struct SavedPool {
     /// [`max_age_s`] still finds it.
     pub saved_unix: f64,
     pub season: SeasonState,
+    /// The model's identity when it was saved (`models[].identity`), if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 impl SavedState {
@@ -250,6 +253,7 @@ mod tests {
                 pool: "prefill".into(),
                 saved_unix: 3600.0,
                 season: s.state(),
+                identity: None,
             }],
         )
     }

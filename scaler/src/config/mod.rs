@@ -150,6 +150,11 @@ pub struct ModelConfig {
     /// replicas differ from the others'; the top-level `profile` otherwise.
     #[serde(default)]
     pub profile: Option<PathBuf>,
+    /// What the model is (e.g. its name and manifest digest), where the name alone
+    /// could be reused for another: a season saved under the same name for another
+    /// identity is not resumed (it stays in the state file for a rollback).
+    #[serde(default)]
+    pub identity: Option<String>,
     /// Its rank for the fleet's GPU budget among models equally held and equally
     /// short of their SLOs (higher first; default 0).
     #[serde(default)]

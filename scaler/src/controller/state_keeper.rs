@@ -145,6 +145,16 @@ impl StateKeeper {
                 tracing::info!(model = %saved.model, pool = %saved.pool, age_s = age, "state file: the season is too old to resume; dropping it");
                 continue;
             }
+            // Another model under the same name (a name reused for other weights) does
+            // not resume this one's season.
+            if let Some(m) = models.iter().find(|m| m.cfg.name == saved.model)
+                && m.cfg.identity.is_some()
+                && m.cfg.identity != saved.identity
+            {
+                tracing::info!(model = %saved.model, pool = %saved.pool, saved = ?saved.identity, now = ?m.cfg.identity, "state file: saved for another model under the same name; keeping it in the file for a rollback");
+                keeper.carried.push(saved);
+                continue;
+            }
             let found = models
                 .iter_mut()
                 .filter(|m| m.cfg.name == saved.model)
@@ -192,6 +202,7 @@ impl StateKeeper {
                     pool: p.pool.as_str().to_owned(),
                     saved_unix: now,
                     season: p.policy.season_state()?,
+                    identity: m.cfg.identity.clone(),
                 })
             })
         });

@@ -6,11 +6,16 @@ use super::*;
 /// A scaler of one model whose prefill pool is at zero and whose decode pool has one
 /// idle replica, reading no Prometheus, keeping its state in `state`.
 async fn at_zero_with_state(state: &std::path::Path) -> Running {
-    at_zero_with_state_and(state, "").await
+    at_zero_with_state_and(state, "", "").await
 }
 
-/// [`at_zero_with_state`], with `extra` (`, key: value`) in both pools' configs.
-async fn at_zero_with_state_and(state: &std::path::Path, extra: &str) -> Running {
+/// [`at_zero_with_state`], with `extra` (`, key: value`) in both pools' configs and
+/// `model_extra` in the model's.
+async fn at_zero_with_state_and(
+    state: &std::path::Path,
+    model_extra: &str,
+    extra: &str,
+) -> Running {
     let d0 = Arc::new(Mutex::new(Some(engine_text(0))));
     let gw = Arc::new(Mutex::new(Some(
         "# TYPE preheat:gateway_pending_requests gauge\npreheat:gateway_pending_requests 0\n"
@@ -22,7 +27,7 @@ async fn at_zero_with_state_and(state: &std::path::Path, extra: &str) -> Running
         "window_s=2".into(),
         format!("state_file={}", state.display()),
         format!(
-            "models=[{{name: llama, gateway: [{ug}], prefill: {{default_lead_s: 300{extra}}}, decode: {{endpoints: [{u0}]{extra}}}}}]"
+            "models=[{{name: llama{model_extra}, gateway: [{ug}], prefill: {{default_lead_s: 300{extra}}}, decode: {{endpoints: [{u0}]{extra}}}}}]"
         ),
     ])
     .await
@@ -58,9 +63,64 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
+/// The season's five-minute bucket of `unix`.
+fn ramp_slot(unix: f64) -> usize {
+    ((unix / 300.0).floor() as i64).rem_euclid(288) as usize
+}
+
+/// What a run learnt yesterday: quiet at this time of day, 1M prompt tokens/s from the
+/// next five-minute bucket on.
+fn ramp_yesterday(now: f64) -> preheat_scaler::policy::season::SeasonState {
+    let mut learnt = vec![None; 288];
+    learnt[ramp_slot(now)] = Some(0.0);
+    for k in 1..=3 {
+        learnt[ramp_slot(now + 300.0 * f64::from(k))] = Some(1e6);
+    }
+    preheat_scaler::policy::season::SeasonState {
+        period_s: 86_400.0,
+        bucket_s: 300.0,
+        learnt,
+        filling: None,
+        last_unix: Some(now - 60.0),
+    }
+}
+
+/// A season saved for another model under the same name is not resumed: `up --model`
+/// once served SmolLM2 as `default` and its scaler resumed what the embedded model had
+/// learnt. With `identity` (what `up` gives each model: its name and manifest digest),
+/// only the same model resumes it; the other's stays in the file for a rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_season_saved_for_another_model_under_the_same_name_is_not_resumed() {
+    use preheat_scaler::state::{SavedPool, SavedState, save};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scaler-state.json");
+    let now = unix_now();
+    let saved = SavedPool {
+        model: "llama".into(),
+        pool: "prefill".into(),
+        saved_unix: now - 60.0,
+        season: ramp_yesterday(now),
+        identity: Some("llama-aaaa".into()),
+    };
+    save(&path, &SavedState::new(now - 60.0, vec![saved])).unwrap();
+    let mut other = at_zero_with_state_and(&path, ", identity: llama-bbbb", "").await;
+    assert_eq!(
+        first_decision(&mut other, "prefill").await,
+        0,
+        "another model's season resumed"
+    );
+    other.stop().await;
+    let mut same = at_zero_with_state_and(&path, ", identity: llama-aaaa", "").await;
+    assert_eq!(
+        first_decision(&mut same, "prefill").await,
+        64,
+        "its own season, carried across the other's run"
+    );
+    same.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state_file() {
-    use preheat_scaler::policy::season::SeasonState;
     use preheat_scaler::state::{SavedPool, SavedState, save};
     // Yesterday, what the earlier run learnt: quiet at this time of day, 1M prompt
     // tokens/s from the next five-minute bucket on. Resumed, the season wakes the
@@ -69,24 +129,14 @@ async fn a_restarted_scaler_without_prometheus_resumes_its_season_from_its_state
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("scaler-state.json");
     let now = unix_now();
-    let slot = |unix: f64| ((unix / 300.0).floor() as i64).rem_euclid(288) as usize;
-    let mut learnt = vec![None; 288];
-    learnt[slot(now)] = Some(0.0);
-    for k in 1..=3 {
-        learnt[slot(now + 300.0 * f64::from(k))] = Some(1e6);
-    }
-    let season = SeasonState {
-        period_s: 86_400.0,
-        bucket_s: 300.0,
-        learnt: learnt.clone(),
-        filling: None,
-        last_unix: Some(now - 60.0),
-    };
+    let slot = ramp_slot;
+    let season = ramp_yesterday(now);
     let pool = |pool: &str| SavedPool {
         model: "llama".into(),
         pool: pool.into(),
         saved_unix: now - 60.0,
         season: season.clone(),
+        identity: None,
     };
     // Saved a minute ago by the run before, with a pool that is no longer configured.
     let mut gone = pool("prefill");
@@ -204,7 +254,7 @@ async fn a_scaler_with_no_season_to_keep_is_never_reported_as_not_saving() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("scaler-state.json");
     let before = unix_now();
-    let scaler = at_zero_with_state_and(&path, ", season_period_s: 0").await;
+    let scaler = at_zero_with_state_and(&path, "", ", season_period_s: 0").await;
     let t = state_saved(&scaler, |v| v > 0.0).await;
     assert!(t >= before - 1.0, "{t} < {before}");
     assert!(!path.exists(), "no season, no file");
