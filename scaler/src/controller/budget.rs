@@ -4,9 +4,12 @@
 //! order:
 //!
 //! 1. a pool with requests held and no replica serving (nobody can serve them) gets
-//!    its first, or keeps those it has starting;
+//!    its first;
 //! 2. every pool gets its floor (`min_replicas`);
-//! 3. the rest goes up to what each wants.
+//! 3. such a pool keeps the replicas it has starting (taking them back would leave it
+//!    at zero again; after the floors, so replicas that never start cannot crowd
+//!    them out);
+//! 4. the rest goes up to what each wants.
 //!
 //! Within each pass pools are taken by the same rank: requests held at zero first,
 //! then the largest SLO deficit, then the model's `priority`, then the order of the
@@ -56,17 +59,16 @@ pub(super) fn grant(claims: &[Claim], max_gpus: u32) -> Vec<u32> {
     };
     for &i in &order {
         if claims[i].held_at_zero {
-            // Its first replica, or the ones already starting for it: taking back a
-            // start under way would leave it at zero again.
-            give(
-                i,
-                claims[i].desired.min(claims[i].current.max(1)),
-                &mut granted,
-            );
+            give(i, claims[i].desired.min(1), &mut granted);
         }
     }
     for &i in &order {
         give(i, claims[i].desired.min(claims[i].min), &mut granted);
+    }
+    for &i in &order {
+        if claims[i].held_at_zero {
+            give(i, claims[i].desired.min(claims[i].current), &mut granted);
+        }
     }
     for &i in &order {
         give(i, claims[i].desired, &mut granted);
@@ -136,6 +138,18 @@ mod tests {
             ..claim(2)
         };
         assert_eq!(grant(&[busy, starting], 3), [1, 2]);
+    }
+
+    #[test]
+    fn replicas_that_never_start_cannot_crowd_out_another_pools_floor() {
+        let floored = Claim { min: 2, ..claim(2) };
+        // Three starting (a crash loop, say), none serving, requests held.
+        let stuck = Claim {
+            current: 3,
+            held_at_zero: true,
+            ..claim(3)
+        };
+        assert_eq!(grant(&[floored, stuck], 3), [2, 1]);
     }
 
     #[test]

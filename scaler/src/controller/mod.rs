@@ -247,19 +247,16 @@ impl Controller {
         let max = self.cfg.fleet.max_gpus;
         let mut claims = Vec::new();
         let mut at = Vec::new();
-        // Pools that decide nothing this tick keep what they have; with a pool whose
-        // replicas are not known at all (a scaler just started), what is left is not
-        // known either, and no pool grows past what it has.
-        let mut kept = 0u32;
+        // A pool that decides nothing has replicas nobody knows (a scaler just
+        // started, a watch not yet listed): what is left of the budget is not known
+        // either, so no pool grows past what it has, but a pool with requests held and
+        // nothing serving still gets its first replica.
         let mut unknown = false;
         for (mi, (m, ds)) in models.iter().zip(decided.iter()).enumerate() {
             for (pi, (p, d)) in m.pools.iter().zip(ds).enumerate() {
                 let current = d.outcome.status.current;
                 let Some(decision) = &d.outcome.decision else {
-                    match p.last_current {
-                        Some(n) => kept = kept.saturating_add(n * budget::GPUS_PER_REPLICA),
-                        None => unknown = true,
-                    }
+                    unknown = true;
                     continue;
                 };
                 let attainment = match p.pool {
@@ -282,13 +279,24 @@ impl Controller {
         let granted: Vec<u32> = if max == 0 {
             claims.iter().map(|c| c.desired).collect()
         } else if unknown {
-            claims.iter().map(|c| c.desired.min(c.current)).collect()
+            claims
+                .iter()
+                .map(|c| {
+                    let floor = if c.held_at_zero {
+                        c.current.max(1)
+                    } else {
+                        c.current
+                    };
+                    c.desired.min(floor)
+                })
+                .collect()
         } else {
-            budget::grant(&claims, max.saturating_sub(kept))
+            budget::grant(&claims, max)
         };
         let mut cut = vec![false; models.len()];
         for ((mi, pi), (claim, g)) in at.into_iter().zip(claims.iter().zip(granted)) {
-            cut[mi] |= g < claim.desired;
+            // (Held back while a size is unknown is not a wait on the budget.)
+            cut[mi] |= g < claim.desired && !unknown;
             let d = &mut decided[mi][pi];
             d.outcome.status.wanted = Some(claim.desired);
             if let Some(decision) = &mut d.outcome.decision
@@ -296,7 +304,11 @@ impl Controller {
             {
                 decision.desired = g;
                 decision.active = g > 0;
-                decision.reason = "fleet GPU budget: granted fewer replicas than wanted";
+                decision.reason = if unknown {
+                    "fleet GPU budget: a pool's replicas are unknown, nothing grows"
+                } else {
+                    "fleet GPU budget: granted fewer replicas than wanted"
+                };
                 d.outcome.status.reason = decision.reason;
             }
         }
@@ -318,10 +330,11 @@ impl Controller {
             } = d;
             // What the pool holds now (serving or starting) is what it costs, over the
             // time since the last tick.
+            // (A pool that decided nothing has no known size: not counted.)
             let replicas = if outcome.decision.is_some() {
                 outcome.status.current
             } else {
-                p.last_current.unwrap_or(0)
+                0
             };
             let gpus = f64::from(replicas) * f64::from(budget::GPUS_PER_REPLICA);
             self.store.add_gpu_seconds(name, gpus * dt);
@@ -415,7 +428,8 @@ impl Controller {
             None => None,
         };
         let mut tick = tokio::time::interval(Duration::from_secs_f64(self.cfg.interval_s));
-        let mut last_t: Option<f64> = None;
+        // The first tick fires at once: it counts no time yet.
+        let mut last_t = 0.0;
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let observer = Observer {
             client: &client,
@@ -431,8 +445,8 @@ impl Controller {
                 _ = stop.wait_for(|v| *v) => break,
             }
             let t = start.elapsed().as_secs_f64();
-            let dt = last_t.map_or(self.cfg.interval_s, |last| t - last);
-            last_t = Some(t);
+            let dt = t - last_t;
+            last_t = t;
             let mut decided = Vec::with_capacity(models.len());
             for m in &mut models {
                 decided.push(self.decide_model(&observer, m, t).await);

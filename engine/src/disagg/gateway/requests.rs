@@ -287,14 +287,18 @@ impl Gateway {
                 });
             }
             let now = tokio::time::Instant::now();
-            if now >= tries.busy_deadline {
-                return Err(overloaded());
-            }
             let ticket = tries.ticket.as_ref().expect("joined above");
-            // In steps of at most a second, to see an outage.
-            let step = tries.busy_deadline.min(now + Duration::from_secs(1));
+            // In steps of at most a second, to see an outage. Past the hold time, a
+            // head with a worker not yet asked still asks it; the others fail.
+            let step = tries
+                .busy_deadline
+                .max(now)
+                .min(now + Duration::from_secs(1));
             if self.room.wait_turn(ticket, after, step).await {
                 break;
+            }
+            if tokio::time::Instant::now() >= tries.busy_deadline {
+                return Err(overloaded());
             }
         }
         // Every worker is asked again after a wait for room; a request that still has
