@@ -114,10 +114,11 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
             errs.push(format!("--{flag} {v}: give a time above zero"));
         }
     }
+    let served = a.model.len().max(1);
     errs.extend(
         a.overrides
             .iter()
-            .filter_map(|o| policy_override_problem(o)),
+            .filter_map(|o| policy_override_problem(o, served)),
     );
     let mut models: Vec<ModelArg> = a.model.iter().map(|m| model_arg(m)).collect();
     let mut names = std::collections::BTreeSet::new();
@@ -175,16 +176,29 @@ fn options(a: &UpArgs) -> anyhow::Result<Options> {
     })
 }
 
-/// Why `up` refuses a `--set`, if it does: it takes the pools' policy keys
-/// (`models.0.prefill.*`, `models.0.decode.*`) except those its own flags give (the
-/// driver holds each pool within `--{pool}-min/max` whatever the scaler asks); the
-/// rest of its scaler config (its addresses, the pools' sources, the model's name) is
-/// wired to the stack it starts.
-fn policy_override_problem(spec: &str) -> Option<String> {
+/// Why `up` refuses a `--set`, if it does: it takes the pools' policy keys of each of
+/// its `served` models (`models.N.prefill.*`, `models.N.decode.*`, N in `--model`
+/// order) except those its own flags give (the driver holds each pool within
+/// `--{pool}-min/max` whatever the scaler asks); the rest of its scaler config (its
+/// addresses, the pools' sources, the models' names) is wired to the stack it starts.
+fn policy_override_problem(spec: &str, served: usize) -> Option<String> {
     let Some((path, _)) = spec.split_once('=') else {
         return Some(format!("--set {spec:?}: expected path=value"));
     };
-    match Config::first_model_policy_key(path) {
+    // `models.N.rest` read as the first model's key, N checked against the models.
+    let as_first = match path.strip_prefix("models.").and_then(|r| r.split_once('.')) {
+        Some((n, rest)) => match n.parse::<usize>() {
+            Ok(i) if i < served => format!("models.0.{rest}"),
+            Ok(i) => {
+                return Some(format!(
+                    "--set {path}: `up` serves {served} model(s); N in models.N counts from 0 in --model order, so {i} names none"
+                ));
+            }
+            Err(_) => path.to_owned(),
+        },
+        None => path.to_owned(),
+    };
+    match Config::first_model_policy_key(&as_first) {
         Some((pool, key)) => {
             let pool = pool.as_str();
             let flag = match key {
@@ -198,9 +212,9 @@ fn policy_override_problem(spec: &str) -> Option<String> {
             Some(format!("--set {path}: give it as `up {flag}`"))
         }
         None => Some(format!(
-            "--set {path}: `up` takes only the pools' policy keys (models.0.prefill.KEY, \
-             models.0.decode.KEY); its addresses, the pools' sources and the model come \
-             from its own flags"
+            "--set {path}: `up` takes only the pools' policy keys (models.N.prefill.KEY, \
+             models.N.decode.KEY, N in --model order from 0); its addresses, the pools' \
+             sources and the models come from its own flags"
         )),
     }
 }

@@ -129,6 +129,23 @@ mod tests {
     }
 
     #[test]
+    fn set_takes_each_models_policy_keys_by_its_place() {
+        assert_eq!(
+            policy_override_problem("models.1.decode.headroom=1.2", 2),
+            None
+        );
+        let e = policy_override_problem("models.2.decode.headroom=1.2", 2).unwrap();
+        assert!(
+            e.contains("serves 2 model(s)") && e.contains("2 names none"),
+            "{e}"
+        );
+        let e = policy_override_problem("models.1.prefill.max_replicas=4", 2).unwrap();
+        assert!(e.contains("--prefill-max"), "{e}");
+        let e = policy_override_problem("models.0.name=x", 1).unwrap();
+        assert!(e.contains("only the pools' policy keys"), "{e}");
+    }
+
+    #[test]
     fn name_equals_path_names_the_model_and_a_path_with_an_equals_sign_does_not() {
         let m = model_arg("chat=/models/a.preheat");
         assert_eq!(
