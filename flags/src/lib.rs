@@ -39,3 +39,15 @@ pub fn read_chat_template(path: Option<&std::path::Path>) -> anyhow::Result<Opti
     })
     .transpose()
 }
+
+/// `NAME=VALUE` as (name, value) where the part before the first `=` passes
+/// `is_name`; otherwise the whole argument is the value (a path or URL holding `=`
+/// keeps it: its `/` or `:` come before). Used by every flag that names a model.
+pub fn split_named(arg: &str, is_name: impl Fn(&str) -> bool) -> (Option<&str>, &str) {
+    match arg.split_once('=') {
+        Some((name, value)) if !name.is_empty() && !value.is_empty() && is_name(name) => {
+            (Some(name), value)
+        }
+        _ => (None, arg),
+    }
+}

@@ -14,10 +14,7 @@ pub(super) struct ModelArg {
 /// `--model [NAME=]PATH` as a [`ModelArg`]: the part before the first `=` is a name
 /// when it is a DNS label (a path with `=` in it keeps it: `./a=b` names nothing).
 pub(super) fn model_arg(arg: &str) -> ModelArg {
-    if let Some((name, path)) = arg.split_once('=')
-        && is_dns_label(name)
-        && !path.is_empty()
-    {
+    if let (Some(name), path) = preheat_flags::split_named(arg, is_dns_label) {
         return ModelArg {
             name: name.to_owned(),
             path: Some(PathBuf::from(path)),
@@ -96,7 +93,9 @@ pub(super) struct Served {
     /// The snapshot staged from its source.
     pub(super) source: PathBuf,
     /// Its measured capacity profile.
-    pub(super) profile: PathBuf,
+    pub(super) profile: Profile,
+    /// Where it lies (the scaler reads it from there).
+    pub(super) profile_path: PathBuf,
     pub(super) info: preheat_engine::disagg::ModelInfo,
     /// Its name in the warm pool (name and manifest digest).
     pub(super) staged: String,
@@ -105,8 +104,10 @@ pub(super) struct Served {
 impl Served {
     pub(super) fn prepare(o: &Options, m: &ModelArg) -> anyhow::Result<Served> {
         let source = stage(o, m)?;
+        let (profile_path, profile) = measured_profile(&source, o.kv_cache_mib)?;
         Ok(Served {
-            profile: measured_profile(&source, o.kv_cache_mib)?,
+            profile,
+            profile_path,
             info: gateway::model_info(&source, 16, Some(&m.name))?,
             staged: staged_name(&m.name, &source)?,
             name: m.name.clone(),

@@ -146,15 +146,20 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
             // Alone, a model that cannot be read stops the gateway: it could serve nothing.
             Err(e) if specs.len() == 1 => return Err(e),
             Err(e) => {
+                // Clients read this cause (the model's 503, `/v1/models`): the source
+                // only as shown in logs, a URL's user info and query redacted, even
+                // where an inner error (a request's) repeats it.
+                let shown = preheat_warmpool::Source::parse(source).to_string();
+                let cause = format!("{e:#}").replace(source, &shown);
                 let name = match name {
                     Some(n) => (*n).to_owned(),
                     None => served_name_of(source).with_context(|| {
                         format!(
-                            "--model {source}: {e:#}; and no model name in it: give NAME=SOURCE"
+                            "--model {shown}: {cause}; and no model name in it: give NAME=SOURCE"
                         )
                     })?,
                 };
-                models.push(gateway::GatewayModel::unreadable(name, format!("{e:#}")));
+                models.push(gateway::GatewayModel::unreadable(name, cause));
             }
         }
     }
@@ -241,18 +246,10 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
 /// when it could be one (letters, digits, `.`, `_`, `-`; a path or URL has `/` or `:`
 /// before any `=` it holds).
 fn split_named(arg: &str) -> (Option<&str>, &str) {
-    match arg.split_once('=') {
-        Some((name, source))
-            if !name.is_empty()
-                && !source.is_empty()
-                && name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) =>
-        {
-            (Some(name), source)
-        }
-        _ => (None, arg),
-    }
+    preheat_flags::split_named(arg, |name| {
+        name.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    })
 }
 
 /// The name a model from `source` is served under when none is given: its file's
