@@ -261,7 +261,7 @@ pub fn setup(a: &UpArgs) -> anyhow::Result<Setup> {
         bail!("scaler config: one model expected");
     };
     Ok(Setup {
-        profile: Profile::from_file(&measured_profile(&source, o.kv_cache_mib)?)?,
+        profile: measured_profile(&source, o.kv_cache_mib)?.1,
         snapshot: source,
         prefill: m.prefill.policy.clone(),
         decode: m.decode.policy.clone(),
@@ -342,7 +342,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
         .map(|m| Served::prepare(&o, m))
         .collect::<anyhow::Result<Vec<_>>>()?;
     // The shared profile is the first model's; each model is sized by its own.
-    let profile = Profile::from_file(&served[0].profile)?;
+    let profile = served[0].profile.clone();
     let logs = o.cache.join("logs");
     std::fs::create_dir_all(&logs)?;
     let agent_cfg = agent_config(&o, &served)?;
@@ -448,7 +448,7 @@ pub fn run(a: &UpArgs, stop: impl std::future::Future<Output = ()>) -> anyhow::R
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        let profiles: Vec<PathBuf> = served.iter().map(|s| s.profile.clone()).collect();
+        let profiles: Vec<PathBuf> = served.iter().map(|s| s.profile_path.clone()).collect();
         let identities: Vec<String> = served.iter().map(|s| s.staged.clone()).collect();
         let cfg = scaler_config(&o, &gw_url, &token_file, &profiles, &identities, true)?;
         let shared = pools

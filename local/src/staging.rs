@@ -92,7 +92,7 @@ pub(super) fn staged_name(name: &str, snap: &Path) -> anyhow::Result<String> {
 /// threads (workers inherit this process's `RAYON_NUM_THREADS`) lies, cached beside
 /// the snapshot (measured first when it is not there). Both are in the name: the scaler sizes decode by KV tokens and every pool
 /// by speed, and a profile measured otherwise would tell it the wrong capacity.
-pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<PathBuf> {
+pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<(PathBuf, Profile)> {
     let threads = rayon::current_num_threads();
     // `b10`: decode timed at ten batch sizes up to the engine's 64 (a cached profile
     // from before, timed at 1, 4 and 16, is measured again rather than reused).
@@ -101,7 +101,8 @@ pub(super) fn measured_profile(snap: &Path, kv_mib: usize) -> anyhow::Result<Pat
         tracing::info!("measuring one replica's capacity (once per model and KV budget)");
         crate::profile::measure(snap, &path, &[16, 64, 256], &PROFILE_BATCHES, 4, kv_mib)?;
     }
-    // Read once here, so a damaged cached profile fails before anything starts.
-    Profile::from_file(&path)?;
-    Ok(path)
+    // Read here, so a damaged cached profile fails before anything starts; the path
+    // is what the scaler's config names.
+    let profile = Profile::from_file(&path)?;
+    Ok((path, profile))
 }

@@ -245,6 +245,10 @@ impl Controller {
     /// models want more than it holds; records what each wanted and was granted.
     fn apply_budget(&self, models: &[ModelLoop], decided: &mut [Vec<Decided>]) {
         let max = self.cfg.fleet.max_gpus;
+        if max == 0 {
+            // No budget: every pool has what it decided (and `wanted` says so).
+            return;
+        }
         let mut claims = Vec::new();
         let mut at = Vec::new();
         // A pool that decides nothing has replicas nobody knows (a scaler just
@@ -276,9 +280,7 @@ impl Controller {
                 at.push((mi, pi));
             }
         }
-        let granted: Vec<u32> = if max == 0 {
-            claims.iter().map(|c| c.desired).collect()
-        } else if unknown {
+        let granted: Vec<u32> = if unknown {
             claims
                 .iter()
                 .map(|c| {
@@ -298,7 +300,6 @@ impl Controller {
             // (Held back while a size is unknown is not a wait on the budget.)
             cut[mi] |= g < claim.desired && !unknown;
             let d = &mut decided[mi][pi];
-            d.outcome.status.wanted = Some(claim.desired);
             if let Some(decision) = &mut d.outcome.decision
                 && g < decision.desired
             {

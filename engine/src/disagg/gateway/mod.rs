@@ -117,12 +117,6 @@ impl GatewayModel {
             chat_template: None,
         }
     }
-
-    /// Finds its workers in `source` instead of taking registrations.
-    pub fn discovered_by(mut self, source: Arc<dyn WorkerSource>) -> Self {
-        self.discovery = Some(source);
-        self
-    }
 }
 
 /// The workers that may serve now, as a platform lists them (Kubernetes: the pools'
