@@ -44,19 +44,20 @@ impl std::fmt::Debug for EndpointSlices {
 
 impl EndpointSlices {
     /// Watches the EndpointSlices of `services` (role, Service name) in `namespace`,
-    /// and with `agents` (the warm-pool agents' Service) reads each Ready agent's
-    /// serving standbys; each watch reconnects with backoff while the runtime runs.
+    /// and with `agents` (the warm-pool agents' Service, and the agents' names of the
+    /// pools whose standbys join each role) reads each Ready agent's serving
+    /// standbys; each watch reconnects with backoff while the runtime runs.
     pub fn watch(
         client: kube::Client,
         namespace: &str,
         services: &[(WorkerRole, String)],
-        agents: Option<&str>,
+        agents: Option<(&str, Vec<(WorkerRole, String)>)>,
         token: Option<Arc<preheat_edge::ClusterToken>>,
     ) -> Arc<Self> {
         let standbys = Arc::new(Mutex::new(Vec::new()));
-        if let Some(service) = agents {
+        if let Some((service, pools)) = agents {
             let store = slice_store(client.clone(), namespace, service);
-            tokio::spawn(poll_agents(store, Arc::clone(&standbys), token));
+            tokio::spawn(poll_agents(store, pools, Arc::clone(&standbys), token));
         }
         let pools = services
             .iter()
@@ -98,6 +99,7 @@ fn slice_store(client: kube::Client, namespace: &str, service: &str) -> Store<En
 /// to standbys it cannot vouch for (in-flight ones finish).
 async fn poll_agents(
     agents: Store<EndpointSlice>,
+    pools: Vec<(WorkerRole, String)>,
     out: Arc<Mutex<Vec<(WorkerRole, String)>>>,
     token: Option<Arc<preheat_edge::ClusterToken>>,
 ) {
@@ -106,12 +108,12 @@ async fn poll_agents(
     loop {
         let bases: Vec<String> = agents.state().iter().flat_map(|s| ready_urls(s)).collect();
         let read = standbys::read_agents(&client, &bases, Duration::from_secs(2)).await;
-        let listed = [WorkerRole::Prefill, WorkerRole::Decode]
-            .into_iter()
-            .flat_map(|role| {
-                standbys::serving_urls(&read, role.as_str(), "")
+        let listed = pools
+            .iter()
+            .flat_map(|(role, pool)| {
+                standbys::serving_urls(&read, pool, "")
                     .into_iter()
-                    .map(move |u| (role, u))
+                    .map(move |u| (*role, u))
             })
             .collect();
         *out.lock()

@@ -60,7 +60,16 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         let cfg = preheat_scaler::config::Config::load(Some(&scaler), &[])
             .unwrap_or_else(|e| panic!("{}: {e}", scaler.display()));
         assert_eq!(policies.models, cfg.models, "{}", scaler.display());
-        assert_eq!(cfg.models.len(), 1);
+        // The fleet variant serves three models (`models:`), every other one.
+        let fleet = variant.file_name().to_string_lossy().starts_with("fleet");
+        let names: Vec<&str> = cfg.models.iter().map(|m| m.name.as_str()).collect();
+        if fleet {
+            assert_eq!(names, ["llama-8b", "qwen-1b", "mistral-7b"]);
+            assert_eq!(cfg.fleet.max_gpus, 12);
+            assert_eq!(cfg.models[0].priority, 1);
+        } else {
+            assert_eq!(names.len(), 1, "{names:?}");
+        }
         // The state file is kept unless the values turn it off (one variant does).
         let stateless = variant
             .file_name()
@@ -74,13 +83,15 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
         );
         // Every variant keeps the chart's default headroom: the policy the simulator's
         // frontiers measure is the one the chart deploys.
+        for m in &cfg.models {
+            assert_eq!(
+                (m.prefill.policy.headroom, m.decode.policy.headroom),
+                (1.0, 1.0),
+                "{}",
+                scaler.display()
+            );
+        }
         let m = &cfg.models[0];
-        assert_eq!(
-            (m.prefill.policy.headroom, m.decode.policy.headroom),
-            (1.0, 1.0),
-            "{}",
-            scaler.display()
-        );
         // So is the season: the chart's period and bucket are the policy's defaults,
         // and values that set them reach both pools.
         let always_on = variant
@@ -120,7 +131,7 @@ fn helm_chart_lints_renders_and_validates_for_every_variant() {
             let text = std::fs::read_to_string(&wp).unwrap();
             // As the pod has it: the model source from its Secret, through the env.
             let env = |k: &str| {
-                (k == "PREHEAT_MODEL_SOURCE")
+                k.starts_with("PREHEAT_MODEL_SOURCE")
                     .then(|| "https://models.example.com/m.phpack".to_owned())
             };
             preheat_warmpool::config::AgentConfig::from_yaml_env(

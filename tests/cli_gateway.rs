@@ -206,10 +206,11 @@ fn gateway_refuses_a_model_source_that_is_not_a_snapshot() {
     );
 }
 
-/// `--model NAME=SOURCE`, repeated: one gateway lists every model, serves a worker of
-/// each (a worker joins the model it names), and a model whose source cannot be read
-/// answers 503 with the cause while the others serve; the one-model options that
-/// cannot apply to several are refused by name.
+/// `--model NAME=SOURCE`, repeated (and `--model-env NAME=VAR`, the source in the
+/// environment, as the chart passes a Secret's): one gateway lists every model, serves
+/// a worker of each (a worker joins the model it names), and a model whose source
+/// cannot be read answers 503 with the cause while the others serve; the one-model
+/// options that cannot apply to several are refused by name.
 #[test]
 fn one_gateway_fronts_several_models_and_one_unreadable_fails_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -220,7 +221,8 @@ fn one_gateway_fronts_several_models_and_one_unreadable_fails_alone() {
     let named = |n: &str, p: &std::path::Path| format!("{n}={}", p.display());
     let gw = gateway()
         .model(&named("alpha", &a))
-        .model(&named("beta", &b))
+        .env("PREHEAT_TEST_BETA_SOURCE", b.to_str().unwrap())
+        .args(&["--model-env", "beta=PREHEAT_TEST_BETA_SOURCE"])
         .model(&named("gamma", &bogus))
         .args(&["--hold-timeout-secs", "60"])
         .start();
@@ -265,11 +267,18 @@ fn one_gateway_fronts_several_models_and_one_unreadable_fails_alone() {
         "x",
         "--chat-template",
         "t.jinja",
+        "--model-env",
+        "delta=PREHEAT_TEST_UNSET_SOURCE",
+        "--model-env",
+        "PREHEAT_TEST_UNSET_SOURCE",
     ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--served-model-name names one model") && err.contains("--chat-template"),
+        err.contains("--served-model-name names one model")
+            && err.contains("--chat-template")
+            && err.contains("$PREHEAT_TEST_UNSET_SOURCE is not set")
+            && err.contains("give it as NAME=VAR"),
         "{err}"
     );
 }

@@ -491,6 +491,7 @@ fn the_charts_dashboard_and_alerts_answer_from_a_real_prometheus_scraping_up_and
         return;
     }
     let objs = harness::helm_render(&json!({
+        "model": {"source": "https://models.example.com/llama-1b.phpack"},
         "dashboard": {"enabled": true},
         "prometheusRule": {"enabled": true},
     }));

@@ -103,6 +103,18 @@ fn install(extra: Value, subnet: u8) -> Option<Run> {
 
 /// [`install`], with objects the operator created beforehand (Secrets the values name).
 fn install_with(extra: Value, subnet: u8, before: Vec<Value>) -> Option<Run> {
+    install_models(subnet, before, &[], |_, _| extra)
+}
+
+/// [`install_with`], with more tiny models in the store (`<name>.phpack` each, their
+/// weights drawn from different seeds) and values made knowing the store's base URL
+/// and its directory.
+fn install_models(
+    subnet: u8,
+    before: Vec<Value>,
+    more: &[&str],
+    extra: impl FnOnce(&str, &std::path::Path) -> Value,
+) -> Option<Run> {
     let tag = image()?;
     let lock = ONE_AT_A_TIME
         .lock()
@@ -111,12 +123,19 @@ fn install_with(extra: Value, subnet: u8, before: Vec<Value>) -> Option<Run> {
     // cluster network's host address.
     let model = tempfile::tempdir().unwrap();
     harness::pack(&harness::synth_tiny(model.path(), "tiny", 0), 4);
+    for (i, name) in more.iter().enumerate() {
+        harness::pack(&harness::synth_tiny(model.path(), name, i as u64 + 1), 4);
+    }
     // The network must exist before the store can bind its host address: the cluster
     // comes up empty, then gets the chart rendered with the store's URL.
     let c = Cluster::install(tag, 2, subnet);
     let host = format!("{}.1", c.prefix);
     let store = preheat_testkit::serve_files_on(model.path(), &host);
-    let values = emulator::values(tag, &format!("{store}/tiny.phpack"), extra);
+    let values = emulator::values(
+        tag,
+        &format!("{store}/tiny.phpack"),
+        extra(&store, model.path()),
+    );
     let objects = emulator::render(&values);
     c.apply(before.into_iter().chain(objects.clone()).collect());
     let c = Arc::new(c);
@@ -697,4 +716,327 @@ fn j_keda_reaches_the_scaler_over_mutual_tls_and_nobody_else_does() {
             "a client without a certificate was served"
         );
     });
+}
+
+/// Values serving `models` (the list form) from the store.
+fn three_models(models: &[&str], store: &str) -> Value {
+    let list: Vec<Value> = models
+        .iter()
+        .map(|m| json!({"name": m, "source": format!("{store}/{m}.phpack")}))
+        .collect();
+    // `null` drops the harness's one-model `model:` (Helm deletes a null key).
+    json!({"model": null, "models": list})
+}
+
+/// One completion of `model`: its status, body and how long the answer took.
+fn complete_model(base: &str, model: &str, max_tokens: u32) -> (u16, Value, f64) {
+    let t0 = Instant::now();
+    let r = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": model, "prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": true}))
+        .send();
+    let took = t0.elapsed().as_secs_f64();
+    match r {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            (s, r.json().unwrap_or(Value::Null), took)
+        }
+        Err(e) => (0, json!({"transport": e.to_string()}), took),
+    }
+}
+
+#[test]
+fn k_three_models_in_one_release_each_wakes_alone_from_zero() {
+    let models = ["alpha", "beta", "gamma"];
+    let Some(run) = install_models(223, Vec::new(), &models, |store, _| {
+        three_models(&models, store)
+    }) else {
+        return;
+    };
+    let c = &run.c;
+    let pool = |m: &str, role: &str| format!("rel-preheat-{m}-{role}");
+    for m in models {
+        for role in ["prefill", "decode"] {
+            assert_eq!(c.scale(&pool(m, role)), 0, "{m} {role} starts at zero");
+        }
+    }
+    // Every model is listed while all are at zero; an unknown one is refused naming them.
+    let listed: Value = client()
+        .get(format!("{}/v1/models", run.gateway))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let mut ids: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, models, "{listed}");
+    let (status, body, _) = complete_model(&run.gateway, "delta", 4);
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        models.iter().all(|m| body.to_string().contains(m)),
+        "the refusal names the models: {body}"
+    );
+    // One after another, each while the ones before still serve: answered, and only
+    // the asked model's pools were raised meanwhile.
+    for (i, m) in models.iter().enumerate() {
+        let mark = c.state.lock().unwrap().scale_history.len();
+        let (status, body, took) = complete_model(&run.gateway, m, 4);
+        assert_eq!(status, 200, "{m}: {body}");
+        let raised: std::collections::BTreeSet<String> = c.state.lock().unwrap().scale_history
+            [mark..]
+            .iter()
+            .filter(|(_, r, _)| *r > 0)
+            .map(|(d, _, _)| d.clone())
+            .collect();
+        assert!(
+            raised.contains(&pool(m, "decode")),
+            "{m}: its decode pool was not woken: {raised:?}"
+        );
+        assert!(
+            raised.iter().all(|d| d.starts_with(&pool(m, ""))),
+            "asking {m} raised other models' pools: {raised:?}"
+        );
+        eprintln!(
+            "{m}: answered from zero in {took:.1} s ({} other model(s) serving), pools raised {raised:?}",
+            i
+        );
+    }
+}
+
+/// The Ready agent on `node`: its `GET /models`, by model name (empty while none
+/// answers).
+fn agent_models(c: &Cluster, node: &str) -> std::collections::BTreeMap<String, Value> {
+    let Some(ip) = c
+        .pods_of(WARMPOOL)
+        .into_iter()
+        .find(|p| p.node == node && p.ready)
+        .map(|p| p.ip)
+    else {
+        return std::collections::BTreeMap::new();
+    };
+    let v: Value = client()
+        .get(format!("http://{ip}:9400/models"))
+        .header("authorization", cluster_bearer(c))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .and_then(reqwest::blocking::Response::json)
+        .unwrap_or(Value::Null);
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| (m["name"].as_str().unwrap_or("?").to_owned(), m.clone()))
+        .collect()
+}
+
+/// A model's field as an agent reports it (`Null` when it does not).
+fn field<'a>(
+    models: &'a std::collections::BTreeMap<String, Value>,
+    model: &str,
+    key: &str,
+) -> &'a Value {
+    models.get(model).map_or(&Value::Null, |m| &m[key])
+}
+
+#[test]
+fn l_a_node_disk_for_two_of_three_models_stages_the_third_on_demand_evicting_the_least_recently_wanted()
+ {
+    let models = ["alpha", "beta", "gamma"];
+    let Some(run) = install_models(224, Vec::new(), &models, |store, dir| {
+        // Room for two staged snapshots, not three.
+        let one = std::fs::metadata(dir.join("alpha.preheat")).unwrap().len();
+        let mut v = three_models(&models, store);
+        v["warmpool"] = json!({"diskBudget": (one * 5 / 2).to_string()});
+        v
+    }) else {
+        return;
+    };
+    let c = &run.c;
+    let pool = |m: &str, role: &str| format!("rel-preheat-{m}-{role}");
+    let nodes: Vec<String> = {
+        let mut n: Vec<String> = c.pods_of(WARMPOOL).into_iter().map(|p| p.node).collect();
+        n.sort();
+        n.dedup();
+        n
+    };
+    // Ahead of demand each agent stages what fits (the first two), evicting nothing.
+    wait_for(
+        "each agent to prefetch two models and defer the third",
+        secs(90),
+        || {
+            nodes.iter().all(|n| {
+                let m = agent_models(c, n);
+                let staged = |x: &str| {
+                    ["staged", "hot"]
+                        .map(Value::from)
+                        .contains(field(&m, x, "state"))
+                };
+                staged("alpha") && staged("beta") && field(&m, "gamma", "state") == "pending"
+            })
+        },
+    );
+    // alpha answers, then goes back to zero (its pods gone: nothing maps it).
+    let (status, body, _) = complete_model(&run.gateway, "alpha", 4);
+    assert_eq!(status, 200, "alpha: {body}");
+    wait_for("alpha's pods gone", secs(120), || {
+        c.pods_of(&pool("alpha", "decode")).is_empty()
+            && c.pods_of(&pool("alpha", "prefill")).is_empty()
+    });
+    // beta serves (mapped where its pod runs) while gamma is asked for.
+    let (status, body, _) = complete_model(&run.gateway, "beta", 4);
+    assert_eq!(status, 200, "beta: {body}");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let (gw, stop) = (run.gateway.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                seen.push(complete_model(&gw, "beta", 16));
+            }
+            seen
+        })
+    };
+    let beta_node = c.pods_of(&pool("beta", "decode"))[0].node.clone();
+    wait_for("beta's agent to see it mapped", secs(30), || {
+        field(&agent_models(c, &beta_node), "beta", "mapped") == true
+    });
+    let before: std::collections::BTreeMap<String, std::collections::BTreeMap<String, Value>> =
+        nodes
+            .iter()
+            .map(|n| (n.clone(), agent_models(c, n)))
+            .collect();
+    let (status, body, took) = complete_model(&run.gateway, "gamma", 4);
+    assert_eq!(status, 200, "gamma: {body}");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for (status, body, _) in busy.join().unwrap() {
+        assert_eq!(status, 200, "beta, while gamma started: {body}");
+    }
+    let node = c.pods_of(&pool("gamma", "decode"))[0].node.clone();
+    // The agent's view after its next refresh.
+    wait_for("gamma's agent to see it mapped", secs(30), || {
+        field(&agent_models(c, &node), "gamma", "mapped") == true
+    });
+    let after = agent_models(c, &node);
+    assert!(
+        field(&after, "gamma", "state") != "pending" && field(&after, "gamma", "state") != "failed",
+        "gamma staged on {node}: {:?}",
+        after.get("gamma")
+    );
+    // On gamma's node, of the two staged before, the one mapped by no replica and
+    // wanted least recently (never: 0) made room; the other stayed.
+    let b = &before[&node];
+    let mut candidates: Vec<(&str, f64)> = ["alpha", "beta"]
+        .into_iter()
+        .filter(|m| field(b, m, "mapped") != true)
+        .map(|m| (m, field(b, m, "last_wanted_s").as_f64().unwrap_or(0.0)))
+        .collect();
+    candidates.sort_by(|x, y| x.1.total_cmp(&y.1).then(x.0.cmp(y.0)));
+    let evicted = candidates
+        .first()
+        .map(|x| x.0)
+        .expect("one of them unmapped");
+    let kept = if evicted == "alpha" { "beta" } else { "alpha" };
+    let staged = |state: &Value| state == "staged" || state == "hot";
+    assert!(
+        !staged(field(&after, evicted, "state")) && staged(field(&after, kept, "state")),
+        "on {node} before {b:?}, after {after:?}: {evicted} should have made room"
+    );
+    eprintln!(
+        "gamma answered from zero in {took:.1} s on {node}, staged on demand; {evicted} evicted, {kept} kept"
+    );
+}
+
+#[test]
+fn m_a_gpu_budget_smaller_than_the_wants_wakes_a_third_model_by_shrinking_the_others() {
+    let models = ["alpha", "beta", "gamma"];
+    let budget = 3;
+    let Some(run) = install_models(225, Vec::new(), &models, |store, _| {
+        let mut v = three_models(&models, store);
+        v["fleet"] = json!({"maxGpus": budget});
+        v
+    }) else {
+        return;
+    };
+    let c = &run.c;
+    let decode = |m: &str| format!("rel-preheat-{m}-decode");
+    // alpha and beta busy: together they take the budget (every model's decode pool
+    // misses its tiny ITL target, so each wants all it can get).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loaders: Vec<_> = [("alpha", 4), ("beta", 2)]
+        .into_iter()
+        .flat_map(|(m, n)| std::iter::repeat_n(m, n))
+        .map(|m| {
+            let (gw, stop) = (run.gateway.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    seen.push((m, complete_model(&gw, m, 100)));
+                }
+                seen
+            })
+        })
+        .collect();
+    let held = |m: &str| c.scale(&decode(m));
+    wait_for("alpha and beta to hold the budget", secs(150), || {
+        held("alpha") + held("beta") >= budget && held("beta") >= 1
+    });
+    eprintln!(
+        "before gamma: alpha {} beta {} decode replicas",
+        held("alpha"),
+        held("beta")
+    );
+    // gamma, at zero, is asked for: it gets a replica within the budget.
+    let (status, body, took) = complete_model(&run.gateway, "gamma", 4);
+    assert_eq!(status, 200, "gamma: {body}");
+    // gamma stays busy: its replica is kept, so the others must make room.
+    let gamma_load = {
+        let (gw, stop) = (run.gateway.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                seen.push(("gamma", complete_model(&gw, "gamma", 100)));
+            }
+            seen
+        })
+    };
+    let within = Wait::new("the three models within the budget", secs(120)).poll(|| {
+        let (a, b, g) = (held("alpha"), held("beta"), held("gamma"));
+        let pods = c.pods_of(&decode("alpha")).len() + c.pods_of(&decode("beta")).len();
+        // gamma's pod is the budget's last GPU: alpha's and beta's pods, draining ones too, fit the rest.
+        if g >= 1 && a + b + g <= budget && pods < budget as usize {
+            Ok(())
+        } else {
+            Err(format!(
+                "alpha {a} beta {b} gamma {g}, alpha and beta pods {pods}"
+            ))
+        }
+    });
+    if let Err(e) = within {
+        let scaler = emulator::expose(c, SCALER, 9091);
+        let status = client()
+            .get(format!("http://{scaler}/status"))
+            .header("authorization", cluster_bearer(c))
+            .send()
+            .and_then(reqwest::blocking::Response::text)
+            .unwrap_or_default();
+        let history: Vec<_> = c.state.lock().unwrap().scale_history.clone();
+        panic!("{e}\nscaler /status: {status}\nscale history: {history:?}");
+    }
+    let after = (held("alpha"), held("beta"), held("gamma"));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut n = 0;
+    for h in loaders.into_iter().chain([gamma_load]) {
+        for (m, (status, body, _)) in h.join().unwrap() {
+            assert_eq!(status, 200, "{m} failed while the budget moved: {body}");
+            n += 1;
+        }
+    }
+    eprintln!(
+        "gamma answered in {took:.1} s within a budget of {budget}; then alpha {} beta {} gamma {}; {n} requests, none failed",
+        after.0, after.1, after.2
+    );
 }

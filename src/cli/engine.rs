@@ -60,6 +60,11 @@ pub struct GatewayArgs {
     /// credentials stays out of argv.
     #[arg(long, env = "PREHEAT_MODEL_SOURCE", hide_env_values = true)]
     pub model: Vec<String>,
+    /// A served model whose source is in an environment variable, `NAME=VAR`, beside
+    /// or instead of `--model NAME=SOURCE` (repeat it): each of several sources with
+    /// credentials stays out of argv (the chart sets each from its Secret).
+    #[arg(long)]
+    pub model_env: Vec<String>,
     /// Name clients use in the `model` field, with one `--model` (default: the file
     /// name; with several, give `NAME=SOURCE`).
     #[arg(long)]
@@ -97,8 +102,8 @@ pub struct GatewayArgs {
     pub drain_grace: Duration,
     /// Kubernetes: find the workers as the Ready endpoints of these Services' pods
     /// (EndpointSlices in --discover-namespace) instead of taking registrations; every
-    /// gateway replica sees the same workers. Needs --model.
-    #[arg(long, requires_all = ["prefill_service", "decode_service", "model"])]
+    /// gateway replica sees the same workers. Needs --model (or --model-env).
+    #[arg(long, requires_all = ["prefill_service", "decode_service"])]
     pub discover_namespace: Option<String>,
     /// The prefill pool's Service (with --discover-namespace); with several models,
     /// one `NAME=SERVICE` per model.
@@ -110,7 +115,8 @@ pub struct GatewayArgs {
     pub decode_service: Vec<String>,
     /// The warm-pool agents' Service (with --discover-namespace): each Ready agent's
     /// promoted standbys (`GET /standbys`, reached at the agent's own address) join
-    /// their pools.
+    /// their pools: a model's from the agents' pools `NAME-prefill` and `NAME-decode`,
+    /// and the one model's also from `prefill` and `decode`.
     #[arg(long, requires = "discover_namespace")]
     pub standby_agents_service: Option<String>,
     /// Kubernetes API base URL (default: the in-cluster service account, else the local

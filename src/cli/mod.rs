@@ -109,6 +109,12 @@ pub enum WarmpoolCmd {
         /// Range size for plain snapshots, MiB.
         #[arg(long, default_value_t = 8)]
         piece_mib: u64,
+        /// The node's disk budget for snapshots (e.g. `200GiB`), as its warm-pool agent
+        /// keeps it: staging makes room by evicting the least recently wanted snapshot
+        /// no replica maps, and records this model as wanted. Without it, the model is
+        /// staged whatever else the directory holds.
+        #[arg(long)]
+        disk_budget: Option<String>,
         /// Print the outcome as JSON.
         #[arg(long)]
         json: bool,

@@ -17,6 +17,7 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         EngineCmd::Serve(args) => {
             let opts = serve_options(&args, false)?;
+            let _lease = lease(&args.model);
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -79,8 +80,28 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         errs.push("--block-size must be > 0".to_owned());
     }
     let addr = preheat_flags::socket_addr(&a.host, a.port, &mut errs);
-    let specs: Vec<(Option<&str>, &str)> = a.model.iter().map(|m| split_named(m)).collect();
+    // `--model-env NAME=VAR`: the source read from $VAR, never shown.
+    let mut from_env: Vec<(&str, String)> = Vec::new();
+    for m in &a.model_env {
+        match split_named(m) {
+            (Some(name), var) => match std::env::var(var) {
+                Ok(v) if !v.trim().is_empty() => from_env.push((name, v)),
+                _ => errs.push(format!("--model-env {m}: ${var} is not set (or empty)")),
+            },
+            (None, _) => errs.push(format!("--model-env {m}: give it as NAME=VAR")),
+        }
+    }
+    let specs: Vec<(Option<&str>, &str)> = a
+        .model
+        .iter()
+        .map(|m| split_named(m))
+        .chain(from_env.iter().map(|(n, v)| (Some(*n), v.as_str())))
+        .collect();
     let discovering = a.discover_namespace.is_some();
+    if discovering && specs.is_empty() {
+        errs.push("--discover-namespace needs --model (or --model-env): the gateway holds requests for the models it knows".to_owned());
+    }
+
     if specs.len() > 1 {
         if a.served_model_name.is_some() {
             errs.push("--served-model-name names one model; with several --model give each as NAME=SOURCE".to_owned());
@@ -219,7 +240,9 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
                         client.clone(),
                         ns,
                         &pools,
-                        a.standby_agents_service.as_deref(),
+                        a.standby_agents_service
+                            .as_deref()
+                            .map(|svc| (svc, standby_pools(&m.name, one))),
                         opts.cluster_token.clone(),
                     );
                 m.discovery = Some(source);
@@ -240,6 +263,20 @@ fn run_gateway(a: &GatewayArgs) -> anyhow::Result<ExitCode> {
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The agents' pools whose serving standbys join model `name`'s prefill and decode
+/// pools: `NAME-prefill` and `NAME-decode`, and, where it is the gateway's only model,
+/// `prefill` and `decode` (the chart's one-model form).
+fn standby_pools(name: &str, only: bool) -> Vec<(WorkerRole, String)> {
+    let mut out = Vec::new();
+    for role in [WorkerRole::Prefill, WorkerRole::Decode] {
+        out.push((role, format!("{name}-{}", role.as_str())));
+        if only {
+            out.push((role, role.as_str().to_owned()));
+        }
+    }
+    out
 }
 
 /// `--model [NAME=]SOURCE` as (name, source): the part before the first `=` is a name
@@ -319,6 +356,7 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
         );
     }
     let mut serve = serve_options(&a.serve, true)?;
+    let _lease = lease(&a.serve.model);
     if let Some(g) = &a.gateway
         && !(g.starts_with("http://") || g.starts_with("https://"))
     {
@@ -378,6 +416,20 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// This replica's claim on the snapshot file it maps, held until it exits: the node's
+/// warm pool never evicts a snapshot a replica maps. Not a snapshot file (a Hugging
+/// Face directory, a GGUF converted in memory): nothing to claim.
+fn lease(model: &std::path::Path) -> Option<preheat_warmpool::lease::Lease> {
+    if !model.is_file() {
+        return None;
+    }
+    preheat_warmpool::lease::Lease::take(model)
+        .inspect_err(|e| {
+            tracing::warn!(path = %model.display(), error = %e, "no lease on the snapshot: the warm pool may evict it while it is mapped");
+        })
+        .ok()
 }
 
 /// Raw flags → validated options, with every problem reported at once.

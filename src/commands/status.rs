@@ -274,8 +274,17 @@ fn render(s: &Snapshot) -> String {
             if m.state == "staging" {
                 let _ = write!(line, ", {:.0}% done", m.progress * 100.0);
             }
+            if m.mapped {
+                line.push_str(", mapped by a replica");
+            }
             if let Some(e) = &m.error {
-                let _ = write!(line, ", error: {e}");
+                // A model waiting for demand is not failing: say why it waits.
+                let what = if m.state == "pending" {
+                    "waits"
+                } else {
+                    "error"
+                };
+                let _ = write!(line, ", {what}: {e}");
             }
             let _ = writeln!(o, "{line}");
         }
@@ -541,6 +550,8 @@ mod tests {
                     bytes: 3 << 30,
                     resident_bytes: 3 << 30,
                     progress: 1.0,
+                    mapped: true,
+                    last_wanted_s: Some(1.7e9),
                     error: None,
                 }],
                 standbys: BTreeMap::from([(

@@ -70,9 +70,15 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
             name,
             concurrency,
             piece_mib,
+            disk_budget,
             json,
         } => {
             let mut errs = Vec::new();
+            let budget = disk_budget.as_deref().and_then(|b| {
+                preheat_warmpool::config::parse_size(b)
+                    .map_err(|e| errs.push(format!("--disk-budget {b}: {e}")))
+                    .ok()
+            });
             if concurrency == 0 || concurrency > 256 {
                 errs.push(format!("--concurrency {concurrency} must be in 1..=256"));
             }
@@ -103,7 +109,16 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                 .build()?;
             let o = rt.block_on(async {
                 let f = Fetcher::new(src, Duration::from_secs(60))?;
-                stage::stage(&f, &dir, &name, &opts, Arc::new(preheat_output::Bar::new())).await
+                let bar = Arc::new(preheat_output::Bar::new());
+                match budget {
+                    // Beside the node's agent, under its budget: demand makes room.
+                    Some(b) => {
+                        preheat_warmpool::Store::open(&dir, b)?
+                            .ensure(&name, &f, &opts, &std::collections::HashSet::new(), bar)
+                            .await
+                    }
+                    None => stage::stage(&f, &dir, &name, &opts, bar).await,
+                }
             })?;
             if json {
                 preheat_output::print_json(&serde_json::json!({

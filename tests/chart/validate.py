@@ -188,8 +188,9 @@ def check_monitoring(variant, merged, by_kind):
     pods, and the standbys inside the agents' pods (a PodMonitor on their named ports);
     both carry serviceMonitor.labels (a Prometheus that selects by label finds them)."""
     sm = merged["serviceMonitor"]
-    sb = merged["warmpool"]["standbys"]
-    want_standbys = sm["enabled"] and merged["warmpool"]["enabled"] and (sb["prefill"] > 0 or sb["decode"] > 0)
+    models = expected_models(merged)
+    total = sum(m["standbys"]["prefill"] + m["standbys"]["decode"] for m in models)
+    want_standbys = sm["enabled"] and merged["warmpool"]["enabled"] and total > 0
     pms = by_kind.get("PodMonitor", [])
     if want_standbys != bool(pms):
         fail(variant, f"standbys' PodMonitor {'missing' if want_standbys else 'rendered'}")
@@ -203,12 +204,14 @@ def check_monitoring(variant, merged, by_kind):
         ports = {p["name"]: p["containerPort"] for c in ds[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])} if ds else {}
         scraped = [e["port"] for e in pm["spec"]["podMetricsEndpoints"]]
         want = sorted(n for n in ports if n.startswith("sb-"))
-        if sorted(scraped) != want or len(want) != sb["prefill"] + sb["decode"]:
+        if sorted(scraped) != want or len(want) != total:
             fail(variant, f"PodMonitor scrapes {scraped}, the agents' standby ports are {want}")
-        for role, i in (("prefill", 0), ("decode", 1)):
-            for j in range(sb[role]):
-                if ports.get(f"sb-{role[0]}-{j}") != sb["basePort"] + 1000 * i + 2 * j:
-                    fail(variant, f"standby port sb-{role[0]}-{j} is not where standby {j} of {role} listens")
+        # Each named port is where one standby of the agents' config listens.
+        cms = {cm["metadata"]["name"]: cm for cm in by_kind.get("ConfigMap", [])}
+        agent = yaml.safe_load(cms["rel-preheat-warmpool"]["data"]["warmpool.yaml"])
+        listening = sorted(s_["base_port"] + 2 * j for s_ in agent.get("standbys") or [] for j in range(s_["count"]))
+        if sorted(ports[n] for n in want) != listening:
+            fail(variant, f"the standby ports named {sorted(ports[n] for n in want)} are not where the standbys listen {listening}")
 
 
 def deep_merge(base, over):
@@ -283,12 +286,7 @@ def check_security(variant, merged, by_kind):
                     fail(variant, f"{name}/{c['name']}: PREHEAT_CLUSTER_TOKEN_FILE not set")
                 if not any(m["name"] == "cluster-token" and m.get("readOnly") for m in c.get("volumeMounts", [])):
                     fail(variant, f"{name}/{c['name']}: the token is not mounted read-only")
-    if merged["model"]["sourceSecret"]["name"]:
-        source = merged["model"]["source"]
-        for kind in ["Deployment", "DaemonSet", "ConfigMap"]:
-            for o in by_kind.get(kind, []):
-                if source and source in json.dumps(o):
-                    fail(variant, f'{kind}/{o["metadata"]["name"]} shows model.source although it comes from a Secret')
+    # (A source from a Secret shown in a spec: check_models, model by model.)
     keys = merged["gateway"]["apiKeys"]["existingSecret"]
     gw = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-gateway"]
     if gw:
@@ -346,6 +344,189 @@ def check_scaler_state(variant, merged, by_kind):
             fail(variant, "scaler: the claim is not writable by the scaler's group (fsGroup)")
     elif "emptyDir" not in v or claims:
         fail(variant, "scaler: the state volume is not an emptyDir")
+
+
+def dns_label(s):
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")[:63].rstrip("-")
+
+
+def expected_models(merged):
+    """The models the values ask for, resolved here on their own (not by the chart's
+    helper): name, object-name infix, source or Secret, each pool's values (the
+    model's keys over the top-level ones), standbys per pool."""
+    listed = bool(merged.get("models"))
+    entries = merged["models"] if listed else [merged["model"]]
+    out = []
+    for e in entries:
+        source = e.get("source") or ""
+        name = e.get("name") or dns_label(re.sub(r"\.[^.]*$", "", os.path.basename(re.sub(r"[?#].*$", "", source))))
+        pools = {}
+        for role in ("prefill", "decode"):
+            p = dict(merged[role], idleGraceSeconds=merged["scaler"]["idleGraceSeconds"])
+            p.update(e.get(role) or {})
+            pools[role] = p
+        given = e.get("standbys") or {}
+        sb = {r: given.get(r, merged["warmpool"]["standbys"][r]) if merged["warmpool"]["enabled"] else 0 for r in ("prefill", "decode")}
+        secret = e.get("sourceSecret") or {}
+        out.append({
+            "name": name, "infix": f"-{name}" if listed else "", "listed": listed,
+            "source": source, "secret": secret.get("name") or "", "secretKey": secret.get("key") or "source",
+            "pools": pools, "standbys": sb, "priority": e.get("priority", 0),
+        })
+    return out
+
+
+def selects(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_models(variant, merged, by_kind):
+    """Every model gets its own pair of pools, wired through every component: its
+    Deployments, Services, ScaledObjects, the gateway's flags, the scaler's models
+    and RBAC, the agents' models and standbys; a pool's Service selects its own pods
+    and no other model's."""
+    models = expected_models(merged)
+    deps = {d["metadata"]["name"]: d for d in by_kind.get("Deployment", [])}
+    svcs = {o["metadata"]["name"]: o for o in by_kind.get("Service", [])}
+    cms = {cm["metadata"]["name"]: cm for cm in by_kind.get("ConfigMap", [])}
+    scaler_cfg = yaml.safe_load(cms["rel-preheat-scaler"]["data"]["scaler.yaml"])
+    agent_cfg = yaml.safe_load(cms["rel-preheat-warmpool"]["data"]["warmpool.yaml"]) if "rel-preheat-warmpool" in cms else None
+    pool_deps = {n: d for n, d in deps.items() if d["metadata"]["labels"].get("app.kubernetes.io/component") in ("prefill", "decode")}
+    want_pools = {f"rel-preheat{m['infix']}-{r}" for m in models for r in ("prefill", "decode")}
+    if set(pool_deps) != want_pools:
+        fail(variant, f"pool Deployments {sorted(pool_deps)}, want {sorted(want_pools)}")
+    if [m["name"] for m in scaler_cfg["models"]] != [m["name"] for m in models]:
+        fail(variant, f'scaler models {[m["name"] for m in scaler_cfg["models"]]}, want {[m["name"] for m in models]}')
+    gw = deps.get("rel-preheat-gateway")
+    gw_c = gw["spec"]["template"]["spec"]["containers"][0] if gw else {"args": [], "env": []}
+    gw_env = {e["name"]: e for e in gw_c.get("env", [])}
+    ds = by_kind.get("DaemonSet", [])
+    agent_env = {e["name"]: e for e in ds[0]["spec"]["template"]["spec"]["containers"][0].get("env", [])} if ds else {}
+    so_names = {o["metadata"]["name"]: o for o in by_kind.get("ScaledObject", [])}
+    for m in models:
+        n = m["name"]
+        sm = next((x for x in scaler_cfg["models"] if x["name"] == n), None)
+        if sm and (sm.get("metrics_model_name") != n or sm.get("priority", 0) != m["priority"]):
+            fail(variant, f"scaler model {n}: metrics_model_name {sm.get('metrics_model_name')}, priority {sm.get('priority')}")
+        # The gateway serves it under its name, from its source or its Secret.
+        args = gw_c.get("args", [])
+        if m["listed"]:
+            if m["secret"]:
+                env = next((a.split("=", 2)[2] for a in args if a.startswith(f"--model-env={n}=")), None)
+                ref = gw_env.get(env or "", {}).get("valueFrom", {}).get("secretKeyRef", {})
+                if (ref.get("name"), ref.get("key")) != (m["secret"], m["secretKey"]):
+                    fail(variant, f"gateway: model {n}'s source is not read from its Secret ({args}, {ref})")
+            elif f"--model={n}={m['source']}" not in args:
+                fail(variant, f"gateway: no --model={n}=<its source>")
+        elif f"--served-model-name={n}" not in args:
+            fail(variant, f"gateway: not serving {n}")
+        for role in ("prefill", "decode"):
+            p = m["pools"][role]
+            dn = f"rel-preheat{m['infix']}-{role}"
+            flag = f"--{role}-service={n + '=' if m['listed'] else ''}{dn}"
+            if gw and flag not in args:
+                fail(variant, f"gateway: no {flag}")
+            d = pool_deps.get(dn)
+            if not d:
+                continue
+            pod = d["spec"]["template"]["spec"]
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            c = pod["containers"][0]
+            if labels.get("preheat.dev/model") != n or f"--served-model-name={n}" not in c["args"]:
+                fail(variant, f"{dn}: not a {n} worker")
+            if not any(a.endswith(f"/{n}.preheat") for a in c["args"] if a.startswith("--model=")):
+                fail(variant, f"{dn}: does not map {n}'s staged snapshot")
+            if f"--kv-cache-mib={p['kvCacheMiB']}" not in c["args"]:
+                fail(variant, f"{dn}: --kv-cache-mib is not the model's {p['kvCacheMiB']}")
+            if c["resources"] != p["resources"] or (pod.get("nodeSelector") or {}) != (p.get("nodeSelector") or {}) or (pod.get("tolerations") or []) != (p.get("tolerations") or []):
+                fail(variant, f"{dn}: resources, nodeSelector or tolerations are not the model's")
+            if any(a not in c["args"] for a in p.get("extraArgs") or []):
+                fail(variant, f"{dn}: the pool's extraArgs are missing")
+            stage = next((i for i in pod.get("initContainers", []) if i["name"] == "stage"), None)
+            if not stage or f"--name={n}" not in stage["args"]:
+                fail(variant, f"{dn}: its stage step does not stage {n}")
+            elif m["secret"]:
+                ref = {e["name"]: e for e in stage.get("env", [])}.get("PREHEAT_MODEL_SOURCE", {}).get("valueFrom", {}).get("secretKeyRef", {})
+                if ref.get("name") != m["secret"]:
+                    fail(variant, f"{dn}: its stage step does not read {n}'s Secret")
+            elif f"--source={m['source']}" not in stage["args"]:
+                fail(variant, f"{dn}: its stage step does not fetch {n}'s source")
+            # Its Service selects its pods, and no other pool's.
+            svc = svcs.get(dn)
+            if not svc:
+                fail(variant, f"no Service {dn}")
+            else:
+                sel = svc["spec"]["selector"]
+                hit = sorted(o for o, od in pool_deps.items() if selects(sel, od["spec"]["template"]["metadata"]["labels"]))
+                if hit != [dn]:
+                    fail(variant, f"Service {dn} selects the pods of {hit}")
+                if not selects(d["spec"]["selector"]["matchLabels"], labels) or any(
+                    selects(d["spec"]["selector"]["matchLabels"], od["spec"]["template"]["metadata"]["labels"]) for o, od in pool_deps.items() if o != dn):
+                    fail(variant, f"Deployment {dn}'s selector is not its own pods'")
+            # The scaler sizes this pool from its pods (or its Service's series) with
+            # the model's policy, and sets or reads this Deployment.
+            sp = (sm or {}).get(role) or {}
+            if sp.get("deployment") != dn:
+                fail(variant, f"scaler {n}/{role}: deployment {sp.get('deployment')}, want {dn}")
+            if "selector" in sp:
+                want = dict(kv.split("=") for kv in sp["selector"].split(","))
+                hit = sorted(o for o, od in pool_deps.items() if selects(want, od["spec"]["template"]["metadata"]["labels"]))
+                if hit != [dn]:
+                    fail(variant, f"scaler {n}/{role}: selector {sp['selector']} finds {hit}")
+            elif f'service="{dn}"' not in sp.get("prometheus_selector", ""):
+                fail(variant, f"scaler {n}/{role}: prometheus_selector {sp.get('prometheus_selector')} is not {dn}'s")
+            floor = 0 if merged["scaleToZero"] else p["minReplicas"]
+            slo = ("slo_ttft_s", p.get("sloTtftSeconds")) if role == "prefill" else ("slo_itl_s", p.get("sloItlSeconds"))
+            got = (sp.get("min_replicas"), sp.get("max_replicas"), sp.get("idle_grace_s"), sp.get("headroom"), sp.get(slo[0]))
+            if got != (floor, p["maxReplicas"], p["idleGraceSeconds"], p["headroom"], slo[1]):
+                fail(variant, f"scaler {n}/{role}: (min, max, idle grace, headroom, SLO) {got} are not the model's")
+            if merged["scaler"]["mode"] == "keda":
+                so = so_names.get(dn)
+                if not so:
+                    fail(variant, f"no ScaledObject {dn}")
+                elif so["spec"]["triggers"][0]["metadata"].get("model") != n or so["spec"]["scaleTargetRef"]["name"] != dn or so["spec"]["maxReplicaCount"] != p["maxReplicas"]:
+                    fail(variant, f"ScaledObject {dn} does not scale {n}'s {role} pool as its values say")
+        # The agents stage it (from its Secret through the env, never in a spec).
+        if agent_cfg is not None:
+            am = next((x for x in agent_cfg["models"] if x["name"] == n), None)
+            if not am:
+                fail(variant, f"the agents do not keep {n}")
+            elif m["secret"]:
+                ref = agent_env.get(am.get("source_env") or "", {}).get("valueFrom", {}).get("secretKeyRef", {})
+                if ref.get("name") != m["secret"] or "source" in am:
+                    fail(variant, f"agents: {n}'s source is not read from its Secret")
+            elif am.get("source") != m["source"]:
+                fail(variant, f"agents: {n}'s source {am.get('source')}")
+        if m["secret"] and m["source"]:
+            for kind in ["Deployment", "DaemonSet", "ConfigMap"]:
+                for o in by_kind.get(kind, []):
+                    if m["source"] in json.dumps(o):
+                        fail(variant, f'{kind}/{o["metadata"]["name"]} shows {n}\'s source although it comes from a Secret')
+    if agent_cfg is not None and sorted(x["name"] for x in agent_cfg["models"]) != sorted(m["name"] for m in models):
+        fail(variant, f'the agents keep {[x["name"] for x in agent_cfg["models"]]}, want every model')
+    # Standbys: each model's own pools on the agents, its count, ports that do not
+    # collide, the node's budget, and the scaler told the agents' names of its pools.
+    budget = merged["warmpool"]["standbys"].get("budget", 0)
+    if agent_cfg is not None and agent_cfg.get("standby_budget", 0) != budget:
+        fail(variant, f'agents: standby_budget {agent_cfg.get("standby_budget")}, warmpool.standbys.budget {budget}')
+    ports = {}
+    for s_ in (agent_cfg or {}).get("standbys") or []:
+        for j in range(s_["count"]):
+            port = s_["base_port"] + 2 * j
+            for q in (port, port + 1):
+                if q in ports:
+                    fail(variant, f"standby port {q} of {s_['pool']} is also {ports[q]}'s")
+                ports[q] = s_["pool"]
+    for m in models:
+        sm = next((x for x in scaler_cfg["models"] if x["name"] == m["name"]), {})
+        for role in ("prefill", "decode"):
+            want = m["standbys"][role]
+            pool = f"{m['name']}-{role}" if m["listed"] else role
+            got = [s_ for s_ in (agent_cfg or {}).get("standbys") or [] if s_["model"] == m["name"] and s_["pool"] == pool]
+            if (got[0]["count"] if got else 0) != want:
+                fail(variant, f"agents park {got[0]['count'] if got else 0} {m['name']} {role} standbys, want {want}")
+            if want and (sm.get("standbys") or {}).get(f"{role}_pool", role) != pool:
+                fail(variant, f"scaler {m['name']}: the agents' {role} pool is not named {pool}")
 
 
 def check_variant(variant, values, defaults, schema, dump):
@@ -417,7 +598,7 @@ def check_variant(variant, values, defaults, schema, dump):
     names = lambda kind: {o["metadata"]["name"] for o in by_kind.get(kind, [])}
     deployments = names("Deployment")
     services = names("Service")
-    for want in ["rel-preheat-gateway", "rel-preheat-prefill", "rel-preheat-decode", "rel-preheat-scaler"]:
+    for want in ["rel-preheat-gateway", "rel-preheat-scaler"]:
         if want not in deployments:
             fail(variant, f"no Deployment {want}")
     # Least privilege: no wildcards anywhere.
@@ -450,8 +631,9 @@ def check_variant(variant, values, defaults, schema, dump):
         if scale_verbs != want_verbs:
             fail(variant, f"scaler Role may {sorted(scale_verbs)} deployments/scale in mode {merged['scaler']['mode']}, want {sorted(want_verbs)}")
         for rule in rules:
-            if "deployments/scale" in rule["resources"] and sorted(rule.get("resourceNames") or []) != ["rel-preheat-decode", "rel-preheat-prefill"]:
-                fail(variant, "deployments/scale is not limited to the two pool Deployments")
+            pools = sorted(f"rel-preheat{m['infix']}-{r}" for m in expected_models(merged) for r in ("prefill", "decode"))
+            if "deployments/scale" in rule["resources"] and sorted(rule.get("resourceNames") or []) != pools:
+                fail(variant, f"deployments/scale is not limited to the pool Deployments {pools}")
         if "pods" not in resources:
             fail(variant, "the scaler cannot find the gateway pods (held requests)")
     sc_dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-scaler"]
@@ -480,12 +662,15 @@ def check_variant(variant, values, defaults, schema, dump):
             # zero) and drains held requests and streams on a rollout.
             c = pod["containers"][0]
             args = c.get("args", [])
-            if merged["model"]["sourceSecret"]["name"]:
+            one = expected_models(merged)[0]
+            if one["listed"]:
+                pass  # check_models: each model's flag
+            elif one["secret"]:
                 env = {e["name"]: e for e in c.get("env", [])}
                 ref = env.get("PREHEAT_MODEL_SOURCE", {}).get("valueFrom", {}).get("secretKeyRef", {})
-                if ref.get("name") != merged["model"]["sourceSecret"]["name"] or any(a.startswith("--model") for a in args):
+                if ref.get("name") != one["secret"] or any(a.startswith("--model=") for a in args):
                     fail(variant, "gateway: the model source is not taken from its Secret through the environment")
-            elif f'--model={merged["model"]["source"]}' not in args:
+            elif f'--model={one["source"]}' not in args:
                 fail(variant, "gateway: not started with --model=<model.source>")
             if f'--block-size={merged["kvBlockSize"]}' not in args:
                 fail(variant, "gateway: --block-size does not follow kvBlockSize")
@@ -498,7 +683,8 @@ def check_variant(variant, values, defaults, schema, dump):
                 fail(variant, "gateway: no preStop")
         if role in ("prefill", "decode"):
             c = pod["containers"][0]
-            p = merged[role]
+            model = d["spec"]["template"]["metadata"]["labels"].get("preheat.dev/model")
+            p = next((m["pools"][role] for m in expected_models(merged) if m["name"] == model), merged[role])
             # The image runs as 65532; workers only read the node's snapshots and stay
             # non-root, the staging step too once `own` (root, CAP_CHOWN alone) gave it the
             # node directory.
@@ -525,13 +711,15 @@ def check_variant(variant, values, defaults, schema, dump):
     # KEDA: one ScaledObject per pool pointing at real objects.
     if merged["scaler"]["mode"] == "keda":
         sos = by_kind.get("ScaledObject", [])
-        if sorted(o["metadata"]["name"] for o in sos) != ["rel-preheat-decode", "rel-preheat-prefill"]:
-            fail(variant, "expected one ScaledObject per pool")
+        want = sorted(f"rel-preheat{m['infix']}-{r}" for m in expected_models(merged) for r in ("prefill", "decode"))
+        if sorted(o["metadata"]["name"] for o in sos) != want:
+            fail(variant, f"expected one ScaledObject per pool of every model: {want}")
         for so in sos:
             spec = so["spec"]
             if spec["scaleTargetRef"]["name"] not in deployments:
                 fail(variant, f"{so['metadata']['name']} targets a missing Deployment")
-            want_min = 0 if merged["scaleToZero"] else merged[so["metadata"]["labels"]["app.kubernetes.io/component"]]["minReplicas"]
+            model = next(m for m in expected_models(merged) if m["name"] == so["spec"]["triggers"][0]["metadata"]["model"])
+            want_min = 0 if merged["scaleToZero"] else model["pools"][so["metadata"]["labels"]["app.kubernetes.io/component"]]["minReplicas"]
             if spec["minReplicaCount"] != want_min:
                 fail(variant, f"{so['metadata']['name']}: minReplicaCount {spec['minReplicaCount']} != {want_min}")
             trig = spec["triggers"][0]
@@ -573,8 +761,8 @@ def check_variant(variant, values, defaults, schema, dump):
     # Standbys: the agent parks them (at its pod IP), the gateway lists the serving
     # ones from the agents, the scaler promotes and retires them, and the agent's
     # grace covers their drain.
-    sb = merged["warmpool"]["standbys"]
-    want_sb = merged["warmpool"]["enabled"] and (sb["prefill"] > 0 or sb["decode"] > 0)
+    models = expected_models(merged)
+    want_sb = merged["warmpool"]["enabled"] and any(m["standbys"]["prefill"] > 0 or m["standbys"]["decode"] > 0 for m in models)
     cms = {cm["metadata"]["name"]: cm for cm in by_kind.get("ConfigMap", [])}
     agent_cfg = yaml.safe_load(cms["rel-preheat-warmpool"]["data"]["warmpool.yaml"]) if "rel-preheat-warmpool" in cms else {}
     scaler_cfg = yaml.safe_load(cms["rel-preheat-scaler"]["data"]["scaler.yaml"])
@@ -582,15 +770,13 @@ def check_variant(variant, values, defaults, schema, dump):
     has = {
         "agent standbys": bool(agent_cfg.get("standbys")),
         "gateway --standby-agents-service": "--standby-agents-service=rel-preheat-warmpool" in gw_args,
-        "scaler standbys": bool(scaler_cfg["models"][0].get("standbys")),
+        "scaler standbys": any(m.get("standbys") for m in scaler_cfg["models"]),
     }
     for what, present in has.items():
         if present != want_sb:
-            fail(variant, f"{what} {'missing' if want_sb else 'rendered'} with warmpool.standbys {sb}")
+            fail(variant, f"{what} {'missing' if want_sb else 'rendered'} with standbys {[m['standbys'] for m in models]}")
+    check_models(variant, merged, by_kind)
     if want_sb:
-        counts = {s["pool"]: s["count"] for s in agent_cfg["standbys"]}
-        if counts != {r: sb[r] for r in ("prefill", "decode") if sb[r] > 0}:
-            fail(variant, f"agent standby counts {counts} do not follow warmpool.standbys")
         for s_ in agent_cfg["standbys"]:
             cmd = s_["command"]
             for want in ["--standby", "--port={port}", "--advertise=http://{host}:{port}", f'--block-size={merged["kvBlockSize"]}']:
@@ -599,18 +785,20 @@ def check_variant(variant, values, defaults, schema, dump):
         ds = by_kind["DaemonSet"][0]
         pod = ds["spec"]["template"]["spec"]
         labels = ds["spec"]["template"]["metadata"]["labels"]
-        sel = scaler_cfg["models"][0]["standbys"]["agent_selector"]
+        sel = next(m["standbys"] for m in scaler_cfg["models"] if m.get("standbys"))["agent_selector"]
         if not all(labels.get(k) == v for k, v in (kv.split("=") for kv in sel.split(","))):
             fail(variant, f"scaler agent_selector {sel} does not select the agent pods")
         if "--advertise-host=$(POD_IP)" not in pod["containers"][0]["args"]:
             fail(variant, "agent: standbys not advertised at the pod IP")
         for s_ in agent_cfg["standbys"]:
             need = s_["drain_grace_s"] + s_.get("unlist_delay_s", 5)
-            if s_["drain_grace_s"] != merged[s_["pool"]]["drainGraceSeconds"]:
-                fail(variant, f"standby {s_['pool']}: drains for {s_['drain_grace_s']} s, its pool's pods for {merged[s_['pool']]['drainGraceSeconds']} s")
+            role = s_["command"][2]
+            p = next(m["pools"][role] for m in models if m["name"] == s_["model"])
+            if s_["drain_grace_s"] != p["drainGraceSeconds"]:
+                fail(variant, f"standby {s_['pool']}: drains for {s_['drain_grace_s']} s, its pool's pods for {p['drainGraceSeconds']} s")
             if pod.get("terminationGracePeriodSeconds", 30) <= need:
                 fail(variant, f"agent: grace period does not cover the {s_['pool']} standbys' unlisting and drain ({need} s)")
-            if any(a not in s_["command"] for a in merged[s_["pool"]].get("extraArgs", [])):
+            if any(a not in s_["command"] for a in p.get("extraArgs", [])):
                 fail(variant, f"standby {s_['pool']}: the pool's extraArgs are missing")
     # The scaler's config parses as YAML and names both pools; with --dump, every
     # config file is written out for the Rust side to parse with the real parsers.
@@ -622,24 +810,57 @@ def check_variant(variant, values, defaults, schema, dump):
                 os.makedirs(d, exist_ok=True)
                 with open(os.path.join(d, k), "w") as f:
                     f.write(v)
-            if k == "scaler.yaml" and set(parsed["models"][0]) < {"prefill", "decode"}:
+            if k == "scaler.yaml" and any(not {"prefill", "decode"} <= set(m) for m in parsed["models"]):
                 fail(variant, "scaler config misses a pool")
     return len(objs)
 
 
+# The one-model form, as `helm install --set model.source=…` gives it.
+ONE_MODEL = {"model": {"source": "https://models.example.com/llama-1b.phpack"}}
+
+# Values the chart refuses (values.schema.json, or the chart's own checks where JSON
+# Schema cannot say it), each with what the refusal must name.
+REFUSED = [
+    ({}, "/model"),
+    ({"model": {"source": "https://x/a.phpack"}, "models": [{"name": "b", "source": "https://x/b.phpack"}]}, "/model/source"),
+    ({"models": [{"name": "a", "source": "https://x/a.phpack"}, {"name": "a", "source": "https://x/b.phpack"}]}, '"a" appears twice'),
+    ({"models": [{"name": "Llama_8B", "source": "https://x/a.phpack"}]}, "/models/0/name"),
+    ({"models": [{"name": "a", "source": "https://x/a.phpack", "decode": {"maxReplica": 3}}]}, "maxReplica"),
+    ({"models": [{"name": "a", "source": "https://x/a.phpack", "prefill": {"port": 9000}}]}, "port"),
+    ({"models": [{"name": "a", "source": "https://x/a.phpack", "sourceSecret": {"name": "s"}}]}, "/models/0"),
+    ({"models": [{"name": "a"}]}, "/models/0"),
+    ({"models": [{"name": "a" * 60, "source": "https://x/a.phpack"}]}, "longer than 63"),
+    ({"model": {"sourceSecret": {"name": "s", "key": "url"}}}, "model.name is required"),
+    ({"model": {"source": "https://x/a.phpack"}, "modles": []}, "modles"),
+]
+
+
+def check_refused():
+    chart = helm_python.Chart.load(CHART)
+    for values, needle in REFUSED:
+        try:
+            chart.render(values, name="rel", namespace="llm", is_install=True)
+        except Exception as e:  # the SDK raises its Go error as one exception type
+            if needle not in str(e):
+                fail("refused", f"{json.dumps(values)[:120]}: refused without naming {needle!r}: {e}")
+            continue
+        fail("refused", f"{json.dumps(values)[:120]}: rendered, should be refused naming {needle!r}")
+
+
 def main():
     dump = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--dump" else None
-    lint = helm_python.lint(CHART, strict=True, kube_version="v" + KUBE_VERSION)
+    lint = helm_python.lint(CHART, ONE_MODEL, strict=True, kube_version="v" + KUBE_VERSION)
     for m in lint.get("messages", []):
         # 1 = info (e.g. "icon is recommended"); warnings and errors fail.
         if m.get("severity", 0) > 1:
             fail("lint", f'{m.get("path")}: {m.get("error")}')
     for e in lint.get("errors", []):
         fail("lint", str(e))
+    check_refused()
     schema = keda_schema()
     with open(os.path.join(CHART, "values.yaml")) as f:
         defaults = yaml.safe_load(f)
-    variants = [("default", {})]
+    variants = [("default", ONE_MODEL)]
     for p in sorted(glob.glob(os.path.join(CHART, "ci", "*-values.yaml"))):
         with open(p) as f:
             variants.append((os.path.basename(p), yaml.safe_load(f) or {}))

@@ -44,9 +44,15 @@ impl Log {
 /// Starts `preheat ARGS…` in the background (stdout discarded, quiet logs on
 /// `stderr`), with this run's cluster token; killed when dropped.
 pub fn spawn(args: &[&str], stderr: Stdio) -> KillOnDrop {
+    spawn_with_env(args, stderr, &[])
+}
+
+/// [`spawn`], with `env` set for it.
+pub fn spawn_with_env(args: &[&str], stderr: Stdio, env: &[(String, String)]) -> KillOnDrop {
     KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_preheat"))
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "warn")
             .env("PREHEAT_CLUSTER_TOKEN_FILE", token_file())
             .stdout(Stdio::null())
@@ -116,6 +122,7 @@ pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
 #[must_use = "nothing starts until `start`"]
 pub struct GatewayBuilder {
     args: Vec<String>,
+    env: Vec<(String, String)>,
     internal: bool,
     log: Log,
 }
@@ -125,6 +132,7 @@ pub struct GatewayBuilder {
 pub fn gateway() -> GatewayBuilder {
     GatewayBuilder {
         args: Vec::new(),
+        env: Vec::new(),
         internal: true,
         log: Log::Inherit,
     }
@@ -158,6 +166,12 @@ impl GatewayBuilder {
         self
     }
 
+    /// `$key` set to `value` in its environment.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
     pub fn start(self) -> Gateway {
         let (port, internal) = (free_port(), free_port());
         let (port_s, internal_s) = (port.to_string(), internal.to_string());
@@ -167,7 +181,7 @@ impl GatewayBuilder {
         }
         args.extend(self.args.iter().map(String::as_str));
         Gateway {
-            proc: spawn(&args, self.log.stdio()),
+            proc: spawn_with_env(&args, self.log.stdio(), &self.env),
             port,
             url: format!("http://127.0.0.1:{port}"),
             internal: if self.internal {

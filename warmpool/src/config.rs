@@ -14,6 +14,7 @@
 //! models:
 //!   - { name: llama-1b, source: "https://models.example/llama-1b.phpack", hot: true }
 //! advertise_host: 10.0.3.7               # where peers reach this node's standbys
+//! standby_budget: 2                   # parked at once on this node, every pool's (default: no cap)
 //! standbys:
 //!   - { pool: decode, model: llama-1b, count: 1, base_port: 18100,
 //!       command: [preheat, engine, decode, --model, "{model_path}", --host, 0.0.0.0,
@@ -48,6 +49,7 @@ struct Raw {
     models: Vec<RawModel>,
     #[serde(default)]
     standbys: Vec<RawStandby>,
+    standby_budget: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -157,6 +159,10 @@ pub struct AgentConfig {
     pub stage: StageOptions,
     pub models: Vec<ModelSpec>,
     pub standbys: Vec<StandbySpec>,
+    /// Standbys parked at once on this node across every pool (each holds what a
+    /// worker holds: on a GPU node, a GPU). Where the pools' counts add up to more,
+    /// the pools of the most recently wanted models park first. `None`: no cap.
+    pub standby_budget: Option<u32>,
     /// The deployment's cluster token and the file it came from (not in the YAML: the
     /// `--cluster-token-file` flag or `$PREHEAT_CLUSTER_TOKEN_FILE`). The API asks for
     /// it; standbys are started with the file named in their environment.
@@ -359,6 +365,7 @@ impl AgentConfig {
             stage,
             models,
             standbys,
+            standby_budget: raw.standby_budget,
             cluster_token: None,
         })
     }

@@ -4,8 +4,10 @@
 //! - [`stage`] fetches a snapshot (plain or packed, local path or HTTP with Range
 //!   requests) in parallel, resumes after interruption, verifies every checksum and
 //!   publishes atomically;
-//! - [`store`] keeps the node's snapshot directory within a disk budget (LRU) and
-//!   stages each model once however many ask;
+//! - [`store`] keeps the node's snapshot directory within a disk budget (the least
+//!   recently wanted model no replica maps goes first) and stages each model once
+//!   however many ask;
+//! - [`lease`] is a replica's claim on the snapshot it maps;
 //! - [`hot`] keeps the hot set in page cache within a memory budget;
 //! - [`files`] serves staged snapshots with Range support, so nodes (and tests) can
 //!   stage from a peer;
@@ -24,6 +26,7 @@ mod hot;
 /// Compiled-kernel cache, shared with the engine (defined in the snapshot crate).
 pub use preheat_snapshot::kernel_cache;
 mod labels;
+pub mod lease;
 pub mod metrics;
 mod ownership;
 pub mod restart_backoff;

@@ -60,6 +60,9 @@ pub struct StandbyPool {
     log_dir: Option<PathBuf>,
     /// Standbys that die before parking are replaced with growing pauses.
     backoff: RestartBackoff,
+    /// The node's standby budget's share for this pool: at most this many parked,
+    /// whatever `count` says.
+    cap: u32,
 }
 
 impl StandbyPool {
@@ -76,6 +79,7 @@ impl StandbyPool {
             token: None,
             log_dir: None,
             backoff: RestartBackoff::default(),
+            cap: u32::MAX,
         }
     }
 
@@ -154,6 +158,18 @@ impl StandbyPool {
         self.spec.count = count;
     }
 
+    /// Parks at most `cap` (the node's standby budget's share), `count` still the
+    /// wish.
+    pub fn set_cap(&mut self, cap: u32) {
+        self.cap = cap;
+    }
+
+    /// How many it keeps parked: `count` within the cap.
+    #[must_use]
+    pub fn target(&self) -> u32 {
+        self.spec.count.min(self.cap)
+    }
+
     /// Reaps exited processes, checks readiness, starts or stops standbys to reach
     /// `count` parked.
     pub async fn reconcile(&mut self) -> Result<()> {
@@ -183,13 +199,12 @@ impl StandbyPool {
             kept.push(p);
         }
         self.parked = kept;
-        while self.parked.len() > self.spec.count as usize {
+        while self.parked.len() > self.target() as usize {
             if let Some(mut p) = self.parked.pop() {
                 let _ = p.child.kill().await;
             }
         }
-        while self.parked.len() < self.spec.count as usize && self.backoff.may_start(Instant::now())
-        {
+        while self.parked.len() < self.target() as usize && self.backoff.may_start(Instant::now()) {
             let port = self.free_port()?;
             let args: Vec<String> = self
                 .spec

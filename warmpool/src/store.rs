@@ -1,6 +1,12 @@
 //! The node's snapshot directory under a disk budget: which models are staged, when
-//! each was last used, least-recently-used eviction, and one staging per model however
-//! many ask for it at once.
+//! each was last wanted, eviction of the least recently wanted one that no replica
+//! maps ([`crate::lease`]), and one staging per model however many ask for it at once.
+//!
+//! Two ways in: [`Store::ensure`] is demand (a replica is starting from the model, or
+//! someone asked): it evicts to make room and records the want; [`Store::prefetch`] is
+//! the agent filling spare room ahead of demand: it never evicts and records no want,
+//! so prefetching cannot push out what was asked for. The agent and the pods' staging
+//! step share the directory: the usage record is read back before each change.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -93,10 +99,25 @@ impl Store {
         self.evictions.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Published snapshots in the directory, least recently used first.
+    /// The usage record as this process and the others sharing the directory left
+    /// it: for each model the later of the two times.
+    fn merged_state(&self) -> std::sync::MutexGuard<'_, State> {
+        let mut s = self.state.lock().expect("no panics while held");
+        if let Ok(b) = std::fs::read(self.dir.join(STATE_FILE))
+            && let Ok(disk) = serde_json::from_slice::<State>(&b)
+        {
+            for (name, t) in disk.last_used {
+                let e = s.last_used.entry(name).or_insert(t);
+                *e = e.max(t);
+            }
+        }
+        s
+    }
+
+    /// Published snapshots in the directory, least recently wanted first.
     pub fn list(&self) -> Result<Vec<StagedModel>> {
         let rd = std::fs::read_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
-        let state = self.state.lock().expect("no panics while held");
+        let state = self.merged_state();
         let mut out = Vec::new();
         for e in rd.flatten() {
             let path = e.path();
@@ -138,9 +159,10 @@ impl Store {
         p.is_file().then_some(p)
     }
 
-    /// Records a use of `name` (a replica started from it): eviction goes by this.
+    /// Records a want of `name` (a replica started from it, or maps it now): eviction
+    /// goes by this.
     pub fn touch(&self, name: &str) {
-        let mut s = self.state.lock().expect("no panics while held");
+        let mut s = self.merged_state();
         s.last_used.insert(name.to_owned(), now());
         self.save(&s);
     }
@@ -162,14 +184,42 @@ impl Store {
         }
     }
 
-    /// Stages `name` from `fetcher` unless it is already staged, first evicting
-    /// least-recently-used snapshots (never one in `keep`) until it fits the budget.
+    /// Stages `name` from `fetcher` unless it is already staged, first evicting the
+    /// least recently wanted snapshots (never one in `keep`, never one a replica
+    /// maps) until it fits the budget; records the want.
     pub async fn ensure(
         &self,
         name: &str,
         fetcher: &Fetcher,
         opts: &StageOptions,
         keep: &HashSet<String>,
+        progress: Arc<dyn Progress>,
+    ) -> Result<StageOutcome> {
+        self.stage_in(name, fetcher, opts, Some(keep), progress)
+            .await
+    }
+
+    /// Stages `name` ahead of demand when it fits the budget beside what is staged,
+    /// evicting nothing ([`Error::OverBudget`] otherwise) and recording no want: a
+    /// model only prefetched is the first to go when a wanted one needs room.
+    pub async fn prefetch(
+        &self,
+        name: &str,
+        fetcher: &Fetcher,
+        opts: &StageOptions,
+        progress: Arc<dyn Progress>,
+    ) -> Result<StageOutcome> {
+        self.stage_in(name, fetcher, opts, None, progress).await
+    }
+
+    /// `keep`: `Some` for demand (evicts others, records the want), `None` to
+    /// prefetch.
+    async fn stage_in(
+        &self,
+        name: &str,
+        fetcher: &Fetcher,
+        opts: &StageOptions,
+        keep: Option<&HashSet<String>>,
         progress: Arc<dyn Progress>,
     ) -> Result<StageOutcome> {
         stage::validate_name(name)?;
@@ -189,7 +239,9 @@ impl Store {
             let bytes = std::fs::metadata(path)
                 .map_err(|e| Error::io(path, e))?
                 .len();
-            self.touch(name);
+            if keep.is_some() {
+                self.touch(name);
+            }
             return Ok(StageOutcome {
                 path: path.clone(),
                 bytes,
@@ -203,7 +255,10 @@ impl Store {
             Some(_) => None,
             None => {
                 let plan = stage::plan(fetcher, opts.piece_bytes).await?;
-                self.make_room(name, plan.snapshot_bytes, keep)?;
+                match keep {
+                    Some(keep) => self.make_room(name, plan.snapshot_bytes, keep)?,
+                    None => self.fits(name, plan.snapshot_bytes)?,
+                }
                 Some(plan)
             }
         };
@@ -212,12 +267,31 @@ impl Store {
             .lock()
             .expect("no panics while held")
             .insert(name.to_owned());
-        self.touch(name);
+        if keep.is_some() {
+            self.touch(name);
+        } else {
+            // Known, never wanted: first in line for eviction (not dated by its file).
+            let mut s = self.merged_state();
+            s.last_used.entry(name.to_owned()).or_insert(0.0);
+            self.save(&s);
+        }
         Ok(out)
     }
 
-    /// Evicts least-recently-used snapshots other than `name` and `keep` until
-    /// `incoming` more bytes fit the budget.
+    /// Whether `incoming` more bytes fit beside what is staged, evicting nothing.
+    fn fits(&self, name: &str, incoming: u64) -> Result<()> {
+        let used: u64 = self.list()?.iter().map(|m| m.bytes).sum::<u64>() + self.partial_bytes();
+        if used + incoming > self.disk_budget {
+            return Err(Error::OverBudget(format!(
+                "{name} needs {incoming} bytes; {used} of {} are staged (it is staged when wanted, making room then)",
+                self.disk_budget
+            )));
+        }
+        Ok(())
+    }
+
+    /// Evicts the least recently wanted snapshots other than `name`, `keep` and those
+    /// a replica maps until `incoming` more bytes fit the budget.
     pub fn make_room(&self, name: &str, incoming: u64, keep: &HashSet<String>) -> Result<()> {
         if incoming > self.disk_budget {
             return Err(Error::OverBudget(format!(
@@ -231,7 +305,7 @@ impl Store {
             if used + incoming <= self.disk_budget {
                 break;
             }
-            if m.name == name || keep.contains(&m.name) {
+            if m.name == name || keep.contains(&m.name) || crate::lease::held(&m.path) {
                 continue;
             }
             self.evict(&m.name)?;
@@ -239,7 +313,7 @@ impl Store {
         }
         if used + incoming > self.disk_budget {
             return Err(Error::OverBudget(format!(
-                "{name} needs {incoming} bytes; {used} of {} are held by models that must stay",
+                "{name} needs {incoming} bytes; {used} of {} are held by models that must stay (configured to, or mapped by a replica)",
                 self.disk_budget
             )));
         }
@@ -266,14 +340,14 @@ impl Store {
             .lock()
             .expect("no panics while held")
             .remove(name);
-        let mut s = self.state.lock().expect("no panics while held");
+        let mut s = self.merged_state();
         s.last_used.remove(name);
         self.save(&s);
         self.evictions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
             model = name,
-            "evicted (least recently used, past the disk budget)"
+            "evicted (least recently wanted, mapped by no replica, past the disk budget)"
         );
         Ok(())
     }

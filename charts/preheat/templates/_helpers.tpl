@@ -26,13 +26,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s/snapshots" .Values.warmpool.hostPath -}}
 {{- end -}}
 
-{{/* "true" when the warm-pool agents keep parked standbys. */}}
-{{- define "preheat.standbys" -}}
-{{- if and .Values.warmpool.enabled (or (gt (int .Values.warmpool.standbys.prefill) 0) (gt (int .Values.warmpool.standbys.decode) 0)) -}}
-true
-{{- end -}}
-{{- end -}}
-
 {{/* The Secret holding the cluster token (key `token`). */}}
 {{- define "preheat.tokenSecret" -}}
 {{- default (printf "%s-cluster-token" (include "preheat.fullname" .)) .Values.clusterToken.existingSecret -}}
@@ -59,22 +52,6 @@ true
       app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* The model source from a Secret, as $PREHEAT_MODEL_SOURCE (read by the
-     gateway's --model and the staging step's --source, never in argv). */}}
-{{- define "preheat.modelSourceEnv" -}}
-{{- if .Values.model.sourceSecret.name }}
-- name: PREHEAT_MODEL_SOURCE
-  valueFrom:
-    secretKeyRef: {name: {{ .Values.model.sourceSecret.name }}, key: {{ .Values.model.sourceSecret.key }}}
-{{- end }}
-{{- end -}}
-{{/* "true" when the source is a file on the nodes (mounted into the gateway). */}}
-{{- define "preheat.localSource" -}}
-{{- if and (not .Values.model.sourceSecret.name) (not (regexMatch "^https?://" .Values.model.source)) -}}
-true
-{{- end -}}
-{{- end -}}
-
 {{/* The one root step: gives the node's hostPath tree (root-owned when the kubelet
      makes it) to the user everything else runs as, with CAP_CHOWN alone. */}}
 {{- define "preheat.ownInit" -}}
@@ -93,4 +70,114 @@ true
   resources:
     requests: {cpu: 10m, memory: 16Mi}
     limits: {memory: 64Mi}
+{{- end -}}
+
+{{/* The served models as one list (JSON; read with `include ... | fromJsonArray`),
+     whichever form the values use. Each entry:
+       name, source, secretName, secretKey
+       env:       the variable the gateway and the agent read a Secret's source from
+       infix:     "" (one-model form: today's object names) or "-<name>"
+       listed:    from `models:` (its pods' selectors carry the model label)
+       priority
+       prefill, decode: the pool's values, the model's keys over the top-level ones
+       standbys:  {prefill: N, decode: N}
+       sbFirst:   {prefill: k, decode: k}: the index of its first standby port of
+                  each pool among every model's (they follow one another) */}}
+{{- define "preheat.models" -}}
+{{- $v := .Values -}}
+{{- $entries := list -}}
+{{- if $v.models -}}
+{{- $entries = $v.models -}}
+{{- else -}}
+{{- $m := $v.model -}}
+{{- $name := $m.name -}}
+{{- if not $name -}}
+{{- if $m.sourceSecret.name -}}
+{{- fail "model.name is required with model.sourceSecret (the source, and its file name, are in the Secret)" -}}
+{{- end -}}
+{{- $base := base (regexReplaceAll "[?#].*$" $m.source "") -}}
+{{- $stem := regexReplaceAll "\\.[^.]*$" $base "" -}}
+{{- $name = regexReplaceAll "[^a-z0-9]+" (lower $stem) "-" | trimAll "-" | trunc 63 | trimSuffix "-" -}}
+{{- if not $name -}}
+{{- fail (printf "model.source %q has no file name to name the model by: set model.name" $m.source) -}}
+{{- end -}}
+{{- end -}}
+{{- $entries = list (dict "name" $name "source" $m.source "sourceSecret" $m.sourceSecret) -}}
+{{- end -}}
+{{- $fn := include "preheat.fullname" . -}}
+{{- $seen := dict -}}
+{{- $next := dict "prefill" 0 "decode" 0 -}}
+{{- $out := list -}}
+{{- range $i, $e := $entries -}}
+{{- if hasKey $seen $e.name -}}
+{{- fail (printf "models: %q appears twice (names are what clients ask for, and name each model's objects)" $e.name) -}}
+{{- end -}}
+{{- $_ := set $seen $e.name true -}}
+{{- $listed := not (empty $v.models) -}}
+{{- $infix := ternary (printf "-%s" $e.name) "" $listed -}}
+{{- $longest := printf "%s%s-prefill" $fn $infix -}}
+{{- if gt (len $longest) 63 -}}
+{{- fail (printf "models: %q makes the Service name %s, longer than 63 characters: shorten the model or release name" $e.name $longest) -}}
+{{- end -}}
+{{- $secret := $e.sourceSecret | default dict -}}
+{{- $entry := dict "name" $e.name "source" ($e.source | default "") "secretName" ($secret.name | default "") "secretKey" ($secret.key | default "source") -}}
+{{- $_ := set $entry "env" (ternary (printf "PREHEAT_MODEL_SOURCE_%d" $i) "PREHEAT_MODEL_SOURCE" $listed) -}}
+{{- $_ := set $entry "infix" $infix -}}
+{{- $_ := set $entry "listed" $listed -}}
+{{- $_ := set $entry "priority" ($e.priority | default 0) -}}
+{{- $sbGiven := $e.standbys | default dict -}}
+{{- $sb := dict -}}
+{{- $first := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $p := deepCopy (index $v $role) -}}
+{{- $_ := set $p "idleGraceSeconds" $v.scaler.idleGraceSeconds -}}
+{{- range $k, $val := (index $e $role | default dict) -}}
+{{- $_ := set $p $k $val -}}
+{{- end -}}
+{{- $_ := set $entry $role $p -}}
+{{- $n := int (ternary (index $sbGiven $role) (index $v.warmpool.standbys $role) (hasKey $sbGiven $role)) -}}
+{{- $_ := set $sb $role $n -}}
+{{- $_ := set $first $role (index $next $role) -}}
+{{- $_ := set $next $role (add (index $next $role) $n) -}}
+{{- end -}}
+{{- $_ := set $entry "standbys" $sb -}}
+{{- $_ := set $entry "sbFirst" $first -}}
+{{- $out = append $out $entry -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* A model's pool pods: the component, and in the list form the model. */}}
+{{- define "preheat.poolSelector" -}}
+{{- include "preheat.selector" (dict "root" .root "component" .role) }}
+{{- if .m.listed }}
+preheat.dev/model: {{ .m.name }}
+{{- end }}
+{{- end -}}
+
+{{/* The same as a label-selector string (the scaler's `selector`). */}}
+{{- define "preheat.poolSelectorString" -}}
+{{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/component=%s" .root.Release.Name .role -}}
+{{- if .m.listed }},preheat.dev/model={{ .m.name }}{{ end -}}
+{{- end -}}
+
+{{/* The agents' name of a model's standby pool: the role alone in the one-model
+     form, `<model>-<role>` in the list form (what the gateway looks for). */}}
+{{- define "preheat.standbyPool" -}}
+{{- if .m.listed }}{{ .m.name }}-{{ end }}{{ .role -}}
+{{- end -}}
+
+{{/* The port of standby `j` of a model's pool (its KV port is the next one). */}}
+{{- define "preheat.standbyPort" -}}
+{{- $i := ternary 0 1 (eq .role "prefill") -}}
+{{- add .root.Values.warmpool.standbys.basePort (mul $i 1000) (mul (add (index .m.sbFirst .role) .j) 2) -}}
+{{- end -}}
+
+{{/* "true" when any model has parked standbys. */}}
+{{- define "preheat.anyStandbys" -}}
+{{- if .Values.warmpool.enabled -}}
+{{- range (include "preheat.models" . | fromJsonArray) -}}
+{{- if or (gt (int .standbys.prefill) 0) (gt (int .standbys.decode) 0) }}true{{ end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}

@@ -5,7 +5,9 @@
 //!
 //! 1. a pool with requests held and no replica serving (nobody can serve them) gets
 //!    its first;
-//! 2. every pool gets its floor (`min_replicas`);
+//! 2. every pool gets its floor (`min_replicas`), and a pool with replicas that still
+//!    wants one keeps one: taken to zero while busy, its requests would be held and
+//!    it would be the next to wake, and the models would take turns at zero;
 //! 3. such a pool keeps the replicas it has starting (taking them back would leave it
 //!    at zero again; after the floors, so replicas that never start cannot crowd
 //!    them out);
@@ -63,7 +65,12 @@ pub(super) fn grant(claims: &[Claim], max_gpus: u32) -> Vec<u32> {
         }
     }
     for &i in &order {
-        give(i, claims[i].desired.min(claims[i].min), &mut granted);
+        let serving = u32::from(claims[i].current > 0);
+        give(
+            i,
+            claims[i].desired.min(claims[i].min.max(serving)),
+            &mut granted,
+        );
     }
     for &i in &order {
         if claims[i].held_at_zero {
@@ -123,6 +130,30 @@ mod tests {
         assert_eq!(grant(&[floored, woken], 4), [3, 1]);
         // Without requests held, the busier, higher-priority pool comes first.
         assert_eq!(grant(&[busy, claim(2)], 4), [4, 0]);
+    }
+
+    #[test]
+    fn a_busy_pool_keeps_one_replica_when_a_model_at_zero_wakes() {
+        // The cluster run's scenario m: a budget of 3, alpha and beta busy (each far
+        // short of its SLO), gamma asked for at zero. Before, the deepest deficit
+        // took everything gamma left (beta 2, alpha 0): alpha went to zero under
+        // load, its requests were held, and the models took turns at zero.
+        let busy = |current, deficit| Claim {
+            current,
+            slo_deficit: deficit,
+            ..claim(3)
+        };
+        let woken = Claim {
+            held_at_zero: true,
+            ..claim(1)
+        };
+        assert_eq!(grant(&[busy(2, 0.98), busy(1, 0.99), woken], 3), [1, 1, 1]);
+        // A pool with replicas that wants none any more gives them up.
+        let idle = Claim {
+            current: 2,
+            ..claim(0)
+        };
+        assert_eq!(grant(&[idle, busy(1, 0.5)], 2), [0, 2]);
     }
 
     #[test]

@@ -331,44 +331,162 @@ async fn concurrent_requests_for_one_model_stage_it_once() {
     assert!(srv.faults.served.load(Ordering::SeqCst) < total + 64 * 1024);
 }
 
+/// A store with room for two and a half snapshots of the tiny model, and that
+/// model as the source of every name.
+struct Room {
+    _src: tempfile::TempDir,
+    out: tempfile::TempDir,
+    size: u64,
+    store: Store,
+    f: Fetcher,
+}
+
+impl Room {
+    fn for_two() -> Room {
+        let src = tempfile::tempdir().unwrap();
+        let (snap, _) = model(src.path());
+        let size = std::fs::metadata(&snap).unwrap().len();
+        let out = tempfile::tempdir().unwrap();
+        let store = Store::open(out.path(), size * 2 + size / 2).unwrap();
+        let f = fetcher(&snap.display().to_string());
+        Room {
+            _src: src,
+            out,
+            size,
+            store,
+            f,
+        }
+    }
+
+    /// Demand for `name` (stages it, making room; records the want).
+    async fn want(&self, name: &str) -> preheat_warmpool::Result<()> {
+        self.want_keeping(name, &[]).await
+    }
+
+    async fn want_keeping(&self, name: &str, keep: &[&str]) -> preheat_warmpool::Result<()> {
+        let keep: HashSet<String> = keep.iter().map(|k| (*k).to_owned()).collect();
+        self.store
+            .ensure(name, &self.f, &small_pieces(), &keep, Arc::new(NoProgress))
+            .await
+            .map(|_| ())
+    }
+
+    async fn prefetch(&self, name: &str) -> preheat_warmpool::Result<()> {
+        self.store
+            .prefetch(name, &self.f, &small_pieces(), Arc::new(NoProgress))
+            .await
+            .map(|_| ())
+    }
+
+    /// Wants each of `names` in turn, at distinct times (what eviction orders by).
+    async fn want_in_turn(&self, names: &[&str]) {
+        for name in names {
+            self.want(name).await.unwrap();
+            // Deliberate: the wants must be at distinct times.
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Staged names, least recently wanted first.
+    fn names(&self) -> Vec<String> {
+        self.store
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.name)
+            .collect()
+    }
+
+    fn lease(&self, name: &str) -> preheat_warmpool::lease::Lease {
+        preheat_warmpool::lease::Lease::take(&self.store.path_of(name).unwrap()).unwrap()
+    }
+}
+
 #[tokio::test]
 async fn least_recently_used_snapshots_are_evicted_past_the_budget() {
-    let src = tempfile::tempdir().unwrap();
-    let (snap, _) = model(src.path());
-    let size = std::fs::metadata(&snap).unwrap().len();
-    let out = tempfile::tempdir().unwrap();
-    let store = Store::open(out.path(), size * 2 + size / 2).unwrap();
-    let f = fetcher(&snap.display().to_string());
-    let none = HashSet::new();
-    for name in ["a", "b"] {
-        store
-            .ensure(name, &f, &small_pieces(), &none, Arc::new(NoProgress))
-            .await
-            .unwrap();
-        // Deliberate: the two are used at distinct times (what LRU orders by).
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    store.touch("a");
-    store
-        .ensure("c", &f, &small_pieces(), &none, Arc::new(NoProgress))
-        .await
-        .unwrap();
-    let names: Vec<String> = store.list().unwrap().into_iter().map(|m| m.name).collect();
-    assert_eq!(names, vec!["a", "c"], "b was least recently used");
-    assert_eq!(store.evictions(), 1);
+    let r = Room::for_two();
+    r.want_in_turn(&["a", "b"]).await;
+    r.store.touch("a");
+    r.want("c").await.unwrap();
+    assert_eq!(r.names(), vec!["a", "c"], "b was least recently used");
+    assert_eq!(r.store.evictions(), 1);
     // Everything else must stay: no room for d.
-    let keep: HashSet<String> = ["a", "c"].map(String::from).into();
-    let err = store
-        .ensure("d", &f, &small_pieces(), &keep, Arc::new(NoProgress))
-        .await
-        .unwrap_err();
+    let err = r.want_keeping("d", &["a", "c"]).await.unwrap_err();
     assert!(matches!(err, Error::OverBudget(_)), "{err}");
-    let tiny = Store::open(tempfile::tempdir().unwrap().path(), size / 2).unwrap();
+    let tiny = Store::open(tempfile::tempdir().unwrap().path(), r.size / 2).unwrap();
     assert!(matches!(
-        tiny.ensure("a", &f, &small_pieces(), &none, Arc::new(NoProgress))
-            .await,
+        tiny.ensure(
+            "a",
+            &r.f,
+            &small_pieces(),
+            &HashSet::new(),
+            Arc::new(NoProgress)
+        )
+        .await,
         Err(Error::OverBudget(_))
     ));
+}
+
+#[tokio::test]
+async fn a_snapshot_a_replica_maps_is_never_evicted_however_long_ago_it_was_wanted() {
+    let r = Room::for_two();
+    r.want_in_turn(&["a", "b"]).await;
+    // A replica maps a, the least recently wanted: b goes instead.
+    let lease = r.lease("a");
+    r.want("c").await.unwrap();
+    assert_eq!(r.names(), vec!["a", "c"]);
+    // With a and c both mapped, nothing can make room for d.
+    let _c = r.lease("c");
+    let err = r.want("d").await.unwrap_err();
+    assert!(
+        matches!(err, Error::OverBudget(ref m) if m.contains("mapped")),
+        "{err}"
+    );
+    // Unmapped, a (wanted before c) makes room.
+    drop(lease);
+    r.want("d").await.unwrap();
+    assert_eq!(r.names(), vec!["c", "d"]);
+}
+
+#[tokio::test]
+async fn prefetching_fills_spare_room_only_and_goes_first_when_a_wanted_model_needs_it() {
+    let r = Room::for_two();
+    // b is staged after a was wanted (its file is the newer one).
+    r.want_in_turn(&["a"]).await;
+    r.prefetch("b").await.unwrap();
+    // No room left beside a and b: a prefetch evicts nothing.
+    let err = r.prefetch("c").await.unwrap_err();
+    assert!(matches!(err, Error::OverBudget(_)), "{err}");
+    assert_eq!(r.store.evictions(), 0);
+    // Asked for, c makes room: b, prefetched and never wanted, goes before a.
+    r.want("c").await.unwrap();
+    assert_eq!(r.names(), vec!["a", "c"]);
+    // Prefetching a staged model records no want: a stays the least recently wanted.
+    r.prefetch("c").await.unwrap();
+    r.prefetch("a").await.unwrap();
+    assert_eq!(r.names()[0], "a");
+}
+
+#[tokio::test]
+async fn the_agent_and_a_pods_staging_step_share_one_record_of_wants() {
+    // The agent's store, open for its life.
+    let r = Room::for_two();
+    r.want_in_turn(&["a", "b"]).await;
+    // A pod's staging step (another process, its own store) wants a again...
+    Store::open(r.out.path(), r.size * 2 + r.size / 2)
+        .unwrap()
+        .ensure(
+            "a",
+            &r.f,
+            &small_pieces(),
+            &HashSet::new(),
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap();
+    // ...which the agent sees when it next makes room: b goes.
+    r.want("c").await.unwrap();
+    assert_eq!(r.names(), vec!["a", "c"]);
 }
 
 #[tokio::test]

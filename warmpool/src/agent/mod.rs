@@ -1,13 +1,17 @@
-//! `preheat warmpool run`: the node agent. Every `refresh` it stages the configured
-//! models (in order, each once), refreshes the hot set, seeds the kernel cache, labels
-//! the node and keeps the standbys parked; between refreshes it answers:
+//! `preheat warmpool run`: the node agent. Every `refresh` it prefetches the configured
+//! models that fit the disk budget (the most recently wanted first, each once; evicting
+//! nothing), refreshes the hot set (the most recently wanted that fit the memory
+//! budget), seeds the kernel cache, labels the node and keeps the standbys parked; a
+//! model a replica maps counts as wanted now. Demand (`POST /models/{name}/stage`, and
+//! a pod's own staging step) stages a model, evicting the least recently wanted one no
+//! replica maps. Between refreshes it answers:
 //!
 //! | route | what |
 //! |---|---|
 //! | `GET /health` | 200 while the agent runs |
 //! | `GET /metrics` | [`crate::metrics::names`] |
 //! | `GET /models` | every configured model: state, bytes, resident bytes, progress, last error |
-//! | `POST /models/{name}/stage` | stage a configured model now (joins a staging in progress) |
+//! | `POST /models/{name}/stage` | stage a configured model now, making room (joins a staging in progress) |
 //! | `GET /snapshots/{file}` | a staged snapshot, with Range support (peer staging) |
 //! | `GET /standbys` | per pool: `count` to keep parked, `parked` ready, `serving` (ports of promoted standbys, at `advertise_host`) |
 //! | `PUT /standbys/{pool}` | `{"count": n}`: how many to keep parked |
@@ -23,11 +27,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use axum::extract::{Path as UrlPath, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
-use axum::{Json, Router};
 use preheat_snapshot::Progress;
 use serde::Serialize;
 
@@ -41,6 +40,12 @@ use crate::standby::StandbyPool;
 use crate::store::Store;
 use crate::{Error, Result};
 
+mod demand;
+mod routes;
+
+use demand::{models_by_want, standby_shares};
+use routes::PoolStandbys;
+
 /// What the agent knows of one configured model.
 #[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct ModelStatus {
@@ -50,6 +55,13 @@ pub struct ModelStatus {
     pub bytes: u64,
     pub resident_bytes: u64,
     pub progress: f64,
+    /// A replica on this node (a pod or a standby) maps it: never evicted.
+    #[serde(default)]
+    pub mapped: bool,
+    /// Unix seconds it was last wanted (a replica started from it or mapped it, or
+    /// it was asked for); what eviction and the hot set go by. Absent: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_wanted_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -113,7 +125,7 @@ impl Shared {
             .iter_mut()
             .map(|(name, p)| {
                 let v = PoolStandbys {
-                    count: p.spec().count,
+                    count: p.target(),
                     parked: p.ready(),
                     serving: p.serving_ports(),
                 };
@@ -133,9 +145,10 @@ impl Shared {
         f(s);
     }
 
-    async fn stage(&self, spec: &ModelSpec) -> Result<crate::StageOutcome> {
+    /// Stages `spec`: on `demand`, making room and recording the want; otherwise
+    /// (prefetch) only where it fits beside what is staged.
+    async fn stage(&self, spec: &ModelSpec, demand: bool) -> Result<crate::StageOutcome> {
         let fetcher = Fetcher::new(spec.source.clone(), std::time::Duration::from_secs(60))?;
-        let keep: HashSet<String> = self.cfg.models.iter().map(|m| m.name.clone()).collect();
         let progress = Arc::new(MetricProgress {
             model: spec.name.clone(),
             shared: self.clone(),
@@ -146,10 +159,21 @@ impl Shared {
         if self.store.path_of(&spec.name).is_none() {
             self.set_state(&spec.name, |s| s.state = "staging".into());
         }
-        let r = self
-            .store
-            .ensure(&spec.name, &fetcher, &self.cfg.stage, &keep, progress)
-            .await;
+        let r = if demand {
+            self.store
+                .ensure(
+                    &spec.name,
+                    &fetcher,
+                    &self.cfg.stage,
+                    &HashSet::new(),
+                    progress,
+                )
+                .await
+        } else {
+            self.store
+                .prefetch(&spec.name, &fetcher, &self.cfg.stage, progress)
+                .await
+        };
         match &r {
             Ok(o) => {
                 self.metrics
@@ -163,6 +187,14 @@ impl Shared {
                     s.bytes = o.bytes;
                     s.progress = 1.0;
                     s.error = None;
+                });
+            }
+            Err(e @ Error::OverBudget(_)) if !demand => {
+                // Not a failure: the disk holds other models; it waits for demand.
+                tracing::debug!(model = %spec.name, error = %e, "not prefetched");
+                self.set_state(&spec.name, |s| {
+                    s.state = "pending".into();
+                    s.error = Some(e.to_string());
                 });
             }
             Err(e) => {
@@ -229,17 +261,7 @@ pub async fn run(
             .staging_failures
             .with_label_values(&[&m.name]);
     }
-    let app = Router::new()
-        .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(metrics_route))
-        .route("/models", get(models_route))
-        .route("/models/{name}/stage", post(stage_route))
-        .route("/snapshots/{file}", get(snapshot_route))
-        .route("/standbys", get(standbys_route))
-        .route("/standbys/{pool}", put(standby_count_route))
-        .route("/standbys/{pool}/promote", post(promote_route))
-        .route("/standbys/{pool}/retire", post(retire_route))
-        .with_state(shared.clone());
+    let app = routes::router(shared.clone());
     // Only our own processes (the scaler, gateways, operators with the token) call it.
     let token = shared
         .cfg
@@ -292,12 +314,21 @@ async fn refresh(
     kernels: Option<&KernelCache>,
     seeded: &mut HashSet<std::path::PathBuf>,
 ) {
-    for spec in &shared.cfg.models {
-        let _ = shared.stage(spec).await;
+    // A model a replica maps (a pod or a standby) is wanted now.
+    let mut mapped = HashSet::new();
+    for m in &shared.cfg.models {
+        if let Some(p) = shared.store.path_of(&m.name)
+            && crate::lease::held(&p)
+        {
+            shared.store.touch(&m.name);
+            mapped.insert(m.name.clone());
+        }
     }
-    let wanted: Vec<(String, std::path::PathBuf)> = shared
-        .cfg
-        .models
+    let by_want = models_by_want(&shared.cfg.models, &wants(shared));
+    for spec in &by_want {
+        let _ = shared.stage(spec, false).await;
+    }
+    let wanted: Vec<(String, std::path::PathBuf)> = by_want
         .iter()
         .filter(|m| m.hot)
         .filter_map(|m| Some((m.name.clone(), shared.store.path_of(&m.name)?)))
@@ -308,6 +339,8 @@ async fn refresh(
     })
     .await
     .unwrap_or_default();
+    // After staging: what prefetching added is known (as never wanted).
+    let wants = wants(shared);
     let mut states: BTreeMap<String, ModelState> = BTreeMap::new();
     shared.metrics.resident_bytes.reset();
     for m in &shared.cfg.models {
@@ -335,6 +368,8 @@ async fn refresh(
                 .iter()
                 .find(|h| &h.name == name)
                 .map_or(0, |h| h.resident_bytes);
+            s.mapped = mapped.contains(name);
+            s.last_wanted_s = wants.get(name).copied().filter(|t| *t > 0.0);
         }
     }
     if let Some(k) = kernels {
@@ -365,15 +400,36 @@ async fn refresh(
     }
     {
         let mut pools = shared.standbys.lock().await;
-        for spec in &shared.cfg.standbys {
-            let Some(path) = shared.store.path_of(&spec.model) else {
-                continue;
-            };
-            let pool = pools.entry(spec.pool.clone()).or_insert_with(|| {
-                StandbyPool::new(spec.clone(), &path)
+        let staged: Vec<(&crate::config::StandbySpec, std::path::PathBuf)> = shared
+            .cfg
+            .standbys
+            .iter()
+            .filter_map(|s| Some((s, shared.store.path_of(&s.model)?)))
+            .collect();
+        for (spec, path) in &staged {
+            pools.entry(spec.pool.clone()).or_insert_with(|| {
+                StandbyPool::new((*spec).clone(), path)
                     .with_host(&shared.cfg.advertise_host)
                     .with_token(shared.cfg.cluster_token.clone())
             });
+        }
+        let wants: Vec<(&str, &str, u32)> = staged
+            .iter()
+            .filter_map(|(s, _)| {
+                Some((
+                    s.pool.as_str(),
+                    s.model.as_str(),
+                    pools.get(&s.pool)?.spec().count,
+                ))
+            })
+            .collect();
+        let order: Vec<&str> = by_want.iter().map(|m| m.name.as_str()).collect();
+        let shares = standby_shares(&wants, &order, shared.cfg.standby_budget);
+        for (spec, _) in &staged {
+            let Some(pool) = pools.get_mut(&spec.pool) else {
+                continue;
+            };
+            pool.set_cap(shares.get(spec.pool.as_str()).copied().unwrap_or(0));
             if let Err(e) = pool.reconcile().await {
                 tracing::warn!(pool = %spec.pool, error = %e, "standbys not reconciled");
             }
@@ -395,149 +451,13 @@ async fn refresh(
     shared.metrics.hot_models.set(hot_status.len() as i64);
 }
 
-async fn metrics_route(State(s): State<Shared>) -> Response {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
-        )],
-        s.metrics.render(),
-    )
-        .into_response()
-}
-
-async fn models_route(State(s): State<Shared>) -> Json<Vec<ModelStatus>> {
-    Json(
-        s.status
-            .lock()
-            .expect("no panics while held")
-            .values()
-            .cloned()
-            .collect(),
-    )
-}
-
-fn error_response(status: StatusCode, e: &Error) -> Response {
-    (status, Json(serde_json::json!({"error": e.to_string()}))).into_response()
-}
-
-async fn stage_route(State(s): State<Shared>, UrlPath(name): UrlPath<String>) -> Response {
-    let Some(spec) = s.cfg.models.iter().find(|m| m.name == name).cloned() else {
-        return error_response(
-            StatusCode::NOT_FOUND,
-            &Error::Invalid(format!("model {name:?} is not configured")),
-        );
-    };
-    match s.stage(&spec).await {
-        Ok(o) => Json(serde_json::json!({
-            "path": o.path, "bytes": o.bytes, "fetched_bytes": o.fetched_bytes,
-            "resumed_bytes": o.resumed_bytes, "already_staged": o.already_staged, "seconds": o.seconds,
-        }))
-        .into_response(),
-        Err(e) => error_response(StatusCode::BAD_GATEWAY, &e),
-    }
-}
-
-async fn snapshot_route(
-    State(s): State<Shared>,
-    UrlPath(file): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    crate::files::serve_file(s.store.dir(), &file, &headers).await
-}
-
-#[derive(serde::Deserialize)]
-struct CountBody {
-    count: u32,
-}
-
-async fn standby_count_route(
-    State(s): State<Shared>,
-    UrlPath(pool): UrlPath<String>,
-    Json(b): Json<CountBody>,
-) -> Response {
-    let mut pools = s.standbys.lock().await;
-    match pools.get_mut(&pool) {
-        Some(p) => {
-            p.set_count(b.count.min(64));
-            let r = p.reconcile().await;
-            let count = p.spec().count;
-            s.publish(&mut pools);
-            if let Err(e) = r {
-                return error_response(StatusCode::INTERNAL_SERVER_ERROR, &e);
-            }
-            Json(serde_json::json!({"pool": pool, "count": count})).into_response()
-        }
-        None => error_response(
-            StatusCode::NOT_FOUND,
-            &Error::Invalid(format!("no standby pool {pool:?} (configured and staged)")),
-        ),
-    }
-}
-
-/// One pool's standbys as `GET /standbys` lists them.
-#[derive(Clone, Debug, Serialize)]
-struct PoolStandbys {
-    count: u32,
-    parked: usize,
-    serving: Vec<u16>,
-}
-
-async fn standbys_route(State(s): State<Shared>) -> Json<BTreeMap<String, PoolStandbys>> {
-    Json(s.listing.lock().expect("no panics while held").clone())
-}
-
-async fn retire_route(State(s): State<Shared>, UrlPath(pool): UrlPath<String>) -> Response {
-    let mut pools = s.standbys.lock().await;
-    let Some(p) = pools.get_mut(&pool) else {
-        return error_response(
-            StatusCode::NOT_FOUND,
-            &Error::Invalid(format!("no standby pool {pool:?}")),
-        );
-    };
-    let retired = p.retire();
-    s.publish(&mut pools);
-    match retired {
-        Some(port) => Json(serde_json::json!({"pool": pool, "port": port})).into_response(),
-        None => error_response(
-            StatusCode::CONFLICT,
-            &Error::Invalid(format!("no promoted standby of {pool:?} serves")),
-        ),
-    }
-}
-
-async fn promote_route(State(s): State<Shared>, UrlPath(pool): UrlPath<String>) -> Response {
-    let mut pools = s.standbys.lock().await;
-    let Some(p) = pools.get_mut(&pool) else {
-        return error_response(
-            StatusCode::NOT_FOUND,
-            &Error::Invalid(format!("no standby pool {pool:?}")),
-        );
-    };
-    // Each promotion starts a replacement: without a cap, promotions would start
-    // processes without limit.
-    let serving = p.serving_ports().len();
-    if serving >= p.spec().count as usize {
-        return error_response(
-            StatusCode::CONFLICT,
-            &Error::Invalid(format!(
-                "{serving} standbys of {pool:?} already serve (the limit is its count, {})",
-                p.spec().count
-            )),
-        );
-    }
-    let promoted = p.promote().await;
-    if matches!(promoted, Ok(Some(_))) {
-        // A replacement starts parking now, not at the next refresh.
-        let _ = p.reconcile().await;
-    }
-    s.publish(&mut pools);
-    match promoted {
-        Ok(Some(done)) => Json(done).into_response(),
-        Ok(None) => error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &Error::Invalid(format!("no parked standby of {pool:?} is ready")),
-        ),
-        Err(e) => error_response(StatusCode::BAD_GATEWAY, &e),
-    }
+/// When each staged model was last wanted (unix seconds; 0: never).
+fn wants(shared: &Shared) -> BTreeMap<String, f64> {
+    shared
+        .store
+        .list()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| (m.name, m.last_used))
+        .collect()
 }
