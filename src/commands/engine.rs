@@ -17,7 +17,7 @@ pub fn run(cmd: EngineCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         EngineCmd::Serve(args) => {
             let opts = serve_options(&args, false)?;
-            let _lease = lease(&args.model);
+            let _lease = lease(&args.model, args.standby);
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
@@ -356,7 +356,7 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
         );
     }
     let mut serve = serve_options(&a.serve, true)?;
-    let _lease = lease(&a.serve.model);
+    let _lease = lease(&a.serve.model, a.serve.standby);
     if let Some(g) = &a.gateway
         && !(g.starts_with("http://") || g.starts_with("https://"))
     {
@@ -420,9 +420,11 @@ fn run_worker(a: &WorkerArgs, role: WorkerRole) -> anyhow::Result<ExitCode> {
 
 /// This replica's claim on the snapshot file it maps, held until it exits: the node's
 /// warm pool never evicts a snapshot a replica maps. Not a snapshot file (a Hugging
-/// Face directory, a GGUF converted in memory): nothing to claim.
-fn lease(model: &std::path::Path) -> Option<preheat_warmpool::lease::Lease> {
-    if !model.is_file() {
+/// Face directory, a GGUF converted in memory): nothing to claim. A standby claims
+/// nothing: it is the agent's own, which retires it when its model must make room
+/// (parked standbys holding leases would pin every model that has them).
+fn lease(model: &std::path::Path, standby: bool) -> Option<preheat_warmpool::lease::Lease> {
+    if standby || !model.is_file() {
         return None;
     }
     preheat_warmpool::lease::Lease::take(model)

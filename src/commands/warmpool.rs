@@ -113,9 +113,19 @@ pub fn run(cmd: WarmpoolCmd) -> anyhow::Result<ExitCode> {
                 match budget {
                     // Beside the node's agent, under its budget: demand makes room.
                     Some(b) => {
-                        preheat_warmpool::Store::open(&dir, b)?
-                            .ensure(&name, &f, &opts, &std::collections::HashSet::new(), bar)
-                            .await
+                        let store = preheat_warmpool::Store::open(&dir, b)?;
+                        let none = std::collections::HashSet::new();
+                        match store.ensure(&name, &f, &opts, &none, bar.clone()).await {
+                            // The pod needs the model to start at all: staged past the
+                            // budget rather than never, and said.
+                            Err(preheat_warmpool::Error::OverBudget(why)) => {
+                                tracing::warn!(model = %name, %why, "no room within the disk budget; staging past it");
+                                let o = stage::stage(&f, &dir, &name, &opts, bar).await;
+                                store.touch(&name);
+                                o
+                            }
+                            other => other,
+                        }
                     }
                     None => stage::stage(&f, &dir, &name, &opts, bar).await,
                 }

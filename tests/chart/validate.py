@@ -362,7 +362,7 @@ def expected_models(merged):
         name = e.get("name") or dns_label(re.sub(r"\.[^.]*$", "", os.path.basename(re.sub(r"[?#].*$", "", source))))
         pools = {}
         for role in ("prefill", "decode"):
-            p = dict(merged[role], idleGraceSeconds=merged["scaler"]["idleGraceSeconds"])
+            p = dict({"idleGraceSeconds": merged["scaler"]["idleGraceSeconds"]}, **merged[role])
             p.update(e.get(role) or {})
             pools[role] = p
         given = e.get("standbys") or {}
@@ -825,8 +825,11 @@ REFUSED = [
     ({"model": {"source": "https://x/a.phpack"}, "models": [{"name": "b", "source": "https://x/b.phpack"}]}, "/model/source"),
     ({"models": [{"name": "a", "source": "https://x/a.phpack"}, {"name": "a", "source": "https://x/b.phpack"}]}, '"a" appears twice'),
     ({"models": [{"name": "Llama_8B", "source": "https://x/a.phpack"}]}, "/models/0/name"),
-    ({"models": [{"name": "a", "source": "https://x/a.phpack", "decode": {"maxReplica": 3}}]}, "maxReplica"),
-    ({"models": [{"name": "a", "source": "https://x/a.phpack", "prefill": {"port": 9000}}]}, "port"),
+    ({"models": [{"name": "a", "source": "https://x/a.phpack", "decode": {"maxReplica": 3}}]}, "'maxReplica' not allowed"),
+    ({"models": [{"name": "a", "source": "https://x/a.phpack", "prefill": {"port": 9000}}]}, "'port' not allowed"),
+    ({"model": {"source": "https://x/a.phpack"}, "warmpool": {"standbys": {"budgt": 2}}}, "'budgt' not allowed"),
+    ({"model": {"source": "https://x/a.phpack"}, "warmpool": {"diskBudget": 200000000000}}, "/warmpool/diskBudget"),
+    ({"model": {"source": "https://x/a.phpack"}, "decode": {"maxReplica": 3}}, "'maxReplica' not allowed"),
     ({"models": [{"name": "a", "source": "https://x/a.phpack", "sourceSecret": {"name": "s"}}]}, "/models/0"),
     ({"models": [{"name": "a"}]}, "/models/0"),
     ({"models": [{"name": "a" * 60, "source": "https://x/a.phpack"}]}, "longer than 63"),

@@ -6,6 +6,7 @@
 //! containers because the node directory is one file system on one kernel.
 
 use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 /// Held while it lives; dropping it (or the process exiting) releases the claim.
@@ -16,33 +17,50 @@ pub struct Lease {
 
 impl Lease {
     /// Claims `path` (a staged snapshot) for as long as the lease lives. Shared: any
-    /// number of replicas hold it together; blocks only while the store is evicting
-    /// the file (then the replica maps the unlinked file, which it still reads).
+    /// number of replicas hold it together. It waits while the store evicts the file
+    /// (the store unlinks it holding the exclusive lock), then finds the path gone or
+    /// another file there: `NotFound` rather than a claim on an unlinked file.
     pub fn take(path: &Path) -> std::io::Result<Lease> {
         let file = File::open(path)?;
         file.lock_shared()?;
+        let (held, now) = (file.metadata()?, std::fs::metadata(path)?);
+        if (held.dev(), held.ino()) != (now.dev(), now.ino()) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{} was replaced while it was being claimed", path.display()),
+            ));
+        }
         Ok(Lease { _file: file })
     }
 }
 
-/// Whether a replica holds a lease on `path` (an exclusive try-lock would block).
-/// A file that cannot be opened is held by nobody.
+/// The exclusive lock on a snapshot nobody leases, held while the store removes it:
+/// a replica claiming it meanwhile waits, then finds it gone.
+#[derive(Debug)]
+pub struct Unclaimed {
+    _file: File,
+}
+
+/// [`Unclaimed`] when no replica holds a lease on `path`; `None` when one does, or
+/// when the check fails (then it counts as held: never evict on a doubt).
 #[must_use]
-pub fn held(path: &Path) -> bool {
-    let Ok(file) = File::open(path) else {
-        return false;
-    };
+pub fn unclaimed(path: &Path) -> Option<Unclaimed> {
+    let file = File::open(path).ok()?;
     match file.try_lock() {
-        Ok(()) => {
-            let _ = file.unlock();
-            false
-        }
-        Err(std::fs::TryLockError::WouldBlock) => true,
+        Ok(()) => Some(Unclaimed { _file: file }),
+        Err(std::fs::TryLockError::WouldBlock) => None,
         Err(std::fs::TryLockError::Error(e)) => {
             tracing::warn!(path = %path.display(), error = %e, "lease check failed; treated as held");
-            true
+            None
         }
     }
+}
+
+/// Whether a replica holds a lease on `path`. A file that is not there is held by
+/// nobody.
+#[must_use]
+pub fn held(path: &Path) -> bool {
+    path.is_file() && unclaimed(path).is_none()
 }
 
 #[cfg(test)]
@@ -63,5 +81,27 @@ mod tests {
         drop(b);
         assert!(!held(&p));
         assert!(!held(&dir.path().join("missing.preheat")));
+    }
+
+    #[test]
+    fn a_claim_on_a_file_evicted_meanwhile_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.preheat");
+        std::fs::write(&p, b"x").unwrap();
+        // The store holds the exclusive lock while it removes the file; a claim
+        // waits for it, then finds the path gone.
+        let evicting = unclaimed(&p).unwrap();
+        let claim = {
+            let p = p.clone();
+            std::thread::spawn(move || Lease::take(&p))
+        };
+        // Deliberate: the claim is waiting on the lock when the file goes.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(&p, b"y").unwrap();
+        drop(evicting);
+        let err = claim.join().unwrap().unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+        assert!(Lease::take(&p).is_ok(), "the new file can be claimed");
     }
 }

@@ -21,6 +21,8 @@ use crate::stage::{self, EXTENSION, StageOptions, StageOutcome};
 use crate::{Error, Result};
 
 const STATE_FILE: &str = ".preheat-store.json";
+/// Held (flock) by whoever changes the state file.
+const STATE_LOCK: &str = ".preheat-store.lock";
 
 /// A staged model as the store sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,7 +34,7 @@ pub struct StagedModel {
     pub last_used: f64,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct State {
     /// Model name → unix seconds of its last use.
     last_used: BTreeMap<String, f64>,
@@ -52,7 +54,13 @@ pub struct Store {
     /// wasted I/O (published files are only ever replaced by rename).
     verified: Mutex<HashSet<String>>,
     evictions: std::sync::atomic::AtomicU64,
+    /// How long after a want a model is not evicted (see [`Store::with_want_grace`]).
+    want_grace: std::time::Duration,
 }
+
+/// A model wanted this recently is not evicted: the window between a pod's staging
+/// step ending and its worker leasing the file is a container start, seconds.
+pub const WANT_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
 fn now() -> f64 {
     SystemTime::now()
@@ -80,7 +88,16 @@ impl Store {
             staging: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashSet::new()),
             evictions: 0.into(),
+            want_grace: WANT_GRACE,
         })
+    }
+
+    /// How long after a want a model is safe from eviction ([`WANT_GRACE`] by
+    /// default).
+    #[must_use]
+    pub fn with_want_grace(mut self, grace: std::time::Duration) -> Self {
+        self.want_grace = grace;
+        self
     }
 
     #[must_use]
@@ -99,25 +116,46 @@ impl Store {
         self.evictions.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// The usage record as this process and the others sharing the directory left
-    /// it: for each model the later of the two times.
-    fn merged_state(&self) -> std::sync::MutexGuard<'_, State> {
-        let mut s = self.state.lock().expect("no panics while held");
-        if let Ok(b) = std::fs::read(self.dir.join(STATE_FILE))
-            && let Ok(disk) = serde_json::from_slice::<State>(&b)
-        {
-            for (name, t) in disk.last_used {
-                let e = s.last_used.entry(name).or_insert(t);
-                *e = e.max(t);
-            }
+    /// The usage record as it is on disk (the agent and the pods' staging steps share
+    /// it: the disk copy is the truth), or this process's last copy when the file
+    /// cannot be read.
+    fn read_state(&self) -> State {
+        let mine = self.state.lock().expect("no panics while held");
+        self.read_state_unlocked(&mine)
+    }
+
+    /// Changes the usage record: read from disk, changed and written back under an
+    /// exclusive lock on the directory's record, so two processes never lose each
+    /// other's change.
+    fn update(&self, f: impl FnOnce(&mut State)) {
+        let mut mine = self.state.lock().expect("no panics while held");
+        let path = self.dir.join(STATE_LOCK);
+        let lock = std::fs::File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .and_then(|l| l.lock().map(|()| l));
+        if let Err(e) = &lock {
+            tracing::warn!(path = %path.display(), error = %e, "usage record not locked; another process's change may be lost");
         }
-        s
+        let mut s = self.read_state_unlocked(&mine);
+        f(&mut s);
+        self.save(&s);
+        *mine = s;
+    }
+
+    fn read_state_unlocked(&self, mine: &State) -> State {
+        std::fs::read(self.dir.join(STATE_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<State>(&b).ok())
+            .unwrap_or_else(|| mine.clone())
     }
 
     /// Published snapshots in the directory, least recently wanted first.
     pub fn list(&self) -> Result<Vec<StagedModel>> {
         let rd = std::fs::read_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
-        let state = self.merged_state();
+        let state = self.read_state();
         let mut out = Vec::new();
         for e in rd.flatten() {
             let path = e.path();
@@ -162,9 +200,9 @@ impl Store {
     /// Records a want of `name` (a replica started from it, or maps it now): eviction
     /// goes by this.
     pub fn touch(&self, name: &str) {
-        let mut s = self.merged_state();
-        s.last_used.insert(name.to_owned(), now());
-        self.save(&s);
+        self.update(|s| {
+            s.last_used.insert(name.to_owned(), now());
+        });
     }
 
     /// Writes the state the way every other file here is published (temp file, fsync,
@@ -271,9 +309,9 @@ impl Store {
             self.touch(name);
         } else {
             // Known, never wanted: first in line for eviction (not dated by its file).
-            let mut s = self.merged_state();
-            s.last_used.entry(name.to_owned()).or_insert(0.0);
-            self.save(&s);
+            self.update(|s| {
+                s.last_used.entry(name.to_owned()).or_insert(0.0);
+            });
         }
         Ok(out)
     }
@@ -305,16 +343,25 @@ impl Store {
             if used + incoming <= self.disk_budget {
                 break;
             }
-            if m.name == name || keep.contains(&m.name) || crate::lease::held(&m.path) {
+            // Just wanted: a pod that staged it may not have leased it yet (its
+            // staging step has ended, its worker not yet mapped the file).
+            let just_wanted = now() - m.last_used < self.want_grace.as_secs_f64();
+            if m.name == name || keep.contains(&m.name) || just_wanted {
                 continue;
             }
+            // Removed under the exclusive lock: a replica claiming it meanwhile waits,
+            // then finds it gone rather than leasing an unlinked file.
+            let Some(_unclaimed) = crate::lease::unclaimed(&m.path) else {
+                continue;
+            };
             self.evict(&m.name)?;
             used = used.saturating_sub(m.bytes);
         }
         if used + incoming > self.disk_budget {
             return Err(Error::OverBudget(format!(
-                "{name} needs {incoming} bytes; {used} of {} are held by models that must stay (configured to, or mapped by a replica)",
-                self.disk_budget
+                "{name} needs {incoming} bytes; {used} of {} are held by models that must stay (kept, mapped by a replica, or wanted in the last {} s)",
+                self.disk_budget,
+                self.want_grace.as_secs()
             )));
         }
         Ok(())
@@ -340,9 +387,9 @@ impl Store {
             .lock()
             .expect("no panics while held")
             .remove(name);
-        let mut s = self.merged_state();
-        s.last_used.remove(name);
-        self.save(&s);
+        self.update(|s| {
+            s.last_used.remove(name);
+        });
         self.evictions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(

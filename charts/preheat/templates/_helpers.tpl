@@ -130,7 +130,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- $first := dict -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $p := deepCopy (index $v $role) -}}
+{{- if not (hasKey $p "idleGraceSeconds") -}}
 {{- $_ := set $p "idleGraceSeconds" $v.scaler.idleGraceSeconds -}}
+{{- end -}}
 {{- range $k, $val := (index $e $role | default dict) -}}
 {{- $_ := set $p $k $val -}}
 {{- end -}}
@@ -151,7 +153,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "preheat.poolSelector" -}}
 {{- include "preheat.selector" (dict "root" .root "component" .role) }}
 {{- if .m.listed }}
-preheat.dev/model: {{ .m.name }}
+preheat.dev/model: {{ .m.name | quote }}
 {{- end }}
 {{- end -}}
 

@@ -5,13 +5,14 @@
 //!
 //! 1. a pool with requests held and no replica serving (nobody can serve them) gets
 //!    its first;
-//! 2. every pool gets its floor (`min_replicas`), and a pool with replicas that still
-//!    wants one keeps one: taken to zero while busy, its requests would be held and
-//!    it would be the next to wake, and the models would take turns at zero;
-//! 3. such a pool keeps the replicas it has starting (taking them back would leave it
-//!    at zero again; after the floors, so replicas that never start cannot crowd
-//!    them out);
-//! 4. the rest goes up to what each wants.
+//! 2. every pool gets its floor (`min_replicas`);
+//! 3. a pool with replicas that still wants one keeps one: taken to zero while busy,
+//!    its requests would be held, it would be the next to wake, and the models would
+//!    take turns at zero;
+//! 4. a pool woken from zero keeps the replicas it has starting (taking them back
+//!    would leave it at zero again; after the floors, so replicas that never start
+//!    cannot crowd them out);
+//! 5. the rest goes up to what each wants.
 //!
 //! Within each pass pools are taken by the same rank: requests held at zero first,
 //! then the largest SLO deficit, then the model's `priority`, then the order of the
@@ -65,12 +66,11 @@ pub(super) fn grant(claims: &[Claim], max_gpus: u32) -> Vec<u32> {
         }
     }
     for &i in &order {
+        give(i, claims[i].desired.min(claims[i].min), &mut granted);
+    }
+    for &i in &order {
         let serving = u32::from(claims[i].current > 0);
-        give(
-            i,
-            claims[i].desired.min(claims[i].min.max(serving)),
-            &mut granted,
-        );
+        give(i, claims[i].desired.min(serving), &mut granted);
     }
     for &i in &order {
         if claims[i].held_at_zero {
@@ -154,6 +154,13 @@ mod tests {
             ..claim(0)
         };
         assert_eq!(grant(&[idle, busy(1, 0.5)], 2), [0, 2]);
+        // Floors first: a floor of 2 is held even where that leaves a busier pool
+        // none of the budget.
+        let floored = Claim {
+            min: 2,
+            ..busy(2, 0.1)
+        };
+        assert_eq!(grant(&[floored, busy(1, 0.9)], 2), [2, 0]);
     }
 
     #[test]

@@ -425,6 +425,16 @@ async fn refresh(
             .collect();
         let order: Vec<&str> = by_want.iter().map(|m| m.name.as_str()).collect();
         let shares = standby_shares(&wants, &order, shared.cfg.standby_budget);
+        // A pool whose model was evicted parks none: its standbys would hold the
+        // unlinked file's blocks (the room its eviction made).
+        for (name, pool) in pools.iter_mut() {
+            if !staged.iter().any(|(s, _)| &s.pool == name) {
+                pool.set_cap(0);
+                if let Err(e) = pool.reconcile().await {
+                    tracing::warn!(pool = %name, error = %e, "standbys not reconciled");
+                }
+            }
+        }
         for (spec, _) in &staged {
             let Some(pool) = pools.get_mut(&spec.pool) else {
                 continue;

@@ -347,7 +347,10 @@ impl Room {
         let (snap, _) = model(src.path());
         let size = std::fs::metadata(&snap).unwrap().len();
         let out = tempfile::tempdir().unwrap();
-        let store = Store::open(out.path(), size * 2 + size / 2).unwrap();
+        // No grace: these wants are milliseconds apart.
+        let store = Store::open(out.path(), size * 2 + size / 2)
+            .unwrap()
+            .with_want_grace(std::time::Duration::ZERO);
         let f = fetcher(&snap.display().to_string());
         Room {
             _src: src,
@@ -425,6 +428,31 @@ async fn least_recently_used_snapshots_are_evicted_past_the_budget() {
         .await,
         Err(Error::OverBudget(_))
     ));
+}
+
+#[tokio::test]
+async fn a_model_just_wanted_is_not_evicted_before_its_replica_can_lease_it() {
+    let r = Room::for_two();
+    r.want_in_turn(&["a", "b"]).await;
+    // The default grace: a and b were both wanted a moment ago (their pods may be
+    // starting, their files not leased yet): c cannot make room.
+    let store = Store::open(r.out.path(), r.size * 2 + r.size / 2).unwrap();
+    store.touch("a");
+    let err = store
+        .ensure(
+            "c",
+            &r.f,
+            &small_pieces(),
+            &HashSet::new(),
+            Arc::new(NoProgress),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::OverBudget(ref m) if m.contains("wanted in the last")),
+        "{err}"
+    );
+    assert_eq!(r.names(), vec!["b", "a"], "nothing evicted");
 }
 
 #[tokio::test]
