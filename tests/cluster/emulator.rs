@@ -59,6 +59,9 @@ pub struct State {
     pub pods: BTreeMap<String, Pod>,
     /// Pods that exited for good (name, owner).
     pub gone: Vec<(String, String)>,
+    /// Pods a rollout added past the replica count (its surge): the controller does
+    /// not count them until the pod they replace is gone.
+    pub surge: std::collections::HashSet<String>,
 }
 
 pub type Shared = Arc<Mutex<State>>;
@@ -271,6 +274,91 @@ impl Cluster {
         format!("{}-{pod}", self.net)
     }
 
+    /// Whether the cluster holds object `kind`/`name`.
+    pub fn has(&self, kind: &str, name: &str) -> bool {
+        let s = self.state.lock().unwrap();
+        s.objects
+            .iter()
+            .any(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+    }
+
+    /// `helm upgrade` to `objects`. The cluster token Secret is kept (the chart's
+    /// `lookup` keeps it in a cluster; rendered off one it would be new). A Deployment
+    /// gone has its pods terminated, each draining as on a scale-down; a new one starts
+    /// at its rendered replicas; one whose pod template changed is rolled out (one pod
+    /// at a time, the old one terminated once its replacement is Ready); a changed
+    /// DaemonSet's pods are replaced node by node. Returns once every rollout is done.
+    pub fn upgrade(self: &Arc<Self>, mut objects: Vec<Value>, timeout: Duration) {
+        let old = self.state.lock().unwrap().objects.clone();
+        let by_kind = |list: &[Value], kind: &str| -> BTreeMap<String, Value> {
+            list.iter()
+                .filter(|o| o["kind"] == kind)
+                .map(|o| {
+                    (
+                        o["metadata"]["name"].as_str().unwrap().to_owned(),
+                        o.clone(),
+                    )
+                })
+                .collect()
+        };
+        let old_secrets = by_kind(&old, "Secret");
+        for o in &mut objects {
+            if o["kind"] == "Secret"
+                && let Some(prev) = o["metadata"]["name"]
+                    .as_str()
+                    .and_then(|n| old_secrets.get(n))
+            {
+                *o = prev.clone();
+            }
+        }
+        let (old_d, new_d) = (by_kind(&old, "Deployment"), by_kind(&objects, "Deployment"));
+        let (old_ds, new_ds) = (by_kind(&old, "DaemonSet"), by_kind(&objects, "DaemonSet"));
+        {
+            let mut s = self.state.lock().unwrap();
+            for (name, d) in &new_d {
+                if !old_d.contains_key(name) {
+                    let r = d["spec"]["replicas"].as_i64().unwrap_or(1);
+                    s.scale.insert(name.clone(), r);
+                    s.scale_history.push((name.clone(), r, "upgrade"));
+                }
+            }
+            s.objects = objects;
+        }
+        for name in old_d.keys().filter(|n| !new_d.contains_key(*n)) {
+            for p in self.pods_of(name) {
+                self.terminate(&p.name);
+            }
+        }
+        for (name, d) in &new_d {
+            if old_d
+                .get(name)
+                .is_some_and(|o| o["spec"]["template"] != d["spec"]["template"])
+            {
+                self.rollout(name, timeout);
+            }
+        }
+        for (name, d) in &new_ds {
+            if old_ds
+                .get(name)
+                .is_some_and(|o| o["spec"]["template"] != d["spec"]["template"])
+            {
+                for p in self.pods_of(name) {
+                    // The controller starts its replacement on the node at once.
+                    self.terminate(&p.name);
+                    preheat_testkit::wait_for(
+                        format!("upgrade: a new {name} pod Ready on {}", p.node),
+                        timeout,
+                        || {
+                            self.pods_of(name)
+                                .iter()
+                                .any(|q| q.node == p.node && q.name != p.name && q.ready)
+                        },
+                    );
+                }
+            }
+        }
+    }
+
     pub fn object(&self, kind: &str, name: &str) -> Value {
         let s = self.state.lock().unwrap();
         s.objects
@@ -345,7 +433,7 @@ impl Cluster {
                 let live: Vec<Pod> = s
                     .pods
                     .values()
-                    .filter(|p| p.owner == name && !p.terminating)
+                    .filter(|p| p.owner == name && !p.terminating && !s.surge.contains(&p.name))
                     .cloned()
                     .collect();
                 (s.scale[&name].max(0) as usize, live)
@@ -354,7 +442,7 @@ impl Cluster {
                 let node = self.nodes
                     [(self.next_pod.load(Ordering::SeqCst) as usize + i) % self.nodes.len()]
                 .clone();
-                self.create_pod(&d, &name, &node);
+                let _ = self.create_pod(&d, &name, &node);
             }
             if live.len() > want {
                 // Not-Ready first, then the newest, as a ReplicaSet picks.
@@ -376,7 +464,7 @@ impl Cluster {
                         .any(|p| p.owner == name && p.node == node && !p.terminating)
                 };
                 if !has {
-                    self.create_pod(&d, &name, &node);
+                    let _ = self.create_pod(&d, &name, &node);
                 }
             }
         }
@@ -391,17 +479,34 @@ impl Cluster {
             let node = self.state.lock().unwrap().pods[&name].node.clone();
             let before = self.ready(owner).len();
             // Surge one, wait for it to be Ready, then retire the old one.
-            self.create_pod(&d, owner, &node);
-            preheat_testkit::wait_for(
-                format!("rollout: the new {owner} pod Ready"),
-                timeout,
-                || self.ready(owner).len() > before,
-            );
+            let new = self.create_pod(&d, owner, &node);
+            self.state.lock().unwrap().surge.insert(new.clone());
+            let ready =
+                preheat_testkit::Wait::new(format!("rollout: the new {owner} pod Ready"), timeout)
+                    .poll(|| {
+                        if self.ready(owner).len() > before {
+                            Ok(())
+                        } else {
+                            Err(format!("ready {:?}", self.ready(owner)))
+                        }
+                    });
+            if let Err(e) = ready {
+                let logs: Vec<String> = self
+                    .pods_of(owner)
+                    .iter()
+                    .filter(|p| p.name != name)
+                    .map(|p| format!("{}: {}", p.name, self.all_logs(&p.name)))
+                    .collect();
+                panic!("{e}\n{}", logs.join("\n---\n"));
+            }
             self.terminate(&name);
+            // The old pod is terminating (out of the count): the new one takes its place.
+            self.state.lock().unwrap().surge.remove(&new);
         }
     }
 
-    fn create_pod(self: &Arc<Self>, d: &Value, owner: &str, node: &str) {
+    /// Starts a pod of `d` on `node`; its name.
+    fn create_pod(self: &Arc<Self>, d: &Value, owner: &str, node: &str) -> String {
         let n = self.next_pod.fetch_add(1, Ordering::SeqCst);
         let ip = format!(
             "{}.{}",
@@ -426,6 +531,7 @@ impl Cluster {
             probes: HashMap::new(),
         };
         self.state.lock().unwrap().pods.insert(name.clone(), pod);
+        let pod_name = name.clone();
         let c = Arc::clone(self);
         let node = node.to_owned();
         std::thread::spawn(move || {
@@ -468,6 +574,7 @@ impl Cluster {
                 }
             }
         });
+        pod_name
     }
 
     /// `docker run` arguments for one container of a pod, as the kubelet would start it.

@@ -173,7 +173,7 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
         );
         let rt = c.rt.clone();
         rt.spawn(async move {
-            while !c.stopped() {
+            while !c.stopped() && c.has("ScaledObject", &spec.sref.name) {
                 if let Ok(mut client) = url.connect().await
                     && let Ok(r) = client.stream_is_active(spec.sref.clone()).await
                 {
@@ -200,7 +200,8 @@ pub fn drive(c: &Arc<Cluster>, so: &Value, scaler: &str) {
         let mut failures = 0u32;
         let mut recs: VecDeque<(Instant, i64)> = VecDeque::new();
         let mut events: VecDeque<(Instant, i64)> = VecDeque::new();
-        while !c.stopped() {
+        // Until the ScaledObject is gone (a `helm upgrade` removed it).
+        while !c.stopped() && c.has("ScaledObject", &spec.sref.name) {
             // Deliberate: the ScaledObject's pollingInterval, as KEDA keeps it.
             tokio::time::sleep(spec.polling).await;
             let mut client = url.connect().await.ok();
