@@ -376,6 +376,16 @@ def expected_models(merged):
     return out
 
 
+def mib(q):
+    """A memory quantity in MiB, rounded up (as the chart adds them)."""
+    m = re.fullmatch(r"([0-9.]+)([KMGT]i?B?|)", str(q))
+    per = {"": 1 / 2**20, "K": 1e3 / 2**20, "M": 1e6 / 2**20, "G": 1e9 / 2**20, "T": 1e12 / 2**20,
+           "Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 2**20}
+    unit = m.group(2).rstrip("B") if m.group(2).endswith("iB") or m.group(2).endswith("B") else m.group(2)
+    import math
+    return math.ceil(float(m.group(1)) * per[unit] - 1e-9)
+
+
 def selects(selector, labels):
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -504,6 +514,26 @@ def check_models(variant, merged, by_kind):
                         fail(variant, f'{kind}/{o["metadata"]["name"]} shows {n}\'s source although it comes from a Secret')
     if agent_cfg is not None and sorted(x["name"] for x in agent_cfg["models"]) != sorted(m["name"] for m in models):
         fail(variant, f'the agents keep {[x["name"] for x in agent_cfg["models"]]}, want every model')
+    # The agent pod holds its standbys (2 × count workers of each pool, their memory
+    # and GPUs) and, pinned, its hot set: its resources add them to warmpool.resources.
+    if ds:
+        got = ds[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+        base = merged["warmpool"]["resources"]
+        mi = lambda q: mib(q) if q is not None else 0
+        want_req, want_lim, want_gpu = mi(base["requests"].get("memory")), mi(base["limits"].get("memory")), 0
+        for m in models:
+            for role in ("prefill", "decode"):
+                n = m["standbys"][role]
+                r = m["pools"][role]["resources"]
+                want_req += 2 * n * mi(r["requests"].get("memory", r["limits"].get("memory")))
+                want_lim += 2 * n * mi(r["limits"].get("memory", r["requests"].get("memory")))
+                want_gpu += 2 * n * int(r["limits"].get("nvidia.com/gpu", 0))
+        if merged["warmpool"]["mlock"]:
+            want_req += mib(merged["warmpool"]["memoryBudget"])
+            want_lim += mib(merged["warmpool"]["memoryBudget"])
+        have = (mib(got["requests"]["memory"]), mib(got["limits"]["memory"]), int(got["limits"].get("nvidia.com/gpu", 0)))
+        if have != (want_req, want_lim, want_gpu):
+            fail(variant, f"agent resources (memory request, limit MiB, GPUs) {have}, its standbys and hot set need {(want_req, want_lim, want_gpu)}")
     # Standbys: each model's own pools on the agents, its count, ports that do not
     # collide, the node's budget, and the scaler told the agents' names of its pools.
     budget = merged["warmpool"]["standbys"].get("budget", 0)

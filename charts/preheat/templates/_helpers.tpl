@@ -183,3 +183,64 @@ preheat.dev/model: {{ .m.name | quote }}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* A memory quantity ("32Gi", "512Mi", "64GiB", "1G", bytes) in MiB, rounded up:
+     what the agent pod's resources add up. */}}
+{{- define "preheat.mib" -}}
+{{- $q := toString . -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q -}}
+{{- $unit := trimPrefix $num $q -}}
+{{- $per := dict "" 0.00000095367431640625 "Ki" 0.0009765625 "KiB" 0.0009765625 "Mi" 1.0 "MiB" 1.0 "Gi" 1024.0 "GiB" 1024.0 "Ti" 1048576.0 "TiB" 1048576.0 "K" 0.0009536743 "KB" 0.0009536743 "M" 0.95367431640625 "MB" 0.95367431640625 "G" 953.67431640625 "GB" 953.67431640625 "T" 953674.31640625 "TB" 953674.31640625 -}}
+{{- if or (not $num) (not (hasKey $per $unit)) -}}
+{{- fail (printf "%q is not a memory quantity the chart can add up (a number with Ki, Mi, Gi, Ti, K, M, G or T)" $q) -}}
+{{- end -}}
+{{- mulf (float64 $num) (index $per $unit) | ceil | int -}}
+{{- end -}}
+
+{{/* The agent pod's resources: `warmpool.resources`, plus what its standbys hold
+     (each a worker of its pool: the pool's memory and GPUs, for `count` parked and
+     up to `count` promoted of each pool), plus the hot set where it is pinned (mlock:
+     locked pages are charged and never reclaimed). */}}
+{{- define "preheat.agentResources" -}}
+{{- $res := deepCopy .Values.warmpool.resources -}}
+{{- $req := dict "mem" 0 "gpu" 0 -}}
+{{- $lim := dict "mem" 0 -}}
+{{- if include "preheat.anyStandbys" . -}}
+{{- range $m := include "preheat.models" . | fromJsonArray -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $n := int (index $m.standbys $role) -}}
+{{- if gt $n 0 -}}
+{{- $r := (index $m $role).resources -}}
+{{- $rq := $r.requests | default dict -}}
+{{- $rl := $r.limits | default dict -}}
+{{- $each := int (include "preheat.mib" (index $rq "memory" | default (index $rl "memory") | default "0")) -}}
+{{- $eachLim := int (include "preheat.mib" (index $rl "memory" | default (index $rq "memory") | default "0")) -}}
+{{- $gpus := int (index $rl "nvidia.com/gpu" | default (index $rq "nvidia.com/gpu") | default 0) -}}
+{{- $_ := set $req "mem" (add (index $req "mem") (mul 2 $n $each)) -}}
+{{- $_ := set $lim "mem" (add (index $lim "mem") (mul 2 $n $eachLim)) -}}
+{{- $_ := set $req "gpu" (add (index $req "gpu") (mul 2 $n $gpus)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.warmpool.mlock -}}
+{{- $hot := int (include "preheat.mib" .Values.warmpool.memoryBudget) -}}
+{{- $_ := set $req "mem" (add (index $req "mem") $hot) -}}
+{{- $_ := set $lim "mem" (add (index $lim "mem") $hot) -}}
+{{- end -}}
+{{- $requests := $res.requests | default dict -}}
+{{- $limits := $res.limits | default dict -}}
+{{- if gt (int (index $req "mem")) 0 -}}
+{{- $_ := set $requests "memory" (printf "%dMi" (add (int (include "preheat.mib" (index $requests "memory" | default "0"))) (index $req "mem"))) -}}
+{{- end -}}
+{{- if and (gt (int (index $lim "mem")) 0) (index $limits "memory") -}}
+{{- $_ := set $limits "memory" (printf "%dMi" (add (int (include "preheat.mib" (index $limits "memory"))) (index $lim "mem"))) -}}
+{{- end -}}
+{{- if gt (int (index $req "gpu")) 0 -}}
+{{- $_ := set $requests "nvidia.com/gpu" (index $req "gpu") -}}
+{{- $_ := set $limits "nvidia.com/gpu" (index $req "gpu") -}}
+{{- end -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- toYaml $res -}}
+{{- end -}}
