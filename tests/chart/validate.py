@@ -405,6 +405,9 @@ def check_models(variant, merged, by_kind):
     want_pools = {f"rel-preheat{m['infix']}-{r}" for m in models for r in ("prefill", "decode")}
     if set(pool_deps) != want_pools:
         fail(variant, f"pool Deployments {sorted(pool_deps)}, want {sorted(want_pools)}")
+    want_gpus = max([int(m["pools"][r]["resources"]["limits"].get("nvidia.com/gpu", 0)) for m in models for r in ("prefill", "decode") if m["standbys"][r] > 0] or [0])
+    if scaler_cfg["fleet"].get("standby_gpus") != want_gpus:
+        fail(variant, f'scaler: fleet.standby_gpus {scaler_cfg["fleet"].get("standby_gpus")}, a parked standby holds {want_gpus}')
     if [m["name"] for m in scaler_cfg["models"]] != [m["name"] for m in models]:
         fail(variant, f'scaler models {[m["name"] for m in scaler_cfg["models"]]}, want {[m["name"] for m in models]}')
     gw = deps.get("rel-preheat-gateway")

@@ -62,6 +62,10 @@ pub struct FleetConfig {
     /// more, the scaler grants them in order: a model with requests held at zero, then
     /// the largest SLO deficit, then `priority`.
     pub max_gpus: u32,
+    /// GPUs each parked standby holds (0, the default: standbys park off the GPUs the
+    /// budget counts, e.g. on CPU nodes). Parked standbys hold them whether or not a
+    /// pool wants them, so they come off `max_gpus` before any pool is granted.
+    pub standby_gpus: u32,
 }
 
 /// PEM files for the gRPC endpoint.

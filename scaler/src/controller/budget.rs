@@ -41,6 +41,12 @@ pub(super) struct Claim {
     pub priority: i32,
 }
 
+/// What is left of `max_gpus` for the pools once `parked` standbys hold
+/// `standby_gpus` each.
+pub(super) fn for_pools(max_gpus: u32, parked: u32, standby_gpus: u32) -> u32 {
+    max_gpus.saturating_sub(parked.saturating_mul(standby_gpus))
+}
+
 /// The replicas granted to each claim, in order, within `max_gpus`.
 pub(super) fn grant(claims: &[Claim], max_gpus: u32) -> Vec<u32> {
     let wanted: u64 = claims
@@ -100,6 +106,19 @@ mod tests {
             desired,
             ..Claim::default()
         }
+    }
+
+    #[test]
+    fn parked_standbys_on_gpus_come_off_the_budget_first() {
+        assert_eq!(for_pools(8, 3, 1), 5);
+        assert_eq!(for_pools(8, 3, 0), 8, "parked off the counted GPUs");
+        assert_eq!(
+            for_pools(2, 3, 1),
+            0,
+            "more parked than the budget: none left"
+        );
+        let c = [claim(3), claim(3)];
+        assert_eq!(grant(&c, for_pools(6, 2, 1)), [3, 1]);
     }
 
     #[test]

@@ -244,11 +244,18 @@ impl Controller {
     /// Grants each decided pool its replicas within the fleet's GPU budget, where the
     /// models want more than it holds; records what each wanted and was granted.
     fn apply_budget(&self, models: &[ModelLoop], decided: &mut [Vec<Decided>]) {
-        let max = self.cfg.fleet.max_gpus;
-        if max == 0 {
+        if self.cfg.fleet.max_gpus == 0 {
             // No budget: every pool has what it decided (and `wanted` says so).
             return;
         }
+        // Parked standbys hold their GPUs whatever the pools want.
+        let parked: u32 = decided
+            .iter()
+            .flatten()
+            .flat_map(|d| d.agents.iter())
+            .map(|(_, a)| a.parked)
+            .sum();
+        let max = budget::for_pools(self.cfg.fleet.max_gpus, parked, self.cfg.fleet.standby_gpus);
         let mut claims = Vec::new();
         let mut at = Vec::new();
         // A pool that decides nothing has replicas nobody knows (a scaler just
