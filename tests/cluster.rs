@@ -721,6 +721,27 @@ fn j_keda_reaches_the_scaler_over_mutual_tls_and_nobody_else_does() {
     });
 }
 
+/// Each answer of [`keep_asking`]: status, body, seconds, and when it came.
+type Answer = ((u16, Value, f64), Instant);
+
+/// A client asking for `model` (completions of `max_tokens`) again and again until
+/// `stop`.
+fn keep_asking(
+    base: &str,
+    model: &str,
+    max_tokens: u32,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Vec<Answer>> {
+    let (base, model, stop) = (base.to_owned(), model.to_owned(), Arc::clone(stop));
+    std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            seen.push((complete_model(&base, &model, max_tokens), Instant::now()));
+        }
+        seen
+    })
+}
+
 /// Values serving `models` (the list form) from the store.
 fn three_models(models: &[&str], store: &str) -> Value {
     let list: Vec<Value> = models
@@ -975,19 +996,10 @@ fn m_a_gpu_budget_smaller_than_the_wants_wakes_a_third_model_by_shrinking_the_ot
     // alpha and beta busy: together they take the budget (every model's decode pool
     // misses its tiny ITL target, so each wants all it can get).
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let loaders: Vec<_> = [("alpha", 4), ("beta", 2)]
+    let mut loaders: Vec<_> = [("alpha", 4), ("beta", 2)]
         .into_iter()
         .flat_map(|(m, n)| std::iter::repeat_n(m, n))
-        .map(|m| {
-            let (gw, stop) = (run.gateway.clone(), Arc::clone(&stop));
-            std::thread::spawn(move || {
-                let mut seen = Vec::new();
-                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                    seen.push((m, complete_model(&gw, m, 100)));
-                }
-                seen
-            })
-        })
+        .map(|m| (m, keep_asking(&run.gateway, m, 100, &stop)))
         .collect();
     let held = |m: &str| c.scale(&decode(m));
     wait_for("alpha and beta to hold the budget", secs(150), || {
@@ -1002,16 +1014,7 @@ fn m_a_gpu_budget_smaller_than_the_wants_wakes_a_third_model_by_shrinking_the_ot
     let (status, body, took) = complete_model(&run.gateway, "gamma", 4);
     assert_eq!(status, 200, "gamma: {body}");
     // gamma stays busy: its replica is kept, so the others must make room.
-    let gamma_load = {
-        let (gw, stop) = (run.gateway.clone(), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            let mut seen = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                seen.push(("gamma", complete_model(&gw, "gamma", 100)));
-            }
-            seen
-        })
-    };
+    loaders.push(("gamma", keep_asking(&run.gateway, "gamma", 100, &stop)));
     let within = Wait::new("the three models within the budget", secs(120)).poll(|| {
         let (a, b, g) = (held("alpha"), held("beta"), held("gamma"));
         let pods = c.pods_of(&decode("alpha")).len() + c.pods_of(&decode("beta")).len();
@@ -1038,8 +1041,8 @@ fn m_a_gpu_budget_smaller_than_the_wants_wakes_a_third_model_by_shrinking_the_ot
     let after = (held("alpha"), held("beta"), held("gamma"));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut n = 0;
-    for h in loaders.into_iter().chain([gamma_load]) {
-        for (m, (status, body, _)) in h.join().unwrap() {
+    for (m, h) in loaders {
+        for ((status, body, _), _) in h.join().unwrap() {
             assert_eq!(status, 200, "{m} failed while the budget moved: {body}");
             n += 1;
         }
@@ -1064,16 +1067,7 @@ fn n_a_helm_upgrade_removing_a_model_drains_it_while_the_others_lose_nothing() {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let loaders: Vec<_> = models
         .iter()
-        .map(|m| {
-            let (gw, stop, m) = (run.gateway.clone(), Arc::clone(&stop), (*m).to_owned());
-            std::thread::spawn(move || {
-                let mut seen = Vec::new();
-                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                    seen.push((complete_model(&gw, &m, 50), Instant::now()));
-                }
-                (m, seen)
-            })
-        })
+        .map(|m| (*m, keep_asking(&run.gateway, m, 50, &stop)))
         .collect();
     wait_for("every model serving", secs(120), || {
         models.iter().all(|m| !c.ready(&decode(m)).is_empty())
@@ -1096,8 +1090,8 @@ fn n_a_helm_upgrade_removing_a_model_drains_it_while_the_others_lose_nothing() {
     // Deliberate: the two models keep serving a while on the upgraded release.
     std::thread::sleep(Duration::from_secs(5));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    for h in loaders {
-        let (m, seen) = h.join().unwrap();
+    for (m, h) in loaders {
+        let seen = h.join().unwrap();
         let mut by_status = std::collections::BTreeMap::new();
         for ((status, _, _), _) in &seen {
             *by_status.entry(*status).or_insert(0) += 1;

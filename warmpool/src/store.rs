@@ -56,11 +56,35 @@ pub struct Store {
     evictions: std::sync::atomic::AtomicU64,
     /// How long after a want a model is not evicted (see [`Store::with_want_grace`]).
     want_grace: std::time::Duration,
+    /// Each model's snapshot size as its source last said: a prefetch that cannot fit
+    /// is refused without reading the source's header again every refresh.
+    sizes: Mutex<HashMap<String, u64>>,
 }
 
 /// A model wanted this recently is not evicted: the window between a pod's staging
 /// step ending and its worker leasing the file is a container start, seconds.
 pub const WANT_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The usage record in `dir`; `None` when it is missing or unreadable. Bounded: other
+/// processes (the pods' staging steps) write it, and a name and a time per model is
+/// far below the bound.
+fn read_record(dir: &Path) -> Option<State> {
+    use std::io::Read as _;
+    const MAX_RECORD: u64 = 4 << 20;
+    let path = dir.join(STATE_FILE);
+    let mut b = Vec::new();
+    std::fs::File::open(&path)
+        .and_then(|f| f.take(MAX_RECORD + 1).read_to_end(&mut b))
+        .ok()?;
+    let parsed = if b.len() as u64 <= MAX_RECORD {
+        serde_json::from_slice::<State>(&b).map_err(|e| e.to_string())
+    } else {
+        Err(format!("over {MAX_RECORD} bytes"))
+    };
+    parsed
+        .inspect_err(|e| tracing::warn!(path = %path.display(), error = %e, "unreadable store state; usage times not read"))
+        .ok()
+}
 
 fn now() -> f64 {
     SystemTime::now()
@@ -73,14 +97,7 @@ impl Store {
     pub fn open(dir: impl Into<PathBuf>, disk_budget: u64) -> Result<Self> {
         let dir = dir.into();
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
-        let state_path = dir.join(STATE_FILE);
-        let state = match std::fs::read(&state_path) {
-            Ok(b) => serde_json::from_slice(&b).unwrap_or_else(|e| {
-                tracing::warn!(path = %state_path.display(), error = %e, "unreadable store state; usage times reset");
-                State::default()
-            }),
-            Err(_) => State::default(),
-        };
+        let state = read_record(&dir).unwrap_or_default();
         Ok(Store {
             dir,
             disk_budget,
@@ -89,6 +106,7 @@ impl Store {
             verified: Mutex::new(HashSet::new()),
             evictions: 0.into(),
             want_grace: WANT_GRACE,
+            sizes: Mutex::new(HashMap::new()),
         })
     }
 
@@ -121,7 +139,7 @@ impl Store {
     /// cannot be read.
     fn read_state(&self) -> State {
         let mine = self.state.lock().expect("no panics while held");
-        self.read_state_unlocked(&mine)
+        self.disk_state_or(&mine)
     }
 
     /// Changes the usage record: read from disk, changed and written back under an
@@ -130,26 +148,20 @@ impl Store {
     fn update(&self, f: impl FnOnce(&mut State)) {
         let mut mine = self.state.lock().expect("no panics while held");
         let path = self.dir.join(STATE_LOCK);
-        let lock = std::fs::File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .and_then(|l| l.lock().map(|()| l));
+        let lock = stage::lock_file(&path)
+            .and_then(|l| l.lock().map(|()| l).map_err(|e| Error::io(&path, e)));
         if let Err(e) = &lock {
-            tracing::warn!(path = %path.display(), error = %e, "usage record not locked; another process's change may be lost");
+            tracing::warn!(error = %e, "usage record not locked; another process's change may be lost");
         }
-        let mut s = self.read_state_unlocked(&mine);
+        let mut s = self.disk_state_or(&mine);
         f(&mut s);
         self.save(&s);
         *mine = s;
     }
 
-    fn read_state_unlocked(&self, mine: &State) -> State {
-        std::fs::read(self.dir.join(STATE_FILE))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<State>(&b).ok())
-            .unwrap_or_else(|| mine.clone())
+    /// The record on disk, or `mine` when it cannot be read.
+    fn disk_state_or(&self, mine: &State) -> State {
+        read_record(&self.dir).unwrap_or_else(|| mine.clone())
     }
 
     /// Published snapshots in the directory, least recently wanted first.
@@ -200,8 +212,16 @@ impl Store {
     /// Records a want of `name` (a replica started from it, or maps it now): eviction
     /// goes by this.
     pub fn touch(&self, name: &str) {
+        self.touch_all([name]);
+    }
+
+    /// [`Store::touch`] for several models, in one change of the record.
+    pub fn touch_all<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        let t = now();
         self.update(|s| {
-            s.last_used.insert(name.to_owned(), now());
+            for name in names {
+                s.last_used.insert(name.to_owned(), t);
+            }
         });
     }
 
@@ -292,7 +312,20 @@ impl Store {
         let plan = match staged {
             Some(_) => None,
             None => {
+                let known = self
+                    .sizes
+                    .lock()
+                    .expect("no panics while held")
+                    .get(name)
+                    .copied();
+                if let (None, Some(bytes)) = (keep, known) {
+                    self.fits(name, bytes)?;
+                }
                 let plan = stage::plan(fetcher, opts.piece_bytes).await?;
+                self.sizes
+                    .lock()
+                    .expect("no panics while held")
+                    .insert(name.to_owned(), plan.snapshot_bytes);
                 match keep {
                     Some(keep) => self.make_room(name, plan.snapshot_bytes, keep)?,
                     None => self.fits(name, plan.snapshot_bytes)?,
@@ -318,7 +351,7 @@ impl Store {
 
     /// Whether `incoming` more bytes fit beside what is staged, evicting nothing.
     fn fits(&self, name: &str, incoming: u64) -> Result<()> {
-        let used: u64 = self.list()?.iter().map(|m| m.bytes).sum::<u64>() + self.partial_bytes();
+        let used = self.used_bytes(&self.list()?);
         if used + incoming > self.disk_budget {
             return Err(Error::OverBudget(format!(
                 "{name} needs {incoming} bytes; {used} of {} are staged (it is staged when wanted, making room then)",
@@ -338,7 +371,7 @@ impl Store {
             )));
         }
         let models = self.list()?;
-        let mut used: u64 = models.iter().map(|m| m.bytes).sum::<u64>() + self.partial_bytes();
+        let mut used = self.used_bytes(&models);
         for m in &models {
             if used + incoming <= self.disk_budget {
                 break;
@@ -365,6 +398,11 @@ impl Store {
             )));
         }
         Ok(())
+    }
+
+    /// Bytes `models` hold on disk, with the stagings in progress.
+    fn used_bytes(&self, models: &[StagedModel]) -> u64 {
+        models.iter().map(|m| m.bytes).sum::<u64>() + self.partial_bytes()
     }
 
     /// Bytes held by stagings in progress (their partial files).

@@ -175,6 +175,11 @@ preheat.dev/model: {{ .m.name | quote }}
 {{- add .root.Values.warmpool.standbys.basePort (mul $i 1000) (mul (add (index .m.sbFirst .role) .j) 2) -}}
 {{- end -}}
 
+{{/* The container port name of that standby (the PodMonitor scrapes it by name). */}}
+{{- define "preheat.standbyPortName" -}}
+{{- printf "sb-%s-%d" (substr 0 1 .role) (add (index .m.sbFirst .role) .j) -}}
+{{- end -}}
+
 {{/* "true" when any model has parked standbys. */}}
 {{- define "preheat.anyStandbys" -}}
 {{- if .Values.warmpool.enabled -}}

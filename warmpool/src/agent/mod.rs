@@ -114,6 +114,9 @@ impl Progress for MetricProgress {
             .get_mut(&self.model)
         {
             s.progress = frac;
+            if s.state == "pending" {
+                "staging".clone_into(&mut s.state);
+            }
         }
     }
 }
@@ -156,7 +159,9 @@ impl Shared {
             done: 0.into(),
             t0: Instant::now(),
         });
-        if self.store.path_of(&spec.name).is_none() {
+        // A prefetch that does not fit stays `pending`: it shows `staging` from its
+        // first progress on.
+        if demand && self.store.path_of(&spec.name).is_none() {
             self.set_state(&spec.name, |s| s.state = "staging".into());
         }
         let r = if demand {
@@ -314,17 +319,25 @@ async fn refresh(
     kernels: Option<&KernelCache>,
     seeded: &mut HashSet<std::path::PathBuf>,
 ) {
-    // A model a replica maps (a pod or a standby) is wanted now.
-    let mut mapped = HashSet::new();
-    for m in &shared.cfg.models {
-        if let Some(p) = shared.store.path_of(&m.name)
-            && crate::lease::held(&p)
-        {
-            shared.store.touch(&m.name);
-            mapped.insert(m.name.clone());
-        }
+    // A model a replica maps (a pod; standbys hold no lease) is wanted now.
+    let mapped: HashSet<String> = shared
+        .cfg
+        .models
+        .iter()
+        .filter(|m| {
+            shared
+                .store
+                .path_of(&m.name)
+                .is_some_and(|p| crate::lease::held(&p))
+        })
+        .map(|m| m.name.clone())
+        .collect();
+    if !mapped.is_empty() {
+        shared.store.touch_all(mapped.iter().map(String::as_str));
     }
-    let by_want = models_by_want(&shared.cfg.models, &wants(shared));
+    // Prefetching records no want: read once, it holds for the whole pass.
+    let wants = wants(shared);
+    let by_want = models_by_want(&shared.cfg.models, &wants);
     for spec in &by_want {
         let _ = shared.stage(spec, false).await;
     }
@@ -339,8 +352,6 @@ async fn refresh(
     })
     .await
     .unwrap_or_default();
-    // After staging: what prefetching added is known (as never wanted).
-    let wants = wants(shared);
     let mut states: BTreeMap<String, ModelState> = BTreeMap::new();
     shared.metrics.resident_bytes.reset();
     for m in &shared.cfg.models {
@@ -413,7 +424,7 @@ async fn refresh(
                     .with_token(shared.cfg.cluster_token.clone())
             });
         }
-        let wants: Vec<(&str, &str, u32)> = staged
+        let counts: Vec<(&str, &str, u32)> = staged
             .iter()
             .filter_map(|(s, _)| {
                 Some((
@@ -424,7 +435,7 @@ async fn refresh(
             })
             .collect();
         let order: Vec<&str> = by_want.iter().map(|m| m.name.as_str()).collect();
-        let shares = standby_shares(&wants, &order, shared.cfg.standby_budget);
+        let shares = standby_shares(&counts, &order, shared.cfg.standby_budget);
         // A pool whose model was evicted parks none: its standbys would hold the
         // unlinked file's blocks (the room its eviction made).
         for (name, pool) in pools.iter_mut() {

@@ -304,16 +304,21 @@ pub async fn stage_with_plan(
     })
 }
 
+/// Opens (creating) the lock file at `path`, unlocked: its content is never read.
+pub(crate) fn lock_file(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))
+}
+
 /// Takes the per-model lock file, waiting while another process holds it.
 async fn lock_model(dir: &Path, name: &str) -> Result<File> {
     let path = side_path(dir, name, "lock");
     tokio::task::spawn_blocking(move || {
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
+        let f = lock_file(&path)?;
         if f.try_lock().is_err() {
             tracing::info!(lock = %path.display(), "another process is staging this model; waiting");
             f.lock().map_err(|e| Error::io(&path, e))?;
