@@ -1039,6 +1039,33 @@ fn m_a_gpu_budget_smaller_than_the_wants_wakes_a_third_model_by_shrinking_the_ot
         panic!("{e}\nscaler /status: {status}\nscale history: {history:?}");
     }
     let after = (held("alpha"), held("beta"), held("gamma"));
+    // The ready pods the budget took away were the idlest: the scaler had marked each
+    // with its in-flight requests before the scale-down, and the least busy went.
+    let away: Vec<emulator::ScaledAway> = c.state.lock().unwrap().scaled_away.clone();
+    let ready_away: Vec<_> = away
+        .iter()
+        .filter(|a| a.ready && [decode("alpha"), decode("beta")].contains(&a.owner))
+        .collect();
+    eprintln!(
+        "scaled away (pod, cost, kept): {:?}",
+        ready_away
+            .iter()
+            .map(|a| (&a.pod, a.cost, &a.kept))
+            .collect::<Vec<_>>()
+    );
+    for a in &ready_away {
+        assert!(
+            a.cost.is_some(),
+            "{} went without a deletion cost: {away:?}",
+            a.pod
+        );
+        assert!(
+            a.kept.iter().all(|k| k.unwrap_or(0) >= a.cost.unwrap_or(0)),
+            "{} (cost {:?}) went before an idler pod: {away:?}",
+            a.pod,
+            a.cost
+        );
+    }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut n = 0;
     for (m, h) in loaders {

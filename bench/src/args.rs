@@ -89,6 +89,10 @@ pub struct BenchColdstartArgs {
     pub sources: Vec<SourceFlag>,
     #[arg(long, default_value_t = 64)]
     pub kv_cache_mib: usize,
+    /// Also start a second and a third model (copies of the snapshot, their own files)
+    /// from each source while the first model serves requests back to back.
+    #[arg(long)]
+    pub fleet: bool,
     /// Write the phase breakdown per source as an SVG chart.
     #[arg(long)]
     pub plot: Option<PathBuf>,

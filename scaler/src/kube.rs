@@ -9,6 +9,7 @@
 //!   - apiGroups: [""]
 //!     resources: [pods]
 //!     verbs: [list, watch]          # discovery
+//!     # + patch with `pod_deletion_cost` (the idlest pod goes first on a scale-down)
 //!   - apiGroups: [apps]
 //!     resources: [deployments/scale]
 //!     resourceNames: [the pools' Deployments]
@@ -70,7 +71,13 @@ pub struct PodView {
     pub ready: BTreeMap<String, String>,
     /// Pods that exist and are not terminating (ready or starting).
     pub current: u32,
+    /// The deletion cost each ready pod carries now, by pod name (`None`: none set).
+    pub deletion_cost: BTreeMap<String, Option<i32>>,
 }
+
+/// The annotation a ReplicaSet reads to choose which pods go first on a scale-down:
+/// the lowest cost first (after pods that are not ready).
+pub const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
 impl PodSet {
     /// Starts watching `selector` in `namespace`; the watch reconnects with backoff for
@@ -132,6 +139,13 @@ impl PodSet {
                     name.clone(),
                     format!("http://{host}:{}{}", self.port, self.path),
                 );
+                let cost = pod
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(DELETION_COST))
+                    .and_then(|c| c.parse().ok());
+                v.deletion_cost.insert(name.clone(), cost);
             }
         }
         v
@@ -177,4 +191,24 @@ pub async fn scale_deployment(
         .spec
         .and_then(|s| s.replicas)
         .map_or(0, |r| u32::try_from(r).unwrap_or(0)))
+}
+
+/// Sets `pod`'s deletion cost (a merge patch of that one annotation).
+pub async fn set_deletion_cost(
+    client: Client,
+    namespace: &str,
+    pod: &str,
+    cost: i32,
+) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(client, namespace);
+    let patch = serde_json::json!({
+        "metadata": { "annotations": { DELETION_COST: cost.to_string() } }
+    });
+    api.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|source| ScalerError::Kube {
+            what: format!("annotate {namespace}/{pod} with its deletion cost"),
+            source,
+        })?;
+    Ok(())
 }

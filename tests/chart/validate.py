@@ -669,6 +669,14 @@ def check_variant(variant, values, defaults, schema, dump):
                 fail(variant, f"deployments/scale is not limited to the pool Deployments {pools}")
         if "pods" not in resources:
             fail(variant, "the scaler cannot find the gateway pods (held requests)")
+        pod_verbs = {v for rule in rules if "pods" in rule["resources"] for v in rule["verbs"]}
+        want_pod_verbs = {"list", "watch"} | ({"patch"} if merged["scaler"]["podDeletionCost"] else set())
+        if pod_verbs != want_pod_verbs:
+            fail(variant, f"scaler Role may {sorted(pod_verbs)} pods, want {sorted(want_pod_verbs)} (podDeletionCost {merged['scaler']['podDeletionCost']})")
+        cms = [c for c in by_kind.get("ConfigMap", []) if c["metadata"]["name"] == "rel-preheat-scaler"]
+        cfg = yaml.safe_load(cms[0]["data"]["scaler.yaml"]) if cms else {}
+        if cms and cfg.get("kubernetes", {}).get("pod_deletion_cost") != merged["scaler"]["podDeletionCost"]:
+            fail(variant, "the scaler's pod_deletion_cost does not follow scaler.podDeletionCost")
     sc_dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-scaler"]
     if sc_dep and sc_dep[0]["spec"].get("strategy", {}).get("type") != "Recreate":
         fail(variant, "the scaler's rollout can run two scalers at once (strategy is not Recreate)")

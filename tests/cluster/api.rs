@@ -1,7 +1,8 @@
 //! The API server the emulated pods talk to: pods and EndpointSlices (list, and watch
 //! as a stream of ADDED/MODIFIED/DELETED events computed from the emulator's state), and
 //! the Deployments' scale subresource (get and patch, as the scaler in direct mode and
-//! a restarted scaler read it).
+//! a restarted scaler read it), and a pod's annotations (merge patch: the scaler's
+//! deletion cost).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -166,6 +167,39 @@ async fn patch_scale(
     axum::Json(scale_json(&name, r)).into_response()
 }
 
+/// A merge patch of a pod's annotations; anything else in it is refused, as the
+/// scaler sends nothing else.
+async fn patch_pod(
+    State(s): State<Shared>,
+    Path((_ns, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let only_annotations = v
+        .as_object()
+        .is_some_and(|o| o.keys().all(|k| k == "metadata"))
+        && v["metadata"]
+            .as_object()
+            .is_some_and(|m| m.keys().all(|k| k == "annotations"));
+    let Some(annotations) = v["metadata"]["annotations"]
+        .as_object()
+        .filter(|_| only_annotations)
+    else {
+        return (StatusCode::BAD_REQUEST, "only metadata.annotations").into_response();
+    };
+    let mut st = s.lock().unwrap();
+    let Some(p) = st.pods.get_mut(&name) else {
+        return not_found(&format!("pods \"{name}\""));
+    };
+    for (k, val) in annotations {
+        match val.as_str() {
+            Some(val) => p.annotations.insert(k.clone(), val.to_owned()),
+            None => p.annotations.remove(k),
+        };
+    }
+    axum::Json(pod_json(p, next_rv())).into_response()
+}
+
 /// Serves on `host` (the cluster network's host address); returns the base URL.
 pub async fn serve(state: Shared, host: &str) -> String {
     let app = axum::Router::new()
@@ -176,6 +210,10 @@ pub async fn serve(state: Shared, host: &str) -> String {
         .route(
             &format!("/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"),
             get(|State(s): State<Shared>, Query(q): Q| list_or_watch(s, "endpointslices", q)),
+        )
+        .route(
+            "/api/v1/namespaces/{ns}/pods/{name}",
+            axum::routing::patch(patch_pod),
         )
         .route(
             "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",

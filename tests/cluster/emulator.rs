@@ -43,6 +43,8 @@ pub struct Pod {
     pub ready: bool,
     pub terminating: bool,
     pub restarts: u32,
+    /// Annotations set through the API (the scaler's deletion cost).
+    pub annotations: BTreeMap<String, String>,
     spec: Value,
     created: Instant,
     /// Next probe time and consecutive failures, by probe kind.
@@ -62,6 +64,28 @@ pub struct State {
     /// Pods a rollout added past the replica count (its surge): the controller does
     /// not count them until the pod they replace is gone.
     pub surge: std::collections::HashSet<String>,
+    /// Every pod a scale-down removed: (pod, owner, its deletion cost, the costs of
+    /// the ready pods it left), as the controller saw them when it picked.
+    pub scaled_away: Vec<ScaledAway>,
+}
+
+/// A pod a Deployment's scale-down picked to remove.
+#[derive(Clone, Debug)]
+pub struct ScaledAway {
+    pub pod: String,
+    pub owner: String,
+    pub ready: bool,
+    pub cost: Option<i32>,
+    /// The deletion costs of the ready pods that stayed.
+    pub kept: Vec<Option<i32>>,
+}
+
+/// A pod's `controller.kubernetes.io/pod-deletion-cost` (0 when unset or unreadable,
+/// as the ReplicaSet controller reads it).
+pub fn deletion_cost(p: &Pod) -> Option<i32> {
+    p.annotations
+        .get("controller.kubernetes.io/pod-deletion-cost")
+        .and_then(|c| c.parse().ok())
 }
 
 pub type Shared = Arc<Mutex<State>>;
@@ -445,11 +469,30 @@ impl Cluster {
                 let _ = self.create_pod(&d, &name, &node);
             }
             if live.len() > want {
-                // Not-Ready first, then the newest, as a ReplicaSet picks.
+                // Not-Ready first, then the lowest deletion cost, then the newest, as
+                // a ReplicaSet picks.
                 let extra = live.len() - want;
                 let mut victims = live;
-                victims.sort_by_key(|p| (p.ready, std::cmp::Reverse(p.created)));
+                victims.sort_by_key(|p| {
+                    (
+                        p.ready,
+                        deletion_cost(p).unwrap_or(0),
+                        std::cmp::Reverse(p.created),
+                    )
+                });
+                let kept: Vec<Option<i32>> = victims[extra..]
+                    .iter()
+                    .filter(|p| p.ready)
+                    .map(deletion_cost)
+                    .collect();
                 for p in victims.into_iter().take(extra) {
+                    self.state.lock().unwrap().scaled_away.push(ScaledAway {
+                        pod: p.name.clone(),
+                        owner: p.owner.clone(),
+                        ready: p.ready,
+                        cost: deletion_cost(&p),
+                        kept: kept.clone(),
+                    });
                     self.terminate(&p.name);
                 }
             }
@@ -526,6 +569,7 @@ impl Cluster {
             ready: false,
             terminating: false,
             restarts: 0,
+            annotations: BTreeMap::new(),
             spec: spec.clone(),
             created: Instant::now(),
             probes: HashMap::new(),
@@ -986,6 +1030,7 @@ impl Cluster {
 /// The Pod object the API serves.
 pub fn pod_json(p: &Pod, rv: u64) -> Value {
     let mut meta = json!({"name": p.name, "namespace": NS, "labels": p.labels,
+                          "annotations": p.annotations,
                           "resourceVersion": rv.to_string(), "uid": p.name});
     if p.terminating {
         meta["deletionTimestamp"] = json!("2026-12-01T00:00:00Z");

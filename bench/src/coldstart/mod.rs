@@ -12,7 +12,10 @@
 //!
 //! Each start is a real `preheat engine serve` process; its phases come from its own
 //! `preheat:startup_phase_seconds`, the total from this side (first token received).
+//! With `--fleet`, a second and a third model start from each source while the first
+//! serves ([`fleet`]).
 
+mod fleet;
 pub(crate) mod prepare;
 
 use std::collections::BTreeMap;
@@ -205,18 +208,29 @@ fn measure_start(
     snapshot: &Path,
     kv_mib: usize,
 ) -> anyhow::Result<Start> {
+    measure_start_replica(c, model, snapshot, kv_mib).map(|(s, _)| s)
+}
+
+/// [`measure_start`], the replica returned serving.
+fn measure_start_replica(
+    c: &reqwest::blocking::Client,
+    model: &Path,
+    snapshot: &Path,
+    kv_mib: usize,
+) -> anyhow::Result<(Start, Replica)> {
     let resident_at_start = residency::of_file(snapshot).map_or(0.0, |r| r.fraction());
     let t0 = Instant::now();
     let mut r = spawn_serve(model, false, kv_mib)?;
     wait_until(&mut r, false, Duration::from_secs(900))?;
     first_token(c, &r.base)?;
     let total_s = t0.elapsed().as_secs_f64();
-    Ok(Start {
+    let start = Start {
         total_s,
         phases: phases(c, &r.base),
         resident_at_start,
         ..Start::default()
-    })
+    };
+    Ok((start, r))
 }
 
 fn measure_standby(
@@ -224,6 +238,15 @@ fn measure_standby(
     snapshot: &Path,
     kv_mib: usize,
 ) -> anyhow::Result<Start> {
+    measure_standby_replica(c, snapshot, kv_mib).map(|(s, _)| s)
+}
+
+/// [`measure_standby`], the promoted replica returned serving.
+fn measure_standby_replica(
+    c: &reqwest::blocking::Client,
+    snapshot: &Path,
+    kv_mib: usize,
+) -> anyhow::Result<(Start, Replica)> {
     let mut r = spawn_serve(snapshot, true, kv_mib)?;
     wait_until(&mut r, true, Duration::from_secs(900))?;
     let t0 = Instant::now();
@@ -237,13 +260,14 @@ fn measure_standby(
     }
     first_token(c, &r.base)?;
     let total_s = t0.elapsed().as_secs_f64();
-    Ok(Start {
+    let start = Start {
         total_s,
         promote_ms,
         phases: phases(c, &r.base),
         resident_at_start: 1.0,
         ..Start::default()
-    })
+    };
+    Ok((start, r))
 }
 
 /// Downloads every file of `files` from `base` into `dir`.
@@ -434,6 +458,19 @@ pub(crate) fn run(a: &BenchColdstartArgs) -> anyhow::Result<ExitCode> {
         }
         sources.insert(source.clone(), o);
     }
+    let fleet = if a.fleet {
+        Some(fleet::measure(
+            &c,
+            &p,
+            &a.work_dir,
+            http.as_deref(),
+            &wanted,
+            a.runs,
+            a.kv_cache_mib,
+        )?)
+    } else {
+        None
+    };
     let hot = sources.get("hot").and_then(|v| v["first_token_s"].as_f64());
     let promote = sources
         .get("standby")
@@ -454,6 +491,7 @@ pub(crate) fn run(a: &BenchColdstartArgs) -> anyhow::Result<ExitCode> {
             "standby_promote_max_ms": 100.0,
             "standby_met": promote.map(|m| m < 100.0),
         },
+        "fleet": fleet,
     });
     if let Some(path) = &a.plot {
         let svg = preheat_output::plot::stacked_bars(
@@ -501,6 +539,9 @@ pub(crate) fn run(a: &BenchColdstartArgs) -> anyhow::Result<ExitCode> {
                 "  {source:>8}: first token {ft:>8.3} s = {:>7.2}x page-cache read{extra}",
                 ft / read_s
             );
+        }
+        if let Some(f) = &fleet {
+            fleet::print(f, &wanted, read_s)?;
         }
         outln!(
             "targets: hot <= {hot_target:.3} s: {}; standby promotion < 100 ms: {}",

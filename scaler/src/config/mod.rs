@@ -95,6 +95,10 @@ pub struct KubeSettings {
     pub namespace: String,
     /// API server URL; default: in-cluster service account, else the kubeconfig.
     pub api_url: Option<String>,
+    /// Before a pool watched through its pods scales down, mark each ready pod with
+    /// its in-flight requests as `controller.kubernetes.io/pod-deletion-cost`, so the
+    /// ReplicaSet removes the idlest first. Needs `patch` on pods.
+    pub pod_deletion_cost: bool,
 }
 
 impl Default for KubeSettings {
@@ -102,6 +106,7 @@ impl Default for KubeSettings {
         KubeSettings {
             namespace: "default".into(),
             api_url: None,
+            pod_deletion_cost: false,
         }
     }
 }

@@ -20,11 +20,15 @@ pub(super) struct Target<'a> {
     pub decision: &'a Decision,
     /// Serving replicas of the pool itself (standbys not counted).
     pub ready: u32,
+    /// Replicas the pool has, ready or starting.
+    pub current: u32,
     /// This pool's standbys at each agent that answered, by agent base URL.
     pub agents: &'a [(String, AgentPool)],
     /// The pool's load is not fully known (blind, or a serving standby not answering):
     /// no standby is surplus, whatever the counts say.
     pub unsure: bool,
+    /// Its ready pods' loads (a pool watched through its pods; empty otherwise).
+    pub pods: &'a [super::deletion_cost::PodLoad],
 }
 
 impl Target<'_> {

@@ -27,6 +27,7 @@ use crate::signals::PoolWindows;
 mod actuate;
 mod budget;
 mod decide;
+mod deletion_cost;
 mod observe;
 mod state_keeper;
 
@@ -45,6 +46,8 @@ struct Decided {
     unsure: bool,
     /// Requests the model's gateways hold for this pool.
     held: f64,
+    /// Its ready pods' loads (a pool watched through its pods).
+    pods: Vec<deletion_cost::PodLoad>,
 }
 
 /// Endpoint URLs someone else keeps current (the local mode's replica driver).
@@ -187,9 +190,20 @@ impl Controller {
         p: &PoolConfig,
         agents_client: &reqwest::Client,
     ) -> Vec<Box<dyn Actuator>> {
-        let mut out: Vec<Box<dyn Actuator>> = vec![Box::new(actuate::Keda {
+        let mut out: Vec<Box<dyn Actuator>> = Vec::new();
+        // Before anything scales: the pods are marked before the ReplicaSet picks.
+        if let (true, Some(client), MetricsSource::Pods { .. }) =
+            (self.cfg.kubernetes.pod_deletion_cost, &self.kube, &p.source)
+        {
+            out.push(Box::new(deletion_cost::DeletionCost {
+                client: client.clone(),
+                namespace: self.cfg.kubernetes.namespace.clone(),
+                timeout: Duration::from_secs_f64(self.cfg.scrape_timeout_s),
+            }));
+        }
+        out.push(Box::new(actuate::Keda {
             store: Arc::clone(&self.store),
-        })];
+        }));
         if let (Some(sb), Some(_)) = (&m.standbys, &self.kube) {
             out.push(Box::new(actuate::Standbys {
                 client: agents_client.clone(),
@@ -224,7 +238,8 @@ impl Controller {
         let mut out = Vec::new();
         for p in &mut m.pools {
             let agent_pool = m.agents.as_ref().map(|(_, sb)| sb.agent_pool(p.pool));
-            let pool_seen = observer.pool(name, filter, agent_pool, p, &seen, t).await;
+            let mut pool_seen = observer.pool(name, filter, agent_pool, p, &seen, t).await;
+            let pods = std::mem::take(&mut pool_seen.pods);
             let agents = pool_seen.agents.clone();
             let ready_pods = pool_seen.ready_pods;
             let unsure = pool_seen.signals.is_blind() || pool_seen.standby_failing;
@@ -236,6 +251,7 @@ impl Controller {
                 ready_pods,
                 unsure,
                 held,
+                pods,
             });
         }
         out
@@ -334,6 +350,7 @@ impl Controller {
                 agents,
                 ready_pods,
                 unsure,
+                pods,
                 ..
             } = d;
             // What the pool holds now (serving or starting) is what it costs, over the
@@ -355,8 +372,10 @@ impl Controller {
                 pool: p.pool,
                 decision: &decision,
                 ready: ready_pods.unwrap_or(current),
+                current,
                 agents: &agents,
                 unsure,
+                pods: &pods,
             };
             for a in &mut p.actuators {
                 a.act(&target).await;

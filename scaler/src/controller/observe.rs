@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use super::deletion_cost::PodLoad;
 use super::{ModelLoop, PoolLoop, SharedEndpoints, unix_now};
 use crate::kube::PodSet;
 use crate::policy::Pool;
@@ -71,6 +72,8 @@ pub(super) struct PoolSeen {
     pub agents: Vec<(String, AgentPool)>,
     /// Whether a standby serving for the pool did not answer its scrape.
     pub standby_failing: bool,
+    /// Each ready pod's load, for a pool whose source is a pod watch.
+    pub pods: Vec<PodLoad>,
 }
 
 /// The reading side of a tick: clients, Prometheus and the Kubernetes API.
@@ -161,7 +164,7 @@ impl Observer<'_> {
         } else {
             standbys::serving_urls(&seen.agents, agent_pool, path)
         };
-        let (signals, current, startup) = self.signals(p, t, filter, &serving_urls).await;
+        let (signals, current, startup, pods) = self.signals(p, t, filter, &serving_urls).await;
         let ready_pods = match &p.source {
             Source::Pods(set) => Some(u32::try_from(set.view().ready.len()).unwrap_or(u32::MAX)),
             _ => None,
@@ -189,6 +192,7 @@ impl Observer<'_> {
                 })
                 .collect(),
             standby_failing,
+            pods,
         }
     }
 
@@ -200,7 +204,7 @@ impl Observer<'_> {
         t: f64,
         filter: Option<&str>,
         standbys: &[String],
-    ) -> (PoolSignals, Option<u32>, Option<f64>) {
+    ) -> (PoolSignals, Option<u32>, Option<f64>, Vec<PodLoad>) {
         let blind = |why: &str| {
             let s = PoolSignals {
                 endpoints_failed: 1,
@@ -227,29 +231,45 @@ impl Observer<'_> {
                 let current = u32::try_from(urls.len()).unwrap_or(u32::MAX);
                 let (ok, failed) = self.scrape_with(p, urls, standbys, filter).await;
                 let startup = startup_of(own(&ok, standbys));
-                (p.windows.tick(t, ok, &failed), Some(current), startup)
+                (
+                    p.windows.tick(t, ok, &failed),
+                    Some(current),
+                    startup,
+                    Vec::new(),
+                )
             }
             Source::Pods(set) => {
                 if !set.synced() {
                     let current = self.real_replicas(p).await;
-                    return (blind("pod watch has not listed yet"), current, None);
+                    return (
+                        blind("pod watch has not listed yet"),
+                        current,
+                        None,
+                        Vec::new(),
+                    );
                 }
                 let view = set.view();
                 let urls: Vec<String> = view.ready.values().cloned().collect();
                 let (ok, failed) = self.scrape_with(p, urls, standbys, filter).await;
                 let startup = startup_of(own(&ok, standbys));
-                (p.windows.tick(t, ok, &failed), Some(view.current), startup)
+                let pods = PodLoad::of(&view, &ok);
+                (
+                    p.windows.tick(t, ok, &failed),
+                    Some(view.current),
+                    startup,
+                    pods,
+                )
             }
             Source::Prometheus(sel) => {
                 let Some(prom) = self.prom else {
                     let current = self.real_replicas(p).await;
-                    return (blind("no prometheus_url"), current, None);
+                    return (blind("no prometheus_url"), current, None, Vec::new());
                 };
                 match prom.pool_signals(sel, self.timeout).await {
-                    Ok((s, pods, startup)) => (s, Some(pods), startup),
+                    Ok((s, pods, startup)) => (s, Some(pods), startup, Vec::new()),
                     Err(e) => {
                         let current = self.real_replicas(p).await;
-                        (blind(&e.to_string()), current, None)
+                        (blind(&e.to_string()), current, None, Vec::new())
                     }
                 }
             }
