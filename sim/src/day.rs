@@ -137,10 +137,20 @@ pub fn write_jsonl(trace: &[TraceRequest], out: &mut impl std::io::Write) -> std
 }
 
 /// splitmix64: small, seeded, and good enough for arrival times and picks.
-struct SplitMix(u64);
+pub(crate) struct SplitMix(u64);
 
 impl SplitMix {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn new(seed: u64) -> SplitMix {
+        SplitMix(seed)
+    }
+
+    /// Exponentially distributed with mean `mean`.
+    pub(crate) fn exp(&mut self, mean: f64) -> f64 {
+        // 1 - u is in (0, 1], so ln is finite.
+        -(1.0 - self.unit()).ln() * mean
+    }
+
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -149,7 +159,7 @@ impl SplitMix {
     }
 
     /// In [0, 1).
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
 }

@@ -28,6 +28,7 @@ mod clairvoyant;
 pub mod cluster;
 mod config;
 pub mod day;
+pub mod fleet_trace;
 pub mod hpa;
 mod itl_histogram;
 pub mod keda;

@@ -249,6 +249,34 @@ pub enum TraceCmd {
     /// afternoon peak (non-homogeneous Poisson, seeded), with request sizes and prefix
     /// blocks drawn from a real trace; written as Mooncake JSONL.
     Day(TraceDayArgs),
+    /// A serverless fleet's traffic from a single-model trace: many models, Zipf
+    /// popularity, each alternating active stretches (the base trace from a random
+    /// offset, thinned to its rate) and idle ones; Mooncake JSONL with a `model` field.
+    Fleet(TraceFleetArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TraceFleetArgs {
+    /// The single-model trace whose arrivals, sizes and prefix blocks each model
+    /// follows: Azure CSV or Mooncake JSONL.
+    #[arg(long)]
+    pub from: PathBuf,
+    /// Where the fleet trace goes (Mooncake JSONL with `model`).
+    #[arg(long, short)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 12)]
+    pub models: usize,
+    #[arg(long, default_value_t = 3.0)]
+    pub hours: f64,
+    /// Popularity's Zipf exponent: model i gets a share of the requests ∝ 1/(i+1)^s.
+    #[arg(long, default_value_t = 1.1)]
+    pub zipf: f64,
+    /// Mean length of a model's active stretch, seconds (idle ones are longer the
+    /// less popular the model).
+    #[arg(long, default_value_t = 1200.0)]
+    pub active_mean_s: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }
 
 #[derive(Debug, Args)]

@@ -6,14 +6,56 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use preheat_output::outln;
 use preheat_sim::day::{DayShape, day, write_jsonl};
+use preheat_sim::fleet_trace::{self, FleetShape};
 use preheat_sim::trace;
 
-use crate::cli::{TraceCmd, TraceDayArgs};
+use crate::cli::{TraceCmd, TraceDayArgs, TraceFleetArgs};
 
 pub fn run(cmd: TraceCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         TraceCmd::Day(a) => run_day(&a),
+        TraceCmd::Fleet(a) => run_fleet(&a),
     }
+}
+
+fn run_fleet(a: &TraceFleetArgs) -> anyhow::Result<ExitCode> {
+    let shape = FleetShape {
+        models: a.models,
+        hours: a.hours,
+        zipf: a.zipf,
+        seed: a.seed,
+        active_mean_s: a.active_mean_s,
+    };
+    let problems = shape.problems();
+    if !problems.is_empty() {
+        bail!("{}", problems.join("\n"));
+    }
+    let base = trace::load(&a.from)?;
+    let fleet = fleet_trace::generate(&base, &shape);
+    let file =
+        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    fleet_trace::write_jsonl(&fleet, &mut w)
+        .and_then(|()| w.flush())
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    let mut per_model = vec![0usize; fleet.models.len()];
+    for r in &fleet.requests {
+        per_model[r.model] += 1;
+    }
+    let idle = per_model.iter().filter(|&&n| n == 0).count();
+    outln!(
+        "{}: {} requests of {} models over {} h (Zipf {}; most popular {} requests, least {}; {idle} never asked), from {} ({} requests)",
+        a.out.display(),
+        fleet.requests.len(),
+        fleet.models.len(),
+        a.hours,
+        a.zipf,
+        per_model.iter().max().unwrap_or(&0),
+        per_model.iter().min().unwrap_or(&0),
+        a.from.display(),
+        base.len()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_day(a: &TraceDayArgs) -> anyhow::Result<ExitCode> {
