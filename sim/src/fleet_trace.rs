@@ -251,9 +251,7 @@ pub fn parse(text: &str, name: &str, known: Option<&[String]>) -> Result<FleetTr
         if !l.timestamp.is_finite() || l.timestamp < 0.0 {
             return Err(err(format!("timestamp {} is not a time", l.timestamp)));
         }
-        if l.input_length == 0 || l.output_length == 0 {
-            return Err(err("input and output lengths must be at least 1".into()));
-        }
+        crate::trace::check_lengths(l.input_length, l.output_length).map_err(err)?;
         let model = match trace.models.iter().position(|m| *m == l.model) {
             Some(m) => m,
             None if known.is_some() => {

@@ -18,7 +18,9 @@
 //! `replay` (the event loop), `observe` (what an autoscaler sees), `actuate` (how a
 //! decision changes a pool), `sizing` (fixed sizes from the whole trace), [`report`];
 //! the replicas in [`cluster`], the baselines in [`autoscalers`], traces in [`trace`]
-//! and synthetic days in [`day`].
+//! and synthetic days in [`day`]. For fleets of many models: [`fleet_trace`] (their
+//! traffic, one trace) and [`fleet_config`] (`FLEET.yaml`: the models, nodes, budgets
+//! and the hardware a start is timed on).
 
 mod actuate;
 pub mod autoscalers;
@@ -28,6 +30,7 @@ mod clairvoyant;
 pub mod cluster;
 mod config;
 pub mod day;
+pub mod fleet_config;
 pub mod fleet_trace;
 pub mod hpa;
 mod itl_histogram;

@@ -104,7 +104,7 @@ fn parse_jsonl(text: &str, name: &str) -> Result<Vec<TraceRequest>, TraceError> 
     Ok(out)
 }
 
-fn check_lengths(input: u32, output: u32) -> Result<(), String> {
+pub(crate) fn check_lengths(input: u32, output: u32) -> Result<(), String> {
     if input == 0 {
         return Err("input length 0".into());
     }

@@ -18,6 +18,19 @@ pub fn run(cmd: TraceCmd) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Creates `path` and writes it through a buffer with `write`.
+fn write_to(
+    path: &std::path::Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    write(&mut w)
+        .and_then(|()| w.flush())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 fn run_fleet(a: &TraceFleetArgs) -> anyhow::Result<ExitCode> {
     let shape = FleetShape {
         models: a.models,
@@ -32,12 +45,7 @@ fn run_fleet(a: &TraceFleetArgs) -> anyhow::Result<ExitCode> {
     }
     let base = trace::load(&a.from)?;
     let fleet = fleet_trace::generate(&base, &shape);
-    let file =
-        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let mut w = std::io::BufWriter::new(file);
-    fleet_trace::write_jsonl(&fleet, &mut w)
-        .and_then(|()| w.flush())
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    write_to(&a.out, |w| fleet_trace::write_jsonl(&fleet, w))?;
     let mut per_model = vec![0usize; fleet.models.len()];
     for r in &fleet.requests {
         per_model[r.model] += 1;
@@ -73,12 +81,7 @@ fn run_day(a: &TraceDayArgs) -> anyhow::Result<ExitCode> {
     }
     let sizes = trace::load(&a.from)?;
     let d = day(&sizes, &shape);
-    let file =
-        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let mut w = std::io::BufWriter::new(file);
-    write_jsonl(&d, &mut w)
-        .and_then(|()| w.flush())
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    write_to(&a.out, |w| write_jsonl(&d, w))?;
     let peak = match a.office {
         Some((open, close)) => format!("{open}:00-{close}:00, ramps of {} s", a.ramp_s),
         None => format!("at {}:00", a.peak_hour),
