@@ -65,7 +65,7 @@ fn trace_fleet_makes_many_models_traffic_from_one_trace_and_reads_as_the_shipped
         "--from",
         from.to_str().unwrap(),
         "--out",
-        "/tmp/never.jsonl",
+        dir.path().join("never.jsonl").to_str().unwrap(),
         "--models",
         "0",
         "--zipf",
@@ -74,4 +74,5 @@ fn trace_fleet_makes_many_models_traffic_from_one_trace_and_reads_as_the_shipped
     let err = String::from_utf8_lossy(&bad.stderr);
     assert_eq!(bad.status.code(), Some(2), "{err}");
     assert!(err.contains("models 0") && err.contains("zipf 9"), "{err}");
+    assert!(!dir.path().join("never.jsonl").exists());
 }

@@ -987,6 +987,7 @@ fn m_a_gpu_budget_smaller_than_the_wants_wakes_a_third_model_by_shrinking_the_ot
     let Some(run) = install_models(225, Vec::new(), &models, |store, _| {
         let mut v = three_models(&models, store);
         v["fleet"] = json!({"maxGpus": budget});
+        v["scaler"]["podDeletionCost"] = json!(true);
         v
     }) else {
         return;

@@ -278,12 +278,12 @@ impl Fleet {
         self.models.iter().position(|m| m.name == name)
     }
 
-    /// Seconds from deciding to start a replica of `model` to its serving, from `tier`:
-    /// the sum of the tier's steps. `caches`: kernel and graph caches restored.
+    /// Seconds from deciding to start a replica of `m` to its serving, from `tier`: the
+    /// sum of the tier's steps on this fleet's hardware. `caches`: kernel and graph
+    /// caches restored.
     #[must_use]
-    pub fn start_s(&self, model: usize, tier: Tier, caches: bool) -> f64 {
+    pub fn start_s(&self, m: &FleetModel, tier: Tier, caches: bool) -> f64 {
         let h = &self.hardware;
-        let m = &self.models[model];
         let gb = m.weight_bytes() / 1e9;
         let upload = gb / (h.host_to_gpu_gbps * f64::from(m.gpus_per_replica));
         let read = gb / h.nvme_read_gbps;
@@ -335,18 +335,27 @@ mod tests {
         let upload = 16.0 / 25.0;
         let read = 16.0 / 6.5;
         let fetch = 16.0 / 1.25 + 16.0 / 3.0;
-        assert!(close(f.start_s(0, Tier::GpuStandby, true), 0.2));
-        assert!(close(f.start_s(0, Tier::HostStandby, true), upload + 0.5));
-        assert!(close(f.start_s(0, Tier::Hot, true), upload + 5.0 + 2.0));
-        assert!(close(f.start_s(0, Tier::Staged, true), read + upload + 7.0));
+        assert!(close(f.start_s(&f.models[0], Tier::GpuStandby, true), 0.2));
         assert!(close(
-            f.start_s(0, Tier::Remote, false),
+            f.start_s(&f.models[0], Tier::HostStandby, true),
+            upload + 0.5
+        ));
+        assert!(close(
+            f.start_s(&f.models[0], Tier::Hot, true),
+            upload + 5.0 + 2.0
+        ));
+        assert!(close(
+            f.start_s(&f.models[0], Tier::Staged, true),
+            read + upload + 7.0
+        ));
+        assert!(close(
+            f.start_s(&f.models[0], Tier::Remote, false),
             fetch + read + upload + 5.0 + 30.0
         ));
         // Warmer is never slower.
         for w in Tier::ALL.windows(2) {
             assert!(
-                f.start_s(0, w[0], true) <= f.start_s(0, w[1], true),
+                f.start_s(&f.models[0], w[0], true) <= f.start_s(&f.models[0], w[1], true),
                 "{w:?}"
             );
         }
@@ -360,7 +369,7 @@ mod tests {
         );
         let f = Fleet::parse(&text, "f").unwrap();
         let upload = 64.0 / (25.0 * 2.0);
-        assert!((f.start_s(0, Tier::HostStandby, true) - (upload + 0.5)).abs() < 1e-9);
+        assert!((f.start_s(&f.models[0], Tier::HostStandby, true) - (upload + 0.5)).abs() < 1e-9);
     }
 
     #[test]

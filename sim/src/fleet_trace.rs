@@ -21,7 +21,7 @@ pub struct FleetRequest {
 }
 
 /// A fleet trace: its model names (in order of first appearance, or as generated)
-/// and its requests, sorted by arrival, the first at 0.
+/// and its requests, sorted by arrival (the first at 0 once read back).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct FleetTrace {
     pub models: Vec<String>,
@@ -109,29 +109,47 @@ pub fn model_name(i: usize, n: usize) -> String {
     format!("m{i:0width$}")
 }
 
+/// The most requests a generated fleet trace may hold (its expected size, the base
+/// trace's rate over `hours`): past it, a base trace too dense or hours too many.
+pub const MAX_REQUESTS: f64 = 20e6;
+
 /// A fleet trace shaped by `shape` from the single-model trace `base` (sorted, first
 /// at 0, as [`crate::trace::load`] gives it). The fleet's mean rate is the base trace's;
-/// a model's rate while active is its share of that over its duty. Seeded.
-pub fn generate(base: &[TraceRequest], shape: &FleetShape) -> FleetTrace {
+/// a model's rate while active is its share of that over its duty. Seeded. Refused,
+/// with every problem, for a bad shape or a trace that would be too large.
+pub fn generate(base: &[TraceRequest], shape: &FleetShape) -> Result<FleetTrace, Vec<String>> {
+    let mut problems = shape.problems();
+    if base.is_empty() {
+        problems.push("the base trace holds no requests".into());
+    }
+    // A base trace spanning under a second is read as a second long.
+    let span = base.last().map_or(0.0, |r| r.t).max(1.0);
+    let base_rate = base.len() as f64 / span;
+    let end = shape.hours * 3600.0;
+    let expected = base_rate * end;
+    if expected > MAX_REQUESTS {
+        problems.push(format!(
+            "the fleet would hold about {expected:.0} requests ({base_rate:.1} req/s over {} h), more than {MAX_REQUESTS:.0}: fewer hours, or a sparser base trace",
+            shape.hours
+        ));
+    }
+    if !problems.is_empty() {
+        return Err(problems);
+    }
     let mut out = FleetTrace {
         models: (0..shape.models)
             .map(|i| model_name(i, shape.models))
             .collect(),
         requests: Vec::new(),
     };
-    if base.is_empty() || shape.models == 0 {
-        return out;
+    // Each model's blocks renumbered densely into a range of its own: model m's copy
+    // of the base's k-th distinct block is m × distinct + k (no overflow for any id).
+    let mut dense = std::collections::HashMap::new();
+    for b in base.iter().flat_map(|r| r.blocks.iter()) {
+        let next = dense.len() as u64;
+        dense.entry(*b).or_insert(next);
     }
-    let span = base.last().map_or(0.0, |r| r.t).max(1.0);
-    let base_rate = base.len() as f64 / span;
-    let end = shape.hours * 3600.0;
-    // Each model's blocks renamed into a range of its own above every base id.
-    let max_id = base
-        .iter()
-        .flat_map(|r| r.blocks.iter().copied())
-        .max()
-        .unwrap_or(0);
-    let stride = 10u64.pow(max_id.checked_ilog10().map_or(1, |d| d + 1).max(9));
+    let distinct = dense.len() as u64;
     let shares = shape.shares();
     let mut rng = SplitMix::new(shape.seed);
     for (m, share) in shares.iter().enumerate() {
@@ -179,7 +197,7 @@ pub fn generate(base: &[TraceRequest], shape: &FleetShape) -> FleetTrace {
                         let mut req = r.clone();
                         req.t = at;
                         for b in &mut req.blocks {
-                            *b += (m as u64 + 1) * stride;
+                            *b = m as u64 * distinct + dense[b];
                         }
                         out.requests.push(FleetRequest { model: m, req });
                     }
@@ -193,7 +211,7 @@ pub fn generate(base: &[TraceRequest], shape: &FleetShape) -> FleetTrace {
         }
     }
     out.requests.sort_by(|a, b| a.req.t.total_cmp(&b.req.t));
-    out
+    Ok(out)
 }
 
 /// Writes a fleet trace as Mooncake JSONL with a `model` field per line.
@@ -315,7 +333,7 @@ mod tests {
 
     #[test]
     fn popularity_follows_zipf_and_the_tail_idles_for_hours() {
-        let t = generate(&base(), &shape());
+        let t = generate(&base(), &shape()).unwrap();
         let mut count = vec![0usize; 8];
         for r in &t.requests {
             count[r.model] += 1;
@@ -343,20 +361,23 @@ mod tests {
 
     #[test]
     fn each_model_has_its_own_blocks_and_the_trace_is_seeded() {
-        let t = generate(&base(), &shape());
+        let t = generate(&base(), &shape()).unwrap();
         let mut owner = std::collections::HashMap::new();
         for r in &t.requests {
             for b in &r.req.blocks {
                 assert_eq!(*owner.entry(*b).or_insert(r.model), r.model, "block {b}");
             }
         }
-        assert_eq!(t, generate(&base(), &shape()));
-        assert_ne!(t, generate(&base(), &FleetShape { seed: 8, ..shape() }));
+        assert_eq!(t, generate(&base(), &shape()).unwrap());
+        assert_ne!(
+            t,
+            generate(&base(), &FleetShape { seed: 8, ..shape() }).unwrap()
+        );
     }
 
     #[test]
     fn written_and_read_back_it_is_the_same_trace() {
-        let t = generate(&base(), &shape());
+        let t = generate(&base(), &shape()).unwrap();
         let mut buf = Vec::new();
         write_jsonl(&t, &mut buf).unwrap();
         let back = parse(std::str::from_utf8(&buf).unwrap(), "t", Some(&t.models)).unwrap();
@@ -401,6 +422,48 @@ mod tests {
         }
         .problems();
         assert_eq!(p.len(), 3, "{p:?}");
+    }
+
+    #[test]
+    fn huge_block_ids_and_a_base_trace_of_one_instant_are_handled() {
+        // Ids near u64::MAX are renumbered, never overflowed.
+        let mut b = base();
+        b[0].blocks = vec![u64::MAX, u64::MAX - 1];
+        let t = generate(&b, &shape()).unwrap();
+        assert!(
+            t.requests
+                .iter()
+                .all(|r| r.req.blocks.iter().all(|&x| x < 8 * 101))
+        );
+        // Every request at one instant: read as one second, far too dense for hours.
+        let same: Vec<TraceRequest> = (0..50_000)
+            .map(|_| TraceRequest {
+                t: 0.0,
+                ..base()[0].clone()
+            })
+            .collect();
+        let e = generate(&same, &shape()).unwrap_err();
+        assert!(e[0].contains("sparser"), "{e:?}");
+        // An empty base and a bad shape are refused, every problem at once.
+        let e = generate(
+            &[],
+            &FleetShape {
+                active_mean_s: 0.0,
+                ..shape()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.len(), 2, "{e:?}");
+    }
+
+    #[test]
+    fn the_shipped_example_reads_with_its_fleets_models() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata");
+        let fleet = crate::fleet_config::Fleet::load(&root.join("fleets/example.yaml")).unwrap();
+        let names: Vec<String> = fleet.models.iter().map(|m| m.name.clone()).collect();
+        let t = load(&root.join("traces/fleet_example.jsonl"), Some(&names)).unwrap();
+        assert_eq!(t.models, names);
+        assert_eq!(t.requests.len(), 19_545);
     }
 
     #[test]

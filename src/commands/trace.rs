@@ -44,7 +44,8 @@ fn run_fleet(a: &TraceFleetArgs) -> anyhow::Result<ExitCode> {
         bail!("{}", problems.join("\n"));
     }
     let base = trace::load(&a.from)?;
-    let fleet = fleet_trace::generate(&base, &shape);
+    let fleet =
+        fleet_trace::generate(&base, &shape).map_err(|p| anyhow::anyhow!("{}", p.join("\n")))?;
     write_to(&a.out, |w| fleet_trace::write_jsonl(&fleet, w))?;
     let mut per_model = vec![0usize; fleet.models.len()];
     for r in &fleet.requests {

@@ -670,12 +670,13 @@ def check_variant(variant, values, defaults, schema, dump):
         if "pods" not in resources:
             fail(variant, "the scaler cannot find the gateway pods (held requests)")
         pod_verbs = {v for rule in rules if "pods" in rule["resources"] for v in rule["verbs"]}
-        want_pod_verbs = {"list", "watch"} | ({"patch"} if merged["scaler"]["podDeletionCost"] else set())
+        marks = bool(merged["scaler"]["podDeletionCost"]) and not merged["scaler"]["prometheus"]["url"]
+        want_pod_verbs = {"list", "watch"} | ({"patch"} if marks else set())
         if pod_verbs != want_pod_verbs:
-            fail(variant, f"scaler Role may {sorted(pod_verbs)} pods, want {sorted(want_pod_verbs)} (podDeletionCost {merged['scaler']['podDeletionCost']})")
+            fail(variant, f"scaler Role may {sorted(pod_verbs)} pods, want {sorted(want_pod_verbs)} (deletion cost marked: {marks})")
         cms = [c for c in by_kind.get("ConfigMap", []) if c["metadata"]["name"] == "rel-preheat-scaler"]
         cfg = yaml.safe_load(cms[0]["data"]["scaler.yaml"]) if cms else {}
-        if cms and cfg.get("kubernetes", {}).get("pod_deletion_cost") != merged["scaler"]["podDeletionCost"]:
+        if cms and cfg.get("kubernetes", {}).get("pod_deletion_cost") is not marks:
             fail(variant, "the scaler's pod_deletion_cost does not follow scaler.podDeletionCost")
     sc_dep = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "rel-preheat-scaler"]
     if sc_dep and sc_dep[0]["spec"].get("strategy", {}).get("type") != "Recreate":
@@ -876,6 +877,8 @@ REFUSED = [
     ({"models": [{"name": "a" * 60, "source": "https://x/a.phpack"}]}, "longer than 63"),
     ({"model": {"sourceSecret": {"name": "s", "key": "url"}}}, "model.name is required"),
     ({"model": {"source": "https://x/a.phpack"}, "modles": []}, "modles"),
+    # `--set-string` would turn it on in the Role while the config read "false".
+    ({"model": {"source": "https://x/a.phpack"}, "scaler": {"podDeletionCost": "false"}}, "podDeletionCost"),
 ]
 
 

@@ -4,7 +4,8 @@
 //! startup, readiness and liveness probes as rendered; preStop and the termination grace
 //! period on every stop; Services that route only to Ready pods; and an API server that
 //! serves what the components read (pods and EndpointSlices, list and watch; the
-//! Deployments' scale subresource).
+//! Deployments' scale subresource; pods' annotations, patched). A scale-down picks its
+//! pods as a ReplicaSet does: not ready, then the lowest deletion cost, then the newest.
 //!
 //! What it does not emulate, and why that is fine for what the cluster run proves: no
 //! scheduler resources (GPU requests are ignored; pods go round-robin over the nodes),
@@ -80,8 +81,8 @@ pub struct ScaledAway {
     pub kept: Vec<Option<i32>>,
 }
 
-/// A pod's `controller.kubernetes.io/pod-deletion-cost` (0 when unset or unreadable,
-/// as the ReplicaSet controller reads it).
+/// A pod's `controller.kubernetes.io/pod-deletion-cost`: `None` when unset or
+/// unreadable, which the ReplicaSet controller reads as 0.
 pub fn deletion_cost(p: &Pod) -> Option<i32> {
     p.annotations
         .get("controller.kubernetes.io/pod-deletion-cost")

@@ -5,9 +5,9 @@
 //!
 //! The second and third models are copies of the snapshot (their own files, so their
 //! own page-cache pages: a start of "model 2" never finds model 1's pages hot). The
-//! first model serves one stream after another for the whole run; the second keeps its
-//! replica while the third starts. Each start is measured as the single-model bench
-//! measures it (spawn or promote to first token).
+//! first model serves one request after another for the whole run; once the second
+//! has started it is loaded the same way while the third starts. Each start is
+//! measured as the single-model bench measures it (spawn or promote to first token).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,10 +24,11 @@ use super::{
     spawn_serve, wait_until,
 };
 
-/// Requests the first model answers back to back while the others start.
+/// Requests a serving model answers back to back while others start.
 struct Load {
     stop: Arc<AtomicBool>,
     tokens: Arc<AtomicU64>,
+    answered: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<anyhow::Result<u64>>>,
 }
 
@@ -35,7 +36,13 @@ impl Load {
     fn start(base: &str) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let tokens = Arc::new(AtomicU64::new(0));
-        let (s, t, base) = (Arc::clone(&stop), Arc::clone(&tokens), base.to_owned());
+        let answered = Arc::new(AtomicU64::new(0));
+        let (s, t, n, base) = (
+            Arc::clone(&stop),
+            Arc::clone(&tokens),
+            Arc::clone(&answered),
+            base.to_owned(),
+        );
         let thread = std::thread::spawn(move || -> anyhow::Result<u64> {
             let c = reqwest::blocking::Client::new();
             let mut answered = 0;
@@ -55,6 +62,7 @@ impl Load {
                     v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
                     Ordering::SeqCst,
                 );
+                n.fetch_add(1, Ordering::SeqCst);
                 answered += 1;
             }
             Ok(answered)
@@ -62,15 +70,37 @@ impl Load {
         Load {
             stop,
             tokens,
+            answered,
             thread: Some(thread),
         }
     }
 
-    /// Tokens per second the first model generates over `d`.
-    fn rate_over(&self, d: Duration) -> f64 {
-        let t0 = self.tokens.load(Ordering::SeqCst);
-        std::thread::sleep(d);
-        (self.tokens.load(Ordering::SeqCst) - t0) as f64 / d.as_secs_f64()
+    /// Tokens per second over `n` whole requests (from one answer to the n-th after
+    /// it: tokens are counted per answer, so a window must start and end on one).
+    fn rate_over_requests(&self, n: u64, limit: Duration) -> anyhow::Result<f64> {
+        let wait_past = |count: u64| -> anyhow::Result<()> {
+            let t0 = Instant::now();
+            while self.answered.load(Ordering::SeqCst) < count {
+                anyhow::ensure!(
+                    !self
+                        .thread
+                        .as_ref()
+                        .is_some_and(std::thread::JoinHandle::is_finished),
+                    "the load stopped"
+                );
+                anyhow::ensure!(t0.elapsed() < limit, "no answer within {limit:?}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(())
+        };
+        wait_past(self.answered.load(Ordering::SeqCst) + 1)?;
+        let (a0, t0, at) = (
+            self.answered.load(Ordering::SeqCst),
+            self.tokens.load(Ordering::SeqCst),
+            Instant::now(),
+        );
+        wait_past(a0 + n)?;
+        Ok((self.tokens.load(Ordering::SeqCst) - t0) as f64 / at.elapsed().as_secs_f64())
     }
 
     /// Stops the load; the requests it had answered (an error if any failed).
@@ -90,13 +120,18 @@ impl Drop for Load {
     }
 }
 
-/// Its own copy of the snapshot for model `n`, made once and kept in `work_dir`.
+/// Its own copy of the snapshot for model `n`, made once and kept in `work_dir`
+/// (made again when the snapshot is newer or another size).
 fn copy_for(p: &Prepared, work_dir: &Path, n: usize) -> anyhow::Result<PathBuf> {
     let dir = work_dir.join("fleet");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(format!("model-{n}.preheat"));
-    let want = std::fs::metadata(&p.snapshot)?.len();
-    if std::fs::metadata(&path).map(|m| m.len()).ok() != Some(want) {
+    let src = std::fs::metadata(&p.snapshot)?;
+    let current = std::fs::metadata(&path).ok().is_some_and(|m| {
+        m.len() == src.len()
+            && matches!((m.modified(), src.modified()), (Ok(copy), Ok(orig)) if copy >= orig)
+    });
+    if !current {
         let tmp = dir.join(format!(".model-{n}.preheat.partial"));
         std::fs::copy(&p.snapshot, &tmp)
             .with_context(|| format!("copying the snapshot to {}", tmp.display()))?;
@@ -163,17 +198,17 @@ pub(super) fn measure(
     let mut first = spawn_serve(&p.snapshot, false, kv_mib)?;
     wait_until(&mut first, false, Duration::from_secs(900))?;
     let load = Load::start(&first.base);
-    let alone = load.rate_over(Duration::from_secs(5));
+    let alone = load.rate_over_requests(4, Duration::from_secs(600))?;
     tracing::info!(tokens_per_s = alone, "the first model serves");
     let mut out = serde_json::Map::new();
-    let mut during = Vec::new();
+    let (tokens0, phase) = (load.tokens.load(Ordering::SeqCst), Instant::now());
     for source in sources {
         let mut by_model: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        let mut resident: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
         for run in 0..runs {
-            let tokens0 = load.tokens.load(Ordering::SeqCst);
-            let t0 = Instant::now();
-            // The second model's replica serves while the third starts.
+            // The second model's replica is loaded too while the third starts.
             let mut serving = Vec::new();
+            let mut second_load = None;
             for (i, snapshot) in copies.iter().enumerate() {
                 let dl = work_dir.join(format!("fleet-download-{}", i + 2));
                 let (s, r) = start_one(c, source, snapshot, p, http, &dl, kv_mib)
@@ -181,12 +216,16 @@ pub(super) fn measure(
                 let _ = std::fs::remove_dir_all(&dl);
                 tracing::info!(run, source = %source, model = i + 2, total_s = s.total_s, "start measured while the first model serves");
                 by_model[i].push(s.total_s);
+                resident[i].push(s.resident_at_start);
+                if i == 0 {
+                    second_load = Some(Load::start(&r.base));
+                }
                 serving.push(r);
             }
+            if let Some(l) = second_load {
+                l.finish().context("the second model's load")?;
+            }
             drop(serving);
-            let rate =
-                (load.tokens.load(Ordering::SeqCst) - tokens0) as f64 / t0.elapsed().as_secs_f64();
-            during.push(rate);
         }
         out.insert(
             source.clone(),
@@ -195,15 +234,21 @@ pub(super) fn measure(
                 "third_first_token_s": median(by_model[1].clone()),
                 "second_runs_s": by_model[0],
                 "third_runs_s": by_model[1],
+                "second_resident_at_start": resident[0],
+                "third_resident_at_start": resident[1],
             }),
         );
     }
+    // Over the whole phase (a minute or more), so counting tokens per answer errs by
+    // one request's tokens at most.
+    let during =
+        (load.tokens.load(Ordering::SeqCst) - tokens0) as f64 / phase.elapsed().as_secs_f64();
     let answered = load.finish()?;
     drop(first);
     Ok(json!({
         "sources": out,
         "first_model_tokens_per_s_alone": alone,
-        "first_model_tokens_per_s_during_starts": median(during),
+        "first_model_tokens_per_s_during_starts": during,
         "first_model_requests_answered": answered,
     }))
 }

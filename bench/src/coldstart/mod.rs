@@ -64,12 +64,24 @@ struct Replica {
     base: String,
     /// The control routes' listener (`/internal/state`, `/internal/promote`).
     internal: String,
+    /// Its stderr, told when it exits before serving.
+    log: PathBuf,
+}
+
+impl Replica {
+    /// The end of its log, for an error.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read(&self.log).unwrap_or_default();
+        let tail = &text[text.len().saturating_sub(2048)..];
+        String::from_utf8_lossy(tail).trim().to_owned()
+    }
 }
 
 impl Drop for Replica {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -114,13 +126,20 @@ fn spawn_serve(model: &Path, standby: bool, kv_mib: usize) -> anyhow::Result<Rep
         Some(&bench_token()?.1),
         None,
     )?;
+    let log = std::env::temp_dir().join(format!(
+        "preheat-bench-replica-{}-{port}.log",
+        std::process::id()
+    ));
+    let stderr =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     cmd.env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
+        .stderr(stderr);
     Ok(Replica {
         child: cmd.spawn().context("starting a replica")?,
         base: format!("http://127.0.0.1:{port}"),
         internal: format!("http://127.0.0.1:{internal}"),
+        log,
     })
 }
 
@@ -135,7 +154,10 @@ fn wait_until(r: &mut Replica, standby: bool, limit: Duration) -> anyhow::Result
     let token = &bench_token()?.0;
     loop {
         if let Some(status) = r.child.try_wait()? {
-            bail!("the replica exited ({status}) before serving");
+            bail!(
+                "the replica exited ({status}) before serving; its log ends:\n{}",
+                r.log_tail()
+            );
         }
         let ok = rt.block_on(async {
             if standby {

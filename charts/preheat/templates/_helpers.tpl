@@ -249,3 +249,9 @@ preheat.dev/model: {{ .m.name | quote }}
 {{- $_ := set $res "limits" $limits -}}
 {{- toYaml $res -}}
 {{- end -}}
+
+{{/* Whether the scaler marks pool pods with their deletion cost: asked for, and the
+     pools' pods are watched (not read from Prometheus). "true" or "false". */}}
+{{- define "preheat.podDeletionCost" -}}
+{{- and .Values.scaler.podDeletionCost (not .Values.scaler.prometheus.url) | toString -}}
+{{- end }}

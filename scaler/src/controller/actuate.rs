@@ -20,8 +20,6 @@ pub(super) struct Target<'a> {
     pub decision: &'a Decision,
     /// Serving replicas of the pool itself (standbys not counted).
     pub ready: u32,
-    /// Replicas the pool has, ready or starting.
-    pub current: u32,
     /// This pool's standbys at each agent that answered, by agent base URL.
     pub agents: &'a [(String, AgentPool)],
     /// The pool's load is not fully known (blind, or a serving standby not answering):

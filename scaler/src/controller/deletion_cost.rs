@@ -2,15 +2,18 @@
 //! removes the not-ready ones first, then those with the lowest
 //! `controller.kubernetes.io/pod-deletion-cost`, then the newest. Left alone it would
 //! remove the newest replica even when it is the busiest: its streams would drain for
-//! as long as they run, holding a GPU the budget has given to another model. So just
-//! before a pool shrinks, each ready pod is marked with its in-flight requests, and
+//! as long as they run, holding a GPU the budget has given to another model. So when a
+//! pool is to lose ready pods, each ready pod is marked with its in-flight requests, and
 //! the idlest goes first.
 //!
-//! Marked only when a scale-down is decided (Kubernetes asks not to update the
-//! annotation at every metric change: each one is a pod update every watcher sees),
-//! and only the pods whose mark changed.
+//! Kubernetes asks not to update the annotation at every metric change (each one is a
+//! pod update every watcher sees): pods are marked when a scale-down is decided, again
+//! only if the target changes or [`REMARK_EVERY`] has passed while it is still pending
+//! (KEDA's HPA removes one pod per 30 s), and only the pods whose mark changed. Not for
+//! a pool going to zero (every pod goes) nor one losing only pods that are not ready
+//! (the ReplicaSet takes those first).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 
@@ -29,19 +32,24 @@ pub(crate) struct PodLoad {
 }
 
 impl PodLoad {
-    /// The ready pods of `view` whose scrape answered in `ok` (metrics URL, reading).
-    /// A pod that did not answer is left out: its load is unknown, and a guess could
-    /// send a busy pod first.
+    /// The ready pods of `view`, their loads read from `ok` (metrics URL, reading).
     pub fn of(view: &PodView, ok: &[(String, Reading)]) -> Vec<PodLoad> {
         view.ready
             .iter()
-            .filter_map(|(name, url)| {
-                let (_, r) = ok.iter().find(|(u, _)| u == url)?;
-                Some(PodLoad {
+            .map(|(name, url)| {
+                // A pod whose scrape failed counts as the busiest: its load is
+                // unknown, and a guess could send a busy pod first.
+                let in_flight = ok
+                    .iter()
+                    .find(|(u, _)| u == url)
+                    .map_or(f64::INFINITY, |(_, r)| {
+                        r.running.unwrap_or(0.0) + r.waiting.unwrap_or(0.0)
+                    });
+                PodLoad {
                     name: name.clone(),
-                    in_flight: r.running.unwrap_or(0.0) + r.waiting.unwrap_or(0.0),
+                    in_flight,
                     cost: view.deletion_cost.get(name).copied().flatten(),
-                })
+                }
             })
             .collect()
     }
@@ -68,20 +76,40 @@ pub(crate) fn changes(pods: &[PodLoad]) -> Vec<(&str, i32)> {
         .collect()
 }
 
+/// How often the marks of a pending scale-down are brought up to date.
+pub(crate) const REMARK_EVERY: Duration = Duration::from_secs(30);
+
+/// Whether a pool going to `replicas` with `ready` ready pods loses ready pods it should
+/// choose among, and whether its marks are due given the last marking (target, when).
+pub(crate) fn due(replicas: u32, ready: u32, last: Option<(u32, Instant)>, now: Instant) -> bool {
+    let choosing = replicas > 0 && replicas < ready;
+    choosing
+        && last.is_none_or(|(target, at)| {
+            target != replicas || now.saturating_duration_since(at) >= REMARK_EVERY
+        })
+}
+
 /// Marks a pool's pods before it shrinks.
 pub(super) struct DeletionCost {
     pub client: kube::Client,
     pub namespace: String,
     /// Bound on the patches of one tick, all sent at once.
     pub timeout: Duration,
+    /// The target last marked for, and when.
+    pub last: Option<(u32, Instant)>,
 }
 
 impl Actuator for DeletionCost {
     fn act<'a>(&'a mut self, t: &'a Target<'a>) -> Acting<'a> {
         Box::pin(async move {
-            if t.replicas() >= t.current {
+            let now = Instant::now();
+            if !due(t.replicas(), t.ready, self.last, now) {
+                if t.replicas() >= t.ready {
+                    self.last = None;
+                }
                 return;
             }
+            self.last = Some((t.replicas(), now));
             let marks = changes(t.pods);
             if marks.is_empty() {
                 return;
@@ -91,21 +119,24 @@ impl Actuator for DeletionCost {
                 let set = crate::kube::set_deletion_cost(client.clone(), namespace, pod, cost);
                 (pod, tokio::time::timeout(timeout, set).await)
             });
-            for (pod, r) in join_all(patches).await {
+            let mut marked = Vec::new();
+            for ((pod, r), &(_, cost)) in join_all(patches).await.into_iter().zip(&marks) {
                 match r {
-                    Ok(Ok(())) => {}
+                    Ok(Ok(())) => marked.push((pod, cost)),
                     Ok(Err(e)) => tracing::warn!(pod, error = %e, "deletion cost not set"),
                     Err(_) => tracing::warn!(pod, "setting the deletion cost timed out"),
                 }
             }
-            tracing::info!(
-                model = t.model,
-                pool = t.pool.as_str(),
-                replicas = t.replicas(),
-                current = t.current,
-                ?marks,
-                "pods marked with their in-flight requests before a scale-down"
-            );
+            if !marked.is_empty() {
+                tracing::info!(
+                    model = t.model,
+                    pool = t.pool.as_str(),
+                    replicas = t.replicas(),
+                    ready = t.ready,
+                    ?marked,
+                    "pods marked with their in-flight requests before a scale-down"
+                );
+            }
         })
     }
 }
@@ -151,7 +182,23 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_whose_scrape_failed_is_not_marked() {
+    fn marks_are_due_when_ready_pods_must_be_chosen_among_and_not_every_tick() {
+        let t0 = Instant::now();
+        let later = |s: u64| t0 + Duration::from_secs(s);
+        // Losing ready pods: due at once.
+        assert!(due(2, 3, None, t0));
+        // Not when nothing shrinks, when every pod goes, or when only starting pods go.
+        assert!(!due(3, 3, None, t0));
+        assert!(!due(0, 3, None, t0));
+        assert!(!due(3, 2, None, t0));
+        // Marked for this target: not again until REMARK_EVERY, or the target changes.
+        assert!(!due(2, 3, Some((2, t0)), later(5)));
+        assert!(due(2, 3, Some((2, t0)), later(30)));
+        assert!(due(1, 3, Some((2, t0)), later(5)));
+    }
+
+    #[test]
+    fn a_pod_whose_scrape_failed_counts_as_the_busiest() {
         let mut view = PodView::default();
         for (name, url) in [("up", "http://a/metrics"), ("down", "http://b/metrics")] {
             view.ready.insert(name.into(), url.into());
@@ -163,6 +210,10 @@ mod tests {
             ..Reading::default()
         };
         let loads = PodLoad::of(&view, &[("http://a/metrics".into(), reading)]);
-        assert_eq!(loads, [pod("up", 3.0, Some(9))]);
+        assert_eq!(
+            loads,
+            [pod("down", f64::INFINITY, Some(9)), pod("up", 3.0, Some(9))]
+        );
+        assert_eq!(changes(&loads), [("down", i32::MAX), ("up", 3)]);
     }
 }

@@ -199,6 +199,7 @@ impl Controller {
                 client: client.clone(),
                 namespace: self.cfg.kubernetes.namespace.clone(),
                 timeout: Duration::from_secs_f64(self.cfg.scrape_timeout_s),
+                last: None,
             }));
         }
         out.push(Box::new(actuate::Keda {
@@ -372,7 +373,6 @@ impl Controller {
                 pool: p.pool,
                 decision: &decision,
                 ready: ready_pods.unwrap_or(current),
-                current,
                 agents: &agents,
                 unsure,
                 pods: &pods,
