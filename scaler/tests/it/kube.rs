@@ -33,6 +33,8 @@ struct Fake {
     history: Vec<(String, i64)>,
     /// Pod lists never answer (a watch that has not listed yet).
     list_hangs: bool,
+    /// Every write, in order: `scale NAME=N` and `cost POD=N`.
+    writes: Vec<String>,
 }
 
 type Shared = Arc<Mutex<Fake>>;
@@ -93,12 +95,32 @@ async fn scale(
     let replicas = v["spec"]["replicas"].as_i64().unwrap_or(-1);
     f.scaled.insert(name.clone(), replicas);
     f.history.push((name.clone(), replicas));
+    f.writes.push(format!("scale {name}={replicas}"));
     axum::Json(json!({
         "apiVersion": "autoscaling/v1", "kind": "Scale",
         "metadata": {"name": name, "namespace": ns},
         "spec": {"replicas": replicas}, "status": {"replicas": replicas}
     }))
     .into_response()
+}
+
+/// `PATCH .../pods/NAME`: the scaler's deletion cost, recorded in order.
+async fn pod_patch(State(s): State<Shared>, Path(name): Path<String>, body: Bytes) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let cost = &v["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"];
+    let mut f = s.lock().unwrap();
+    f.writes
+        .push(format!("cost {name}={}", cost.as_str().unwrap_or("?")));
+    let Some(p) = f
+        .pods
+        .iter()
+        .find(|p| p["metadata"]["name"] == name.as_str())
+    else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let mut p = p.clone();
+    p["metadata"]["annotations"] = v["metadata"]["annotations"].clone();
+    axum::Json(p).into_response()
 }
 
 /// `GET .../scale`: what the Deployment has now (404 for a Deployment never set).
@@ -122,6 +144,7 @@ async fn fake_api(state: Shared) -> String {
     let addr = l.local_addr().unwrap();
     let app = Router::new()
         .route("/api/v1/namespaces/llm/pods", get(pods))
+        .route("/api/v1/namespaces/llm/pods/{name}", patch(pod_patch))
         .route(
             "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",
             patch(scale).get(scale_get),
@@ -454,4 +477,83 @@ async fn standbys_are_promoted_for_a_held_request_under_the_agents_pool_names() 
         "only the agent's pool names are used: {seen:?}"
     );
     let _ = stop.send(());
+}
+
+#[tokio::test]
+async fn a_pool_losing_ready_pods_marks_them_with_their_load_before_it_scales_down() {
+    // Three ready decode pods on three loopback addresses, one metrics port: idle,
+    // busy and in between. The pool may keep one (max_replicas 1) and has three. (The
+    // fake API lists every pod for every selector: prefill, held at three, sees them
+    // too and never shrinks.)
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let mut listeners = vec![(l, 0u32)];
+    for (ip, load) in [("127.0.0.2", 9u32), ("127.0.0.3", 2)] {
+        listeners.push((
+            tokio::net::TcpListener::bind((ip, port)).await.unwrap(),
+            load,
+        ));
+    }
+    for (l, load) in listeners {
+        let text = format!(
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {load}\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+        );
+        let app = Router::new().route("/metrics", get(move || async move { text }));
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    }
+    let state = Shared::default();
+    {
+        let mut f = state.lock().unwrap();
+        f.pods = vec![
+            pod("idle", "127.0.0.1", true),
+            pod("busy", "127.0.0.2", true),
+            pod("some", "127.0.0.3", true),
+        ];
+        for p in &mut f.pods {
+            p["metadata"]["labels"] = json!({"app": "d"});
+        }
+        f.scaled.insert("m-decode".into(), 3);
+    }
+    let url = fake_api(state.clone()).await;
+    let (_grpc, stop) = start_scaler(format!(
+        "interval_s: 0.1\nwindow_s: 2\nmode: direct\nkubernetes: {{namespace: llm, api_url: \"{url}\", pod_deletion_cost: true}}\nmodels:\n  - name: m\n    prefill: {{selector: 'app=p', metrics_port: {port}, deployment: m-prefill, min_replicas: 3, max_replicas: 3}}\n    decode: {{selector: 'app=d', metrics_port: {port}, deployment: m-decode, min_replicas: 0, max_replicas: 1, scale_down_stabilization_s: 0}}\n"
+    ))
+    .await;
+    let t0 = Instant::now();
+    while state
+        .lock()
+        .unwrap()
+        .scaled
+        .get("m-decode")
+        .is_none_or(|&n| n >= 3)
+    {
+        let f = state.lock().unwrap();
+        assert!(
+            t0.elapsed() < PATIENCE,
+            "decode not scaled down: writes {:?}, scaled {:?}",
+            f.writes,
+            f.scaled
+        );
+        drop(f);
+        // Deliberate: polling the fake API's record of writes.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let writes = state.lock().unwrap().writes.clone();
+    let _ = stop.send(());
+    let scale = writes
+        .iter()
+        .position(|w| w == "scale m-decode=1" || w == "scale m-decode=2")
+        .expect("scaled down");
+    let mut marked: Vec<&str> = writes[..scale]
+        .iter()
+        .filter(|w| w.starts_with("cost "))
+        .map(String::as_str)
+        .collect();
+    marked.sort_unstable();
+    // Each pod marked with its in-flight requests, before the scale-down.
+    assert_eq!(
+        marked,
+        ["cost busy=9", "cost idle=0", "cost some=2"],
+        "{writes:?}"
+    );
 }
