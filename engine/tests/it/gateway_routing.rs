@@ -46,6 +46,32 @@ fn start_worker(
 
 type Task = tokio::task::JoinHandle<preheat_engine::Result<()>>;
 
+/// Registers a decode worker `id` at `url` with the gateway whose internal listener is
+/// `internal`, as a worker's start (and each heartbeat after a drop) does.
+async fn register_decode(client: &reqwest::Client, internal: &str, id: &str, url: &str) {
+    let info = gateway::model_info(
+        &preheat_testkit::model_fixture("llama-tiny"),
+        16,
+        Some("tiny"),
+    )
+    .unwrap();
+    let r = client
+        .post(format!("{internal}/internal/register"))
+        .json(
+            &serde_json::json!({"id": id, "role": "decode", "url": url, "model": "tiny",
+              "compat": info.compat, "kv_format": preheat_engine::kv::payload::FORMAT_VERSION}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    assert!(
+        status.is_success(),
+        "{status}: {}",
+        r.text().await.unwrap_or_default()
+    );
+}
+
 /// A gateway and its workers in this process, stopped together.
 pub(crate) struct Stack {
     pub(crate) url: String,
@@ -160,29 +186,22 @@ impl Stack {
 
     /// Registers a decode worker served at `url` as `id`, by hand (a fake: it sends
     /// no heartbeats, so the stack needs a long `worker_timeout`).
-    pub(crate) async fn register_decode(&self, id: &str, url: &str) {
-        let info = gateway::model_info(
-            &preheat_testkit::model_fixture("llama-tiny"),
-            16,
-            Some("tiny"),
-        )
-        .unwrap();
+    /// A short completion ("hello", 4 tokens) within `timeout`: its status and body.
+    async fn hello(&self, timeout: Duration) -> (reqwest::StatusCode, String) {
         let r = self
             .client
-            .post(format!("{}/internal/register", self.internal))
-            .json(
-                &serde_json::json!({"id": id, "role": "decode", "url": url, "model": "tiny",
-                  "compat": info.compat, "kv_format": preheat_engine::kv::payload::FORMAT_VERSION}),
-            )
+            .post(format!("{}/v1/completions", self.url))
+            .json(&serde_json::json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
+            .timeout(timeout)
             .send()
             .await
             .unwrap();
         let status = r.status();
-        assert!(
-            status.is_success(),
-            "{status}: {}",
-            r.text().await.unwrap_or_default()
-        );
+        (status, r.text().await.unwrap())
+    }
+
+    pub(crate) async fn register_decode(&self, id: &str, url: &str) {
+        register_decode(&self.client, &self.internal, id, url).await;
     }
 
     pub(crate) async fn stop(self) {
@@ -312,16 +331,7 @@ async fn a_request_whose_decode_workers_all_die_fails_after_two_replays() {
         s.register_decode(&format!("dying-{i}"), &url).await;
     }
     let t0 = Instant::now();
-    let r = s
-        .client
-        .post(format!("{}/v1/completions", s.url))
-        .json(&serde_json::json!({"model": "tiny", "prompt": "hello", "max_tokens": 4}))
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status();
-    let body = r.text().await.unwrap();
+    let (status, body) = s.hello(Duration::from_secs(30)).await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("decode worker"), "{body}");
     assert!(
@@ -334,6 +344,54 @@ async fn a_request_whose_decode_workers_all_die_fails_after_two_replays() {
         "preheat:gateway_replays_total",
     );
     assert_eq!(replays, 2.0);
+    s.stop().await;
+}
+
+/// A request replayed after its only decode worker was lost waited for a worker other
+/// than that one, although the worker registered again within a second (its next
+/// heartbeat): the client was held for the whole hold time (300 s by default, as long
+/// as a client's own timeout), then failed with "no decode worker became available".
+/// Here the only worker drops every request it takes and registers again 300 ms
+/// later: each replay must go back to it, and the request fail after two replays with
+/// the worker's loss, long before the hold time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regression_a_replay_waited_the_whole_hold_time_for_another_worker_than_the_only_one() {
+    let s = Stack::start_with(&[], |o| {
+        o.worker_timeout = Duration::from_secs(600);
+        o.hold_timeout = Duration::from_secs(20);
+    })
+    .await;
+    let (l, url) = listen().await;
+    let (client, internal, at) = (s.client.clone(), s.internal.clone(), url.clone());
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = l.accept().await {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            drop(conn);
+            // Deliberate: after the gateway has seen the loss, as a heartbeat would.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            register_decode(&client, &internal, "flaky", &at).await;
+        }
+    });
+    s.register_decode("flaky", &url).await;
+    let t0 = Instant::now();
+    let (status, body) = s.hello(Duration::from_secs(60)).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("decode worker") && !body.contains("hold time"),
+        "{body}"
+    );
+    let replays = metric_sum(
+        &scrape(&s.client, &s.url).await,
+        "preheat:gateway_replays_total",
+    );
+    assert_eq!(replays, 2.0, "{body}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
     s.stop().await;
 }
 

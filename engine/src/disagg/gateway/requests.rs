@@ -238,8 +238,10 @@ impl Gateway {
                 }
             };
             // The decode worker is gone before the request finished: run it again, with
-            // the hold time and the pause for room started anew.
-            tries.refused.push(decode.id.clone());
+            // the hold time and the pause for room started anew. It was dropped from the
+            // rotation, so it is not asked again unless it registers anew (its next
+            // heartbeat): set aside for good, a pool's only worker would hold the
+            // replay for the whole hold time. MAX_REPLAYS bounds the retries.
             if tries.replays >= MAX_REPLAYS {
                 return fail(lost);
             }
