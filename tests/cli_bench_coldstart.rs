@@ -4,13 +4,13 @@
 
 mod harness;
 
-use harness::preheat;
+use harness::ok_json;
 
 #[test]
 fn coldstart_fleet_measures_a_second_and_third_model_from_each_tier_while_the_first_serves() {
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().to_str().unwrap();
-    let out = preheat([
+    let r = ok_json([
         "bench",
         "coldstart",
         "--model",
@@ -24,13 +24,6 @@ fn coldstart_fleet_measures_a_second_and_third_model_from_each_tier_while_the_fi
         "--fleet",
         "--json",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let fleet = &r["fleet"];
     for source in ["convert", "staged", "hot", "standby"] {
         let single = r["sources"][source]["first_token_s"].as_f64().unwrap();

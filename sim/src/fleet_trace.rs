@@ -266,10 +266,13 @@ pub fn parse(text: &str, name: &str, known: Option<&[String]>) -> Result<FleetTr
             msg,
         };
         let l: FleetLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
-        if !l.timestamp.is_finite() || l.timestamp < 0.0 {
-            return Err(err(format!("timestamp {} is not a time", l.timestamp)));
-        }
-        crate::trace::check_lengths(l.input_length, l.output_length).map_err(err)?;
+        let req = crate::trace::mooncake_request(
+            l.timestamp,
+            l.input_length,
+            l.output_length,
+            l.hash_ids,
+        )
+        .map_err(err)?;
         let model = match trace.models.iter().position(|m| *m == l.model) {
             Some(m) => m,
             None if known.is_some() => {
@@ -284,15 +287,7 @@ pub fn parse(text: &str, name: &str, known: Option<&[String]>) -> Result<FleetTr
                 trace.models.len() - 1
             }
         };
-        trace.requests.push(FleetRequest {
-            model,
-            req: TraceRequest {
-                t: l.timestamp / 1000.0,
-                input_tokens: l.input_length,
-                output_tokens: l.output_length,
-                blocks: l.hash_ids,
-            },
-        });
+        trace.requests.push(FleetRequest { model, req });
     }
     if trace.requests.is_empty() {
         return Err(TraceError::Empty(name.to_owned()));

@@ -90,21 +90,34 @@ fn parse_jsonl(text: &str, name: &str) -> Result<Vec<TraceRequest>, TraceError> 
             msg,
         };
         let m: MooncakeLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
-        if !m.timestamp.is_finite() || m.timestamp < 0.0 {
-            return Err(err(format!("timestamp {} is not a time", m.timestamp)));
-        }
-        check_lengths(m.input_length, m.output_length).map_err(err)?;
-        out.push(TraceRequest {
-            t: m.timestamp / 1000.0,
-            input_tokens: m.input_length,
-            output_tokens: m.output_length,
-            blocks: m.hash_ids,
-        });
+        out.push(
+            mooncake_request(m.timestamp, m.input_length, m.output_length, m.hash_ids)
+                .map_err(err)?,
+        );
     }
     Ok(out)
 }
 
-pub(crate) fn check_lengths(input: u32, output: u32) -> Result<(), String> {
+/// A Mooncake line's request (`timestamp` in ms), checked as every trace's is.
+pub(crate) fn mooncake_request(
+    timestamp: f64,
+    input: u32,
+    output: u32,
+    blocks: Vec<u64>,
+) -> Result<TraceRequest, String> {
+    if !timestamp.is_finite() || timestamp < 0.0 {
+        return Err(format!("timestamp {timestamp} is not a time"));
+    }
+    check_lengths(input, output)?;
+    Ok(TraceRequest {
+        t: timestamp / 1000.0,
+        input_tokens: input,
+        output_tokens: output,
+        blocks,
+    })
+}
+
+fn check_lengths(input: u32, output: u32) -> Result<(), String> {
     if input == 0 {
         return Err("input length 0".into());
     }

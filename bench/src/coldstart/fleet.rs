@@ -15,14 +15,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use preheat_snapshot::residency;
 use serde_json::{Value, json};
 
 use super::prepare::Prepared;
-use super::{
-    Replica, Start, download, measure_standby_replica, measure_start_replica, median, read_all,
-    spawn_serve, wait_until,
-};
+use super::{median, spawn_serve, start_from, wait_until};
 
 /// Requests a serving model answers back to back while others start.
 struct Load {
@@ -140,49 +136,6 @@ fn copy_for(p: &Prepared, work_dir: &Path, n: usize) -> anyhow::Result<PathBuf> 
     Ok(path)
 }
 
-/// One start of a model at zero from `source`; the replica is returned serving.
-fn start_one(
-    c: &reqwest::blocking::Client,
-    source: &str,
-    snapshot: &Path,
-    p: &Prepared,
-    http: Option<&str>,
-    dl: &Path,
-    kv_mib: usize,
-) -> anyhow::Result<(Start, Replica)> {
-    match source {
-        "convert" => {
-            let base = http.context("file server")?;
-            let _ = std::fs::remove_dir_all(dl);
-            let t0 = Instant::now();
-            download(c, base, &p.convert_files, dl)?;
-            let download_s = t0.elapsed().as_secs_f64();
-            let model = if p.convert_is_dir {
-                dl.to_path_buf()
-            } else {
-                dl.join(&p.convert_files[0])
-            };
-            let (mut s, r) = measure_start_replica(c, &model, snapshot, kv_mib)?;
-            s.total_s += download_s;
-            s.download_s = download_s;
-            Ok((s, r))
-        }
-        "staged" => {
-            residency::evict(snapshot)?;
-            measure_start_replica(c, snapshot, snapshot, kv_mib)
-        }
-        "hot" => {
-            let _ = read_all(snapshot)?;
-            measure_start_replica(c, snapshot, snapshot, kv_mib)
-        }
-        "standby" => {
-            let _ = read_all(snapshot)?;
-            measure_standby_replica(c, snapshot, kv_mib)
-        }
-        other => anyhow::bail!("unknown source {other}"),
-    }
-}
-
 /// Measures the second and third model's starts from each of `sources`, `runs` times,
 /// while the first serves; returns the report's `fleet` object.
 pub(super) fn measure(
@@ -211,7 +164,7 @@ pub(super) fn measure(
             let mut second_load = None;
             for (i, snapshot) in copies.iter().enumerate() {
                 let dl = work_dir.join(format!("fleet-download-{}", i + 2));
-                let (s, r) = start_one(c, source, snapshot, p, http, &dl, kv_mib)
+                let (s, r) = start_from(c, source, snapshot, p, http, &dl, kv_mib)
                     .with_context(|| format!("model {} from {source}", i + 2))?;
                 let _ = std::fs::remove_dir_all(&dl);
                 tracing::info!(run, source = %source, model = i + 2, total_s = s.total_s, "start measured while the first model serves");

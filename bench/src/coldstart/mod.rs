@@ -223,17 +223,8 @@ fn phases(c: &reqwest::blocking::Client, base: &str) -> BTreeMap<String, f64> {
     out
 }
 
-/// A start from a model path: spawn, wait for health, first token.
-fn measure_start(
-    c: &reqwest::blocking::Client,
-    model: &Path,
-    snapshot: &Path,
-    kv_mib: usize,
-) -> anyhow::Result<Start> {
-    measure_start_replica(c, model, snapshot, kv_mib).map(|(s, _)| s)
-}
-
-/// [`measure_start`], the replica returned serving.
+/// A start from a model path: spawn, wait for health, first token; the replica is
+/// returned serving.
 fn measure_start_replica(
     c: &reqwest::blocking::Client,
     model: &Path,
@@ -255,15 +246,7 @@ fn measure_start_replica(
     Ok((start, r))
 }
 
-fn measure_standby(
-    c: &reqwest::blocking::Client,
-    snapshot: &Path,
-    kv_mib: usize,
-) -> anyhow::Result<Start> {
-    measure_standby_replica(c, snapshot, kv_mib).map(|(s, _)| s)
-}
-
-/// [`measure_standby`], the promoted replica returned serving.
+/// A parked standby promoted to its first token; the replica is returned serving.
 fn measure_standby_replica(
     c: &reqwest::blocking::Client,
     snapshot: &Path,
@@ -290,6 +273,51 @@ fn measure_standby_replica(
         ..Start::default()
     };
     Ok((start, r))
+}
+
+/// One start of a model at zero from `source` (its snapshot at `snapshot`; `convert`
+/// downloads `p`'s checkpoint from `http` into `dl` first, the download counted in
+/// the start); the replica is returned serving.
+fn start_from(
+    c: &reqwest::blocking::Client,
+    source: &str,
+    snapshot: &Path,
+    p: &prepare::Prepared,
+    http: Option<&str>,
+    dl: &Path,
+    kv_mib: usize,
+) -> anyhow::Result<(Start, Replica)> {
+    match source {
+        "convert" => {
+            let base = http.context("file server")?;
+            let _ = std::fs::remove_dir_all(dl);
+            let t0 = Instant::now();
+            download(c, base, &p.convert_files, dl)?;
+            let download_s = t0.elapsed().as_secs_f64();
+            let model = if p.convert_is_dir {
+                dl.to_path_buf()
+            } else {
+                dl.join(&p.convert_files[0])
+            };
+            let (mut s, r) = measure_start_replica(c, &model, snapshot, kv_mib)?;
+            s.total_s += download_s;
+            s.download_s = download_s;
+            Ok((s, r))
+        }
+        "staged" => {
+            residency::evict(snapshot)?;
+            measure_start_replica(c, snapshot, snapshot, kv_mib)
+        }
+        "hot" => {
+            let _ = read_all(snapshot)?;
+            measure_start_replica(c, snapshot, snapshot, kv_mib)
+        }
+        "standby" => {
+            let _ = read_all(snapshot)?;
+            measure_standby_replica(c, snapshot, kv_mib)
+        }
+        other => bail!("unknown source {other}"),
+    }
 }
 
 /// Downloads every file of `files` from `base` into `dir`.
@@ -410,39 +438,18 @@ pub(crate) fn run(a: &BenchColdstartArgs) -> anyhow::Result<ExitCode> {
     let mut results: BTreeMap<String, Vec<Start>> = BTreeMap::new();
     for run in 0..a.runs {
         for source in &wanted {
-            let s = match source.as_str() {
-                "convert" => {
-                    let base = http.as_deref().context("file server")?;
-                    let dl = a.work_dir.join(format!("download-{run}"));
-                    let _ = std::fs::remove_dir_all(&dl);
-                    let t0 = Instant::now();
-                    download(&c, base, &p.convert_files, &dl)?;
-                    let download_s = t0.elapsed().as_secs_f64();
-                    let model = if p.convert_is_dir {
-                        dl.clone()
-                    } else {
-                        dl.join(&p.convert_files[0])
-                    };
-                    let mut s = measure_start(&c, &model, &p.snapshot, a.kv_cache_mib)?;
-                    s.total_s += download_s;
-                    s.download_s = download_s;
-                    let _ = std::fs::remove_dir_all(&dl);
-                    s
-                }
-                "staged" => {
-                    residency::evict(&p.snapshot)?;
-                    measure_start(&c, &p.snapshot, &p.snapshot, a.kv_cache_mib)?
-                }
-                "hot" => {
-                    let _ = read_all(&p.snapshot)?;
-                    measure_start(&c, &p.snapshot, &p.snapshot, a.kv_cache_mib)?
-                }
-                "standby" => {
-                    let _ = read_all(&p.snapshot)?;
-                    measure_standby(&c, &p.snapshot, a.kv_cache_mib)?
-                }
-                _ => unreachable!("validated above"),
-            };
+            let dl = a.work_dir.join(format!("download-{run}"));
+            let (s, replica) = start_from(
+                &c,
+                source,
+                &p.snapshot,
+                &p,
+                http.as_deref(),
+                &dl,
+                a.kv_cache_mib,
+            )?;
+            drop(replica);
+            let _ = std::fs::remove_dir_all(&dl);
             tracing::info!(run, source = %source, total_s = s.total_s, "start measured");
             results.entry(source.clone()).or_default().push(s);
         }

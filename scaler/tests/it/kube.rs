@@ -519,25 +519,15 @@ async fn a_pool_losing_ready_pods_marks_them_with_their_load_before_it_scales_do
         "interval_s: 0.1\nwindow_s: 2\nmode: direct\nkubernetes: {{namespace: llm, api_url: \"{url}\", pod_deletion_cost: true}}\nmodels:\n  - name: m\n    prefill: {{selector: 'app=p', metrics_port: {port}, deployment: m-prefill, min_replicas: 3, max_replicas: 3}}\n    decode: {{selector: 'app=d', metrics_port: {port}, deployment: m-decode, min_replicas: 0, max_replicas: 1, scale_down_stabilization_s: 0}}\n"
     ))
     .await;
-    let t0 = Instant::now();
-    while state
-        .lock()
-        .unwrap()
-        .scaled
-        .get("m-decode")
-        .is_none_or(|&n| n >= 3)
-    {
+    wait_for_async("decode scaled down", PATIENCE, async || {
         let f = state.lock().unwrap();
-        assert!(
-            t0.elapsed() < PATIENCE,
-            "decode not scaled down: writes {:?}, scaled {:?}",
-            f.writes,
-            f.scaled
-        );
-        drop(f);
-        // Deliberate: polling the fake API's record of writes.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        if f.scaled.get("m-decode").is_some_and(|&n| n < 3) {
+            Ok(())
+        } else {
+            Err(format!("writes {:?}, scaled {:?}", f.writes, f.scaled))
+        }
+    })
+    .await;
     let writes = state.lock().unwrap().writes.clone();
     let _ = stop.send(());
     let scale = writes
