@@ -5,7 +5,7 @@
 pub mod plot;
 pub mod progress_bar;
 
-pub use plot::{Panel, Series, svg};
+pub use plot::{Panel, Series, stack, svg};
 pub use progress_bar::Bar;
 
 /// `println!` through [`emit`]: a closed pipe ends output instead of panicking.

@@ -78,6 +78,36 @@ fn open_svg(w: f64, h: f64, title: &str, title_x: f64) -> String {
 /// Series with at most this many points are drawn with a mark at each point.
 const MAX_MARKED_POINTS: usize = 24;
 
+/// Charts made by this module, one above the other in one SVG (each keeps its own
+/// axes: a chart of points against cost beside one against time).
+#[must_use]
+pub fn stack(charts: &[String]) -> String {
+    let size = |c: &str, key: &str| -> f64 {
+        c.split_once(&format!("{key}=\""))
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .and_then(|(v, _)| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let w = charts.iter().map(|c| size(c, "width")).fold(0.0, f64::max);
+    let h: f64 = charts.iter().map(|c| size(c, "height")).sum();
+    let mut o = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}">"#
+    );
+    o.push('\n');
+    let mut y = 0.0;
+    for c in charts {
+        // A nested <svg> placed at its offset: the chart's own markup, unchanged.
+        let inner = c
+            .trim_end()
+            .replacen("<svg ", &format!(r#"<svg y="{y}" "#), 1);
+        o.push_str(&inner);
+        o.push('\n');
+        y += size(c, "height");
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
 /// Renders the panels one above the other; series keep their colour across panels by
 /// name, so one legend serves all.
 #[must_use]
@@ -379,5 +409,39 @@ mod tests {
             "one legend entry per name"
         );
         assert!(s.contains("t &lt;&amp;&gt;"));
+    }
+}
+
+#[cfg(test)]
+mod stack_tests {
+    use super::*;
+
+    #[test]
+    fn stacked_charts_sit_one_below_the_other() {
+        let chart = |name: &str| {
+            svg(
+                name,
+                "x",
+                &[Panel {
+                    y_label: "y".into(),
+                    series: vec![Series {
+                        name: name.into(),
+                        points: vec![(0.0, 1.0), (1.0, 2.0)],
+                        step: false,
+                    }],
+                }],
+            )
+        };
+        let (a, b) = (chart("a"), chart("b"));
+        let s = stack(&[a, b]);
+        // One chart's height is 40 + 240 + 20.
+        assert!(
+            s.starts_with(r#"<svg xmlns="http://www.w3.org/2000/svg" width="960" height="600""#),
+            "{}",
+            &s[..120]
+        );
+        assert!(s.contains(r#"<svg y="0" xmlns"#) && s.contains(r#"<svg y="300" xmlns"#));
+        assert_eq!(s.matches("<svg").count(), 3);
+        assert_eq!(s.matches("</svg>").count(), 3);
     }
 }

@@ -16,32 +16,44 @@ impl Sim<'_> {
         if desired == current {
             return;
         }
+        // GPUs given back before this decision are free for it.
+        self.flush_freed();
         let ctl = &mut self.ctl[pool];
         ctl.events += 1;
         if desired > current {
             let add = desired - current;
-            ctl.starts += add;
             let standby = self.cfg.start == StartClass::Standby && ctl.scaler.keeps_standbys();
             let hot = self.cfg.profile.startup_s.hot;
             ctl.parked += ctl.refilling.iter().filter(|&&r| r <= t).count() as u32;
             ctl.refilling.retain(|&r| r > t);
             for _ in 0..add {
-                let ready_at = if !standby {
-                    t + self.startup
+                let (ready_at, node) = if let Some(place) = self.placement.as_mut() {
+                    // No GPU in the fleet: the rest wait for the next decision.
+                    let Some(s) = place.start(pool, t) else {
+                        break;
+                    };
+                    ctl.measured_startup = Some(s.ready_in);
+                    (t + s.ready_in, s.node)
+                } else if !standby {
+                    (t + self.startup, 0)
                 } else if ctl.parked > 0 {
                     ctl.parked -= 1;
                     ctl.refilling.push(t + hot);
-                    t + self.startup
+                    (t + self.startup, 0)
                 } else {
-                    t + hot
+                    (t + hot, 0)
                 };
+                ctl.starts += 1;
                 match pool {
-                    Pool::Prefill => self
-                        .prefill
-                        .push(PrefillReplica::new(ready_at, self.cache_blocks)),
+                    Pool::Prefill => {
+                        let mut r = PrefillReplica::new(ready_at, self.cache_blocks);
+                        r.node = node;
+                        self.prefill.push(r);
+                    }
                     Pool::Decode => {
-                        self.decode
-                            .push(DecodeReplica::new(ready_at).with_id(self.next_decode_id));
+                        let mut r = DecodeReplica::new(ready_at).with_id(self.next_decode_id);
+                        r.node = node;
+                        self.decode.push(r);
                         self.next_decode_id += 1;
                     }
                 }
@@ -60,6 +72,7 @@ impl Sim<'_> {
                     |r| r.draining = true,
                     &mut ctl.retired_busy,
                     |r| r.busy_s,
+                    |r| self.freed.push((Pool::Prefill, r.node)),
                 ),
                 Pool::Decode => remove_replicas(
                     &mut self.decode,
@@ -70,6 +83,7 @@ impl Sim<'_> {
                     |r| r.draining = true,
                     &mut ctl.retired_busy,
                     |r| r.busy_s,
+                    |r| self.freed.push((Pool::Decode, r.node)),
                 ),
             }
         }
@@ -77,6 +91,7 @@ impl Sim<'_> {
         let ctl = &mut self.ctl[pool];
         ctl.max_replicas = ctl.max_replicas.max(n);
         self.retire_drained();
+        self.flush_freed();
     }
 }
 
@@ -92,6 +107,7 @@ fn remove_replicas<R>(
     mut drain: impl FnMut(&mut R),
     retired_busy: &mut f64,
     busy: impl Fn(&R) -> f64,
+    mut removed: impl FnMut(&R),
 ) {
     while *remove > 0 {
         // Never routed to, so holding no prefix-index slot.
@@ -99,6 +115,7 @@ fn remove_replicas<R>(
             break;
         };
         *retired_busy += busy(&reps[i]);
+        removed(&reps[i]);
         reps.remove(i);
         *remove -= 1;
     }

@@ -30,6 +30,7 @@ mod clairvoyant;
 pub mod cluster;
 mod config;
 pub mod day;
+pub mod fleet;
 pub mod fleet_config;
 pub mod fleet_trace;
 pub mod hpa;

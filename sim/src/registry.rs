@@ -88,7 +88,7 @@ pub struct RunSpec {
 }
 
 /// A policy's (prefill, decode) autoscalers.
-type PolicyPair = (Box<dyn Autoscaler>, Box<dyn Autoscaler>);
+pub(crate) type PolicyPair = (Box<dyn Autoscaler>, Box<dyn Autoscaler>);
 
 /// `static-peak`'s sizes and the report of its run at them.
 type Peak = (u32, u32, PolicyReport);
@@ -175,6 +175,24 @@ fn autoscalers<'a>(
             )),
         ),
         other => return Err(UnknownPolicy(other.to_owned())),
+    })
+}
+
+/// A named policy's (prefill, decode) autoscalers at its default knob, for a run
+/// driven from outside (a fleet's).
+pub(crate) fn autoscaler_pair(
+    name: &str,
+    cfg: &SimConfig,
+    trace: &[TraceRequest],
+) -> Result<PolicyPair, UnknownPolicy> {
+    let spec = RunSpec {
+        policy: name.to_owned(),
+        knob: None,
+        cfg: cfg.clone(),
+    };
+    let cell = OnceLock::new();
+    autoscalers(&spec, trace, &|| {
+        cell.get_or_init(|| static_peak(cfg, trace))
     })
 }
 

@@ -162,9 +162,19 @@ pub struct SimulateArgs {
     /// Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL.
     #[arg(long)]
     pub trace: PathBuf,
-    /// Policies to compare, comma-separated, or all.
+    /// Policies to compare, comma-separated, or all. With `--fleet`: always-on,
+    /// zero-cold, serverlessllm, preheat, clairvoyant.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
     pub policy: Vec<PolicyFlag>,
+    /// A fleet file (`FLEET.yaml`: models, nodes and their budgets, hardware): the
+    /// trace is then a fleet's (Mooncake JSONL with a `model` per line), every model
+    /// scaled on its own and every start timed by the tier its model finds on its node.
+    #[arg(
+        long,
+        value_name = "FLEET.yaml",
+        conflicts_with_all = ["frontier", "startup_s", "need_curve", "start", "standbys", "rate_scale"]
+    )]
+    pub fleet: Option<PathBuf>,
     /// Capacity profile JSON (`preheat engine profile`); default: the scaler config's
     /// `profile`, else the GPU-class profile.
     #[arg(long)]
@@ -527,7 +537,8 @@ impl From<ActuationFlag> for preheat_sim::Actuation {
     }
 }
 value_enum!(
-    /// `simulate --policy` (the simulator's registry, `sim::autoscalers::POLICIES`).
+    /// `simulate --policy` (the simulator's registries: `sim::autoscalers::POLICIES`,
+    /// and with `--fleet`, `sim::fleet::FLEET_POLICIES`).
     PolicyFlag {
         All => "all",
         Preheat => "preheat",
@@ -537,6 +548,9 @@ value_enum!(
         KedaQueue => "keda-queue",
         Kpa => "kpa",
         SlaPlanner => "sla-planner",
+        AlwaysOn => "always-on",
+        ZeroCold => "zero-cold",
+        Serverlessllm => "serverlessllm",
     }
 );
 
@@ -589,7 +603,9 @@ mod tests {
             .filter(|p| *p != "all")
             .collect();
         let mut known = preheat_sim::autoscalers::POLICIES.to_vec();
+        known.extend(preheat_sim::fleet::FLEET_POLICIES);
         known.sort_unstable();
+        known.dedup();
         let mut flags_sorted = flags.clone();
         flags_sorted.sort_unstable();
         assert_eq!(flags_sorted, known);

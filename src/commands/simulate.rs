@@ -11,6 +11,7 @@ use preheat_sim::{self as sim, SimConfig, SimReport, StartClass};
 
 use crate::cli::SimulateArgs;
 
+mod fleet;
 mod need;
 mod sweeps;
 
@@ -97,6 +98,20 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
     if a.policy.is_empty() {
         errs.push("--policy: name at least one policy".into());
     }
+    for p in a.policy.iter().map(|p| p.as_str()).filter(|&p| p != "all") {
+        let fleet_only = !sim::autoscalers::POLICIES.contains(&p);
+        let single_only = !sim::fleet::FLEET_POLICIES.contains(&p);
+        if a.fleet.is_some() && single_only {
+            errs.push(format!(
+                "--policy {p}: a single-model policy; with --fleet give {}, or all",
+                sim::fleet::FLEET_POLICIES.join(", ")
+            ));
+        } else if a.fleet.is_none() && fleet_only {
+            errs.push(format!(
+                "--policy {p}: a fleet policy; give --fleet FLEET.yaml with a fleet trace"
+            ));
+        }
+    }
     for &s in &a.startup_s {
         if !(s.is_finite() && (0.0..=MAX_STARTUP_S).contains(&s)) {
             errs.push(format!(
@@ -135,6 +150,9 @@ fn options(a: &SimulateArgs) -> anyhow::Result<Options> {
 
 pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
     let o = options(a)?;
+    if let Some(path) = &a.fleet {
+        return fleet::run(a, path, &o.sim, &o.policies);
+    }
     let mut trace = sim::trace::scale_rate(&sim::trace::load(&a.trace)?, a.rate_scale);
     let blocks = sim::trace::intern_blocks(&mut trace);
     tracing::debug!(blocks, "distinct prefix blocks");

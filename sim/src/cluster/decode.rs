@@ -50,6 +50,8 @@ pub struct DecodeReplica {
     id: u64,
     pub ready_at: f64,
     pub draining: bool,
+    /// The node it runs on, in a fleet simulation (0 otherwise).
+    pub node: u16,
     seqs: BinaryHeap<Running>,
     steps: u64,
     pub kv_used: f64,
@@ -118,6 +120,7 @@ impl DecodeReplica {
             id: 0,
             ready_at,
             draining: false,
+            node: 0,
             seqs: BinaryHeap::new(),
             steps: 0,
             kv_used: 0.0,

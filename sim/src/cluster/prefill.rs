@@ -31,6 +31,8 @@ pub struct PrefillReplica {
     pub cache: PrefixCache,
     /// Its slot in the simulator's prefix index, taken when it first caches a block.
     pub(crate) slot: Option<u8>,
+    /// The node it runs on, in a fleet simulation (0 otherwise).
+    pub node: u16,
     /// Seconds spent computing, for utilisation.
     pub busy_s: f64,
     /// Its share of the profile's speed (below 1 on a host shared with busy peers).
@@ -53,6 +55,7 @@ impl PrefillReplica {
             running: None,
             cache: PrefixCache::new(cache_blocks),
             slot: None,
+            node: 0,
             busy_s: 0.0,
             speed: 1.0,
             batch: Vec::new(),

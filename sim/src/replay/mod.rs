@@ -4,6 +4,7 @@
 //! pools, in [`crate::actuate`]; where the gateway sends requests, in `routing`; how
 //! requests are scored, in `scoring`.
 
+mod placement;
 mod routing;
 mod scoring;
 mod shared_host;
@@ -22,6 +23,8 @@ use crate::report::PolicyReport;
 use crate::rule_of_thumb::warm_start;
 use crate::trace::{MOONCAKE_BLOCK_TOKENS, TraceRequest};
 
+pub(crate) use placement::{Placement, Start};
+pub(crate) use scoring::RequestScore;
 pub(crate) use state::{Counters, Outcome};
 use state::{PoolCtl, ReqState};
 
@@ -60,6 +63,11 @@ pub(crate) struct Sim<'a> {
     /// Requests leave at their first token, and prompts computed on decode at their
     /// arrival: the prefill pool alone is simulated (see [`Sim::prefill_only`]).
     prefill_only: bool,
+    /// In a fleet: where starts go and what they take (`None`: every start takes the
+    /// config's start-up time on a node of its own).
+    pub(crate) placement: Option<Box<dyn Placement + 'a>>,
+    /// Nodes of replicas gone since the placement was last told, by pool.
+    pub(crate) freed: Vec<(Pool, u16)>,
 }
 
 impl<'a> Sim<'a> {
@@ -101,6 +109,7 @@ impl<'a> Sim<'a> {
                     prompt_done: f64::NAN,
                     done: f64::NAN,
                     decode: None,
+                    cold: false,
                 };
                 trace.len()
             ],
@@ -131,6 +140,52 @@ impl<'a> Sim<'a> {
             missed: 0,
             hopeless: false,
             prefill_only: false,
+            placement: None,
+            freed: Vec::new(),
+        }
+    }
+
+    /// The same run with its starts placed by a fleet.
+    #[must_use]
+    pub(crate) fn placed(mut self, mut placement: Box<dyn Placement + 'a>) -> Self {
+        // The replicas that served before the trace hold GPUs too.
+        for r in &mut self.prefill {
+            r.node = placement.initial(Pool::Prefill);
+        }
+        for r in &mut self.decode {
+            r.node = placement.initial(Pool::Decode);
+        }
+        self.placement = Some(placement);
+        self
+    }
+
+    /// When this run's next event is (at most a second away: its tick), for a fleet
+    /// that steps many runs in time order; it keeps ticking once its requests are
+    /// done, so its pools go on scaling until the fleet's run ends.
+    pub(crate) fn next_time(&self) -> f64 {
+        self.next_event_time()
+    }
+
+    /// Whether every request of its trace is done.
+    pub(crate) fn all_done(&self) -> bool {
+        self.finished == self.trace.len()
+    }
+
+    /// Advances to `t` (no earlier than [`Sim::next_time`]'s answer) and handles what
+    /// is due then.
+    pub(crate) fn step_to(&mut self, t: f64) {
+        self.advance_clock(t);
+        self.process();
+    }
+
+    /// Tells the placement which replicas left.
+    pub(crate) fn flush_freed(&mut self) {
+        if let Some(p) = self.placement.as_mut() {
+            for (pool, node) in self.freed.drain(..) {
+                p.stop(pool, node, self.t);
+            }
+        } else {
+            self.freed.clear();
         }
     }
 
@@ -166,6 +221,19 @@ impl<'a> Sim<'a> {
         self.fail_below = Some(target);
         self.run_to_end();
         (!self.hopeless).then(|| self.report())
+    }
+
+    /// Runs to the end; the report and how each request fared.
+    pub(crate) fn run_scored(mut self) -> (PolicyReport, Vec<RequestScore>) {
+        self.run_to_end();
+        self.scored_report()
+    }
+
+    /// Charges held replicas up to `t` when the run stops there (a fleet's give-up).
+    pub(crate) fn stop_at(&mut self, t: f64) {
+        if t > self.t {
+            self.advance_clock(t);
+        }
     }
 
     pub(crate) fn run(mut self) -> PolicyReport {
@@ -283,7 +351,10 @@ impl<'a> Sim<'a> {
             self.now.arrived += 1.0;
             self.now.prompt_tokens += f64::from(r.input_tokens);
             self.now.output_tokens += f64::from(r.output_tokens);
-            if self.cfg.prefills_on_decode(r) {
+            let on_decode = self.cfg.prefills_on_decode(r);
+            self.reqs[i].cold = !self.has_ready(Pool::Decode)
+                || !on_decode && !self.prefill_only && !self.has_ready(Pool::Prefill);
+            if on_decode {
                 if self.prefill_only {
                     self.finished += 1;
                 } else {
@@ -314,15 +385,27 @@ impl<'a> Sim<'a> {
         if t >= self.next_second {
             self.second();
         }
+        self.flush_freed();
+    }
+
+    /// Whether the pool has a replica serving now.
+    fn has_ready(&self, pool: Pool) -> bool {
+        let t = self.t;
+        match pool {
+            Pool::Prefill => self.prefill.iter().any(|r| !r.draining && r.is_ready(t)),
+            Pool::Decode => self.decode.iter().any(|r| !r.draining && r.is_ready(t)),
+        }
     }
 
     pub(crate) fn retire_drained(&mut self) {
         let mut busy = 0.0;
         let index = &mut self.prefix_index;
+        let freed = &mut self.freed;
         self.prefill.retain(|r| {
             let gone = r.draining && r.is_empty();
             if gone {
                 busy += r.busy_s;
+                freed.push((Pool::Prefill, r.node));
                 if let Some(slot) = r.slot {
                     index.release(slot, r.cache.blocks());
                 }
@@ -335,6 +418,7 @@ impl<'a> Sim<'a> {
             let gone = r.draining && r.is_idle();
             if gone {
                 busy += r.busy_s;
+                freed.push((Pool::Decode, r.node));
             }
             !gone
         });

@@ -14,6 +14,19 @@ fn itl_of(r: &TraceRequest, first_token: f64, done: f64) -> Option<f64> {
     (r.output_tokens > 1).then(|| (done - first_token) / f64::from(r.output_tokens - 1))
 }
 
+/// How one request fared.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RequestScore {
+    /// Seconds to its first token (NaN when none came).
+    pub(crate) ttft: f64,
+    /// Its first token came within its TTFT target.
+    pub(crate) ttft_met: bool,
+    /// That, and it decoded within the ITL target.
+    pub(crate) slo_met: bool,
+    /// It arrived with no replica serving in a pool it needs.
+    pub(crate) cold: bool,
+}
+
 impl Sim<'_> {
     /// Counts a request that missed its SLO, and stops a run that can no longer reach
     /// its `fail_below` target (as the report computes attainment: met over all).
@@ -72,6 +85,29 @@ impl Sim<'_> {
                 }
             })
             .collect()
+    }
+
+    /// How each request fared, with the report: for a fleet, which scores requests
+    /// across its models.
+    pub(crate) fn scored_report(self) -> (PolicyReport, Vec<RequestScore>) {
+        let scores = self
+            .trace
+            .iter()
+            .zip(&self.reqs)
+            .map(|(r, st)| {
+                let ttft = st.first_token - r.t;
+                let ttft_met = !ttft.is_nan() && self.cfg.ttft_met(r, ttft);
+                RequestScore {
+                    ttft,
+                    ttft_met,
+                    slo_met: ttft_met
+                        && !st.done.is_nan()
+                        && self.cfg.itl_met(itl_of(r, st.first_token, st.done)),
+                    cold: st.cold,
+                }
+            })
+            .collect();
+        (self.report(), scores)
     }
 
     /// The report of a run that has ended.

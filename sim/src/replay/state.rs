@@ -48,6 +48,8 @@ pub(crate) struct ReqState {
     /// The decode replica that reserved this request's KV when its prompt went to the
     /// prefill pool.
     pub(crate) decode: Option<u64>,
+    /// It arrived with no replica serving in a pool it needs: it waited for a start.
+    pub(crate) cold: bool,
 }
 
 pub(crate) struct PoolCtl {
