@@ -212,6 +212,18 @@ fn run_apart(
                 tiers: Vec::new(),
             }
         })
+        .chain(
+            // Never asked for: nothing held.
+            (0..per_model.len())
+                .filter(|&m| per_model[m].is_empty())
+                .map(|m| ModelRun {
+                    m,
+                    gpu_s: 0.0,
+                    scores: Vec::new(),
+                    starts: TierStarts::default(),
+                    tiers: Vec::new(),
+                }),
+        )
         .collect();
     (runs, 0)
 }
@@ -345,13 +357,19 @@ fn run_together(
             }
         })
         .collect();
-    for m in idle_always_on {
+    // Models the trace never asks for: always-on holds a replica per pool of each.
+    for m in (0..per_model.len()).filter(|&m| per_model[m].is_empty()) {
+        let held = if idle_always_on.contains(&m) {
+            2.0
+        } else {
+            0.0
+        };
         runs.push(ModelRun {
             m,
-            gpu_s: 2.0 * f64::from(fleet.models[m].gpus_per_replica) * end,
+            gpu_s: held * f64::from(fleet.models[m].gpus_per_replica) * end,
             scores: Vec::new(),
             starts: TierStarts::default(),
-            tiers: vec![(0.0, 4)],
+            tiers: std::mem::take(&mut tiers[m]),
         });
     }
     (runs, deferred)
