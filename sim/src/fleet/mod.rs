@@ -6,13 +6,14 @@
 //! Each model runs the single-model simulation ([`crate::replay`]) with its capacity
 //! scaled from the profile (an 8B model on one GPU) by `8 / params_b ×
 //! gpus_per_replica`; the runs step together in time order, so every start sees the
-//! fleet as the others left it. The policies:
+//! fleet as the others left it. Every serving policy sizes each model's pools with
+//! `preheat`'s single-model policy, so they differ in what their starts find:
 //!
 //! | policy | pools | starts find |
 //! |---|---|---|
 //! | `always-on` | one replica per pool at least, `preheat`'s policy above | what earlier starts left (least recently used out) |
-//! | `zero-cold` | to zero (Knative's KPA) | nothing: fetched from the object store, caches not restored |
-//! | `serverlessllm` | to zero (KPA) | staged and hot where the model last ran, least recently used out; placed where most local |
+//! | `zero-cold` | to zero | nothing: fetched from the object store, caches not restored |
+//! | `serverlessllm` | to zero | staged and hot where the model last ran, least recently used out; placed where most local |
 //! | `preheat` | to zero (`preheat`'s policy) | the fleet cache's plan ([`planner`]) |
 //! | `clairvoyant` | sized per minute in hindsight, each start one start-up ahead | staged (its start-up), nothing parked |
 

@@ -48,6 +48,9 @@ pub struct ModelReport {
     /// Requests that arrived with no replica serving in a pool they need.
     pub cold_requests: usize,
     pub cold_ttft_p99_s: Option<f64>,
+    /// p99 over those requests of their time to first token less what their prompt
+    /// takes on an idle replica: the wait a start (and the queue behind it) added.
+    pub cold_wait_p99_s: Option<f64>,
     pub starts: TierStarts,
     /// The warmest tier the model held anywhere, sampled over time: (seconds, level),
     /// level 0 remote, 1 staged, 2 hot, 3 parked in host memory, 4 serving.
@@ -69,6 +72,10 @@ pub struct FleetPolicyReport {
     pub cold_ttft_p99_s: Option<f64>,
     /// The same over the models of each size (billions of parameters).
     pub cold_ttft_p99_s_by_params_b: std::collections::BTreeMap<String, f64>,
+    /// p99 over the same requests of their time to first token less what their
+    /// prompt takes on an idle replica (its length's share no start can remove).
+    pub cold_wait_p99_s: Option<f64>,
+    pub cold_wait_p99_s_by_params_b: std::collections::BTreeMap<String, f64>,
     pub cold_requests: usize,
     pub starts: TierStarts,
     /// Starts that found no GPU within the fleet's budget when first asked for.

@@ -101,10 +101,11 @@ fn model_config(
     cfg
 }
 
-/// Which single-model autoscaler sizes each model's pools under a fleet policy.
+/// Which single-model autoscaler sizes each model's pools under a fleet policy: the
+/// serving policies all size with `preheat`'s, so that what they differ in is what
+/// their starts find (the single-model comparison measures the sizing policies).
 fn scaler_of(policy: &str) -> &'static str {
     match policy {
-        "zero-cold" | "serverlessllm" => "kpa",
         "clairvoyant" => "clairvoyant",
         _ => "preheat",
     }
@@ -394,7 +395,9 @@ fn assemble(
     let share = |n: usize, of: usize| if of == 0 { 1.0 } else { n as f64 / of as f64 };
     let mut starts = TierStarts::default();
     let mut by_size: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut wait_by_size: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut cold_all = Vec::new();
+    let mut wait_all = Vec::new();
     let (mut ttft_ok, mut slo_ok, mut gpu_s) = (0, 0, 0.0);
     let mut per = Vec::new();
     for r in runs {
@@ -402,6 +405,17 @@ fn assemble(
         let n_ttft = r.scores.iter().filter(|s| s.ttft_met).count();
         let n_slo = r.scores.iter().filter(|s| s.slo_met).count();
         let cold: Vec<f64> = r.scores.iter().filter(|s| s.cold).map(|s| s.ttft).collect();
+        let wait: Vec<f64> = r
+            .scores
+            .iter()
+            .filter(|s| s.cold)
+            .map(|s| s.ttft - s.compute_s)
+            .collect();
+        wait_by_size
+            .entry(format!("{}", fm.params_b))
+            .or_default()
+            .extend(&wait);
+        wait_all.extend(&wait);
         ttft_ok += n_ttft;
         slo_ok += n_slo;
         gpu_s += r.gpu_s;
@@ -420,6 +434,7 @@ fn assemble(
             slo_attainment: share(n_slo, r.scores.len()),
             cold_requests: cold.len(),
             cold_ttft_p99_s: p99(cold),
+            cold_wait_p99_s: p99(wait),
             starts: r.starts,
             tiers: r.tiers.clone(),
         });
@@ -433,6 +448,11 @@ fn assemble(
         cold_requests: cold_all.len(),
         cold_ttft_p99_s: p99(cold_all),
         cold_ttft_p99_s_by_params_b: by_size
+            .into_iter()
+            .filter_map(|(k, v)| p99(v).map(|p| (k, p)))
+            .collect(),
+        cold_wait_p99_s: p99(wait_all),
+        cold_wait_p99_s_by_params_b: wait_by_size
             .into_iter()
             .filter_map(|(k, v)| p99(v).map(|p| (k, p)))
             .collect(),

@@ -25,6 +25,9 @@ pub(crate) struct RequestScore {
     pub(crate) slo_met: bool,
     /// It arrived with no replica serving in a pool it needs.
     pub(crate) cold: bool,
+    /// What its prompt takes on an idle replica: the part of its time to first token
+    /// no start or scaling can remove.
+    pub(crate) compute_s: f64,
 }
 
 impl Sim<'_> {
@@ -104,6 +107,12 @@ impl Sim<'_> {
                         && !st.done.is_nan()
                         && self.cfg.itl_met(itl_of(r, st.first_token, st.done)),
                     cold: st.cold,
+                    compute_s: f64::from(r.input_tokens)
+                        / self
+                            .cfg
+                            .profile
+                            .prefill_rate(f64::from(r.input_tokens))
+                            .max(1e-9),
                 }
             })
             .collect();

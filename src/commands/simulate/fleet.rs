@@ -68,26 +68,29 @@ fn print_table(r: &FleetReport) -> anyhow::Result<()> {
         r.profile_source
     );
     outln!(
-        "{:<14} {:>11} {:>7} {:>7} {:>6} {:>9}   {:<38} {:>8}",
+        "{:<14} {:>11} {:>7} {:>7} {:>6} {:>9} {:>9}   {:<38} {:>8}",
         "policy",
         "GPU-s",
         "TTFT %",
         "SLO %",
         "cold",
         "cold p99",
+        "wait p99",
         "starts gpu/host/hot/staged/remote",
         "deferred"
     );
     for p in &r.policies {
         let s = &p.starts;
         outln!(
-            "{:<14} {:>11.0} {:>7.2} {:>7.2} {:>6} {:>9}   {:<38} {:>8}",
+            "{:<14} {:>11.0} {:>7.2} {:>7.2} {:>6} {:>9} {:>9}   {:<38} {:>8}",
             p.name,
             p.gpu_seconds,
             p.ttft_attainment * 100.0,
             p.slo_attainment * 100.0,
             p.cold_requests,
             p.cold_ttft_p99_s
+                .map_or("-".to_owned(), |v| format!("{v:.2}")),
+            p.cold_wait_p99_s
                 .map_or("-".to_owned(), |v| format!("{v:.2}")),
             format!(
                 "{}/{}/{}/{}/{}",
