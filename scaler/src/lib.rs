@@ -7,10 +7,12 @@
 //!
 //! - [`signals`]: scraped metrics → per-pool signals (rates, quantiles, staleness);
 //! - [`policy`]: signals → desired replicas (the `preheat` policy);
+//! - [`cache_plan`]: which model is staged, hot or parked on which node of a fleet;
 //! - [`profile`]: per-replica capacity the policy sizes with;
 //! - [`DecisionStore`]: what the control loop decided and saw, per (model, pool);
 //! - [`grpc`]: the KEDA `ExternalScaler` service over a shared [`DecisionStore`].
 
+pub mod cache_plan;
 pub mod config;
 pub mod controller;
 mod decisions;

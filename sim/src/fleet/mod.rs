@@ -14,10 +14,9 @@
 //! | `always-on` | one replica per pool at least, `preheat`'s policy above | what earlier starts left (least recently used out) |
 //! | `zero-cold` | to zero | nothing: fetched from the object store, caches not restored |
 //! | `serverlessllm` | to zero | staged and hot where the model last ran, least recently used out; placed where most local |
-//! | `preheat` | to zero (`preheat`'s policy) | the fleet cache's plan ([`planner`]) |
+//! | `preheat` | to zero (`preheat`'s policy) | the fleet cache's plan ([`preheat_scaler::cache_plan`], carried out by `planner`) |
 //! | `clairvoyant` | sized per minute in hindsight, each start one start-up ahead | staged (its start-up), nothing parked |
 
-mod demand;
 mod nodes;
 mod planner;
 mod report;

@@ -8,9 +8,10 @@ use std::rc::Rc;
 use preheat_scaler::percentile::percentile;
 use preheat_scaler::policy::Pool;
 
-use super::demand::Demand;
+use preheat_scaler::cache_plan::{self, Demand, PLAN_S};
+
 use super::nodes::{Cluster, Keeps};
-use super::planner::{self, PLAN_S};
+use super::planner;
 use super::report::{FleetPolicyReport, FleetReport, ModelReport, TierStarts};
 use crate::config::{SimConfig, StartClass};
 use crate::fleet_config::{Fleet, Tier};
@@ -317,8 +318,8 @@ fn run_together(
             }
             let mut c = cluster.borrow_mut();
             if tf >= next_plan {
-                let cands = planner::candidates(&c, &demand, tf);
-                let plan = planner::plan(&c, &cands);
+                let view = planner::view(&c, &demand, tf);
+                let plan = cache_plan::plan(&view, &cache_plan::candidates(&view));
                 planner::apply(&mut c, &plan, tf);
                 next_plan += PLAN_S;
             }

@@ -8,17 +8,17 @@
 /// Arrivals further apart than this end an active stretch: the gap is an idle one.
 /// A minute is long against the inter-arrival times of a model being used and short
 /// against the idle grace (five minutes) after which its pools go to zero.
-pub(crate) const IDLE_GAP_S: f64 = 60.0;
+pub const IDLE_GAP_S: f64 = 60.0;
 
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Demand {
+pub struct Demand {
     last: Option<f64>,
     /// Its idle stretches so far (gaps between arrivals longer than [`IDLE_GAP_S`]).
     gaps: Vec<f64>,
 }
 
 impl Demand {
-    pub(crate) fn arrive(&mut self, t: f64) {
+    pub fn arrive(&mut self, t: f64) {
         if let Some(last) = self.last {
             let gap = t - last;
             if gap > IDLE_GAP_S {
@@ -29,20 +29,20 @@ impl Demand {
     }
 
     /// Seconds since its last request (infinite before its first).
-    pub(crate) fn idle_s(&self, t: f64) -> f64 {
+    pub fn idle_s(&self, t: f64) -> f64 {
         self.last.map_or(f64::INFINITY, |l| t - l)
     }
 
     /// Its wake-ups so far: each ended idle stretch, and its first request (the trace
     /// starts idle for every model).
-    pub(crate) fn wakes(&self) -> f64 {
+    pub fn wakes(&self) -> f64 {
         self.gaps.len() as f64 + f64::from(u8::from(self.last.is_some()))
     }
 
     /// The chance it is asked for within `h` seconds of `t`; `fleet_rate` is the
     /// fleet's mean wake-ups per model per second, the prior of a model never asked
     /// for yet (it is in the fleet to be asked for).
-    pub(crate) fn p_within(&self, t: f64, h: f64, fleet_rate: f64) -> f64 {
+    pub fn p_within(&self, t: f64, h: f64, fleet_rate: f64) -> f64 {
         let idle = self.idle_s(t);
         if idle <= IDLE_GAP_S {
             return 1.0;
