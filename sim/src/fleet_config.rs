@@ -108,6 +108,9 @@ struct RawFleet {
     hardware: Hardware,
 }
 
+/// The most nodes a fleet file may name (node ids are 16-bit in the simulator).
+pub const MAX_NODES: u32 = 10_000;
+
 /// A fleet, checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fleet {
@@ -200,8 +203,11 @@ impl Fleet {
         if raw.models.is_empty() {
             e.push("models: the fleet has no model".into());
         }
-        if raw.nodes == 0 {
-            e.push("nodes: must be at least 1".into());
+        if raw.nodes == 0 || raw.nodes > MAX_NODES {
+            e.push(format!(
+                "nodes: {} must be between 1 and {MAX_NODES}",
+                raw.nodes
+            ));
         }
         if raw.gpus_per_node == 0 {
             e.push("gpus_per_node: must be at least 1".into());

@@ -163,9 +163,11 @@ pub fn candidates(v: &FleetView) -> Vec<Candidate> {
 }
 
 /// Fills each node's budgets with the candidates in order: each goes to the node that
-/// already holds it if one does, else to the one with the most GPUs free (a standby
-/// is promoted only where a GPU is free); a hot copy or a standby needs the staged
-/// file on its node, planned with it when missing.
+/// already holds it if one does, else beside its planned staged file, else to the one
+/// with the most GPUs free (a standby is promoted only where a GPU is free); a hot
+/// copy or a standby needs the staged file on its node, planned with it when missing.
+/// Candidates of no value still fill room left over: the warm pool stages what fits
+/// before anything is asked for.
 #[must_use]
 pub fn plan(v: &FleetView, cands: &[Candidate]) -> Plan {
     let n_nodes = v.nodes.len();
@@ -198,7 +200,10 @@ pub fn plan(v: &FleetView, cands: &[Candidate]) -> Plan {
                 }
             }
         });
-        let Some(n) = open.max_by_key(|&n| (held(n), spare[n], usize::MAX - n)) else {
+        // Where it is held already; else beside its planned staged file; else where
+        // the most GPUs are free.
+        let beside = |n: usize| cand.kind != Kind::Staged && plan[n][m].staged;
+        let Some(n) = open.max_by_key(|&n| (held(n), beside(n), spare[n], usize::MAX - n)) else {
             continue;
         };
         let entry = &mut plan[n][m];

@@ -150,10 +150,9 @@ impl<'f> Cluster<'f> {
             Tier::Remote => {
                 let staged_at =
                     t + bytes / 1e9 * (1.0 / h.object_store_gbps + 1.0 / h.nvme_write_gbps);
-                if self.keeps.staged {
-                    self.keep_staged(n, m, staged_at);
-                }
-                if self.keeps.hot {
+                // What page cache holds is read from the staged file: without room
+                // on NVMe, neither stays.
+                if self.keeps.staged && self.keep_staged(n, m, staged_at) && self.keeps.hot {
                     self.keep_hot(n, m, t + ready_in);
                 }
             }
@@ -186,10 +185,7 @@ impl<'f> Cluster<'f> {
         self.gpus_held += g;
         self.replicas[m] += 1;
         self.nodes[n].free_gpus -= g;
-        if self.keeps.staged {
-            self.keep_staged(n, m, 0.0);
-        }
-        if self.keeps.hot {
+        if self.keeps.staged && self.keep_staged(n, m, 0.0) && self.keeps.hot {
             self.keep_hot(n, m, 0.0);
         }
         Some(n as u16)
@@ -198,11 +194,16 @@ impl<'f> Cluster<'f> {
     /// A replica of model `m` on node `n` left.
     pub(crate) fn stop(&mut self, m: usize, n: u16) {
         let g = self.fleet.models[m].gpus_per_replica;
-        self.gpus_held = self.gpus_held.saturating_sub(g);
-        self.replicas[m] = self.replicas[m].saturating_sub(1);
-        if let Some(node) = self.nodes.get_mut(usize::from(n)) {
-            node.free_gpus = (node.free_gpus + g).min(self.fleet.gpus_per_node);
-        }
+        let per_node = self.fleet.gpus_per_node;
+        let node = &mut self.nodes[usize::from(n)];
+        debug_assert!(
+            self.gpus_held >= g && self.replicas[m] > 0,
+            "given back twice"
+        );
+        debug_assert!(node.free_gpus + g <= per_node, "given back twice");
+        self.gpus_held -= g;
+        self.replicas[m] -= 1;
+        node.free_gpus += g;
     }
 
     /// Stages `m` on `n` (ready at `at`), the least recently used staged models out
@@ -236,8 +237,8 @@ impl<'f> Cluster<'f> {
         true
     }
 
-    fn keep_staged(&mut self, n: usize, m: usize, at: f64) {
-        self.stage(n, m, at, &|_| false);
+    fn keep_staged(&mut self, n: usize, m: usize, at: f64) -> bool {
+        self.stage(n, m, at, &|_| false)
     }
 
     /// Drops `m`'s staged file from `n` (with what was read from it).

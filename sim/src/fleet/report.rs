@@ -77,8 +77,12 @@ pub struct FleetPolicyReport {
     pub cold_wait_p99_s: Option<f64>,
     pub cold_wait_p99_s_by_params_b: std::collections::BTreeMap<String, f64>,
     pub cold_requests: usize,
+    /// Of those, the ones that never got a first token (the p99s above are then
+    /// infinite, written as null).
+    pub cold_unanswered: usize,
     pub starts: TierStarts,
-    /// Starts that found no GPU within the fleet's budget when first asked for.
+    /// Decisions that wanted a start and found no GPU within the fleet's budget (each
+    /// decision that asks again counts again).
     pub deferred_starts: u32,
     /// Seconds this policy's run took.
     pub wall_s: f64,

@@ -23,10 +23,6 @@ use crate::trace::TraceRequest;
 /// How often each model's tier is sampled for the report's timeline.
 const TIER_SAMPLE_S: f64 = 60.0;
 
-/// Where a replica that served before the trace went when the fleet had no GPU left
-/// for it: it holds none.
-const NO_NODE: u16 = u16::MAX;
-
 /// One model's starts, placed on the shared fleet.
 struct ModelPlacement<'f> {
     cluster: Rc<RefCell<Cluster<'f>>>,
@@ -38,13 +34,11 @@ impl Placement for ModelPlacement<'_> {
         let (node, ready_in) = self.cluster.borrow_mut().start(self.m, t)?;
         Some(Start { node, ready_in })
     }
-    fn initial(&mut self, _pool: Pool) -> u16 {
-        self.cluster.borrow_mut().initial(self.m).unwrap_or(NO_NODE)
+    fn initial(&mut self, _pool: Pool) -> Option<u16> {
+        self.cluster.borrow_mut().initial(self.m)
     }
     fn stop(&mut self, _pool: Pool, node: u16, _t: f64) {
-        if node != NO_NODE {
-            self.cluster.borrow_mut().stop(self.m, node);
-        }
+        self.cluster.borrow_mut().stop(self.m, node);
     }
 }
 
@@ -147,11 +141,7 @@ pub fn simulate(
     let runs = crate::on_cores::run_ordered(policies.len(), &order, |i| {
         progress(policies[i]);
         let started = std::time::Instant::now();
-        let runs = if policies[i] == "clairvoyant" {
-            run_apart(policies[i], base, fleet, &per_model)
-        } else {
-            run_together(policies[i], base, fleet, &per_model)
-        };
+        let runs = run_together(policies[i], base, fleet, &per_model);
         let mut r = assemble(policies[i], fleet, &per_model, &runs);
         r.1.wall_s = started.elapsed().as_secs_f64();
         r
@@ -185,52 +175,9 @@ fn split(trace: &FleetTrace, fleet: &Fleet) -> Vec<Vec<TraceRequest>> {
     out
 }
 
-/// `clairvoyant`: each model alone, as the single-model reference sizes it, every
-/// start one staged start-up ahead (no node is shared: a reference, not a placement).
-fn run_apart(
-    policy: &str,
-    base: &SimConfig,
-    fleet: &Fleet,
-    per_model: &[Vec<TraceRequest>],
-) -> (Vec<ModelRun>, u32) {
-    let runs = per_model
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| !t.is_empty())
-        .map(|(m, trace)| {
-            let first = trace.first().is_some_and(|r| r.t < 60.0);
-            let cfg = model_config(base, fleet, m, policy, first);
-            let (p, d) = autoscaler_pair(scaler_of(policy), &cfg, trace).expect("a known policy");
-            let (report, scores) = Sim::new(&cfg, trace, p, d).run_scored();
-            let g = f64::from(fleet.models[m].gpus_per_replica);
-            ModelRun {
-                m,
-                gpu_s: report.gpu_seconds * g,
-                scores,
-                starts: TierStarts {
-                    staged: report.cold_starts,
-                    ..TierStarts::default()
-                },
-                tiers: Vec::new(),
-            }
-        })
-        .chain(
-            // Never asked for: nothing held.
-            (0..per_model.len())
-                .filter(|&m| per_model[m].is_empty())
-                .map(|m| ModelRun {
-                    m,
-                    gpu_s: 0.0,
-                    scores: Vec::new(),
-                    starts: TierStarts::default(),
-                    tiers: Vec::new(),
-                }),
-        )
-        .collect();
-    (runs, 0)
-}
-
-/// Every model's run stepped together on the shared fleet.
+/// Every model's run stepped together on the shared fleet, each charged up to the
+/// time the last request of any is done. `clairvoyant`'s are placed on no node: each
+/// model alone, every start one staged start-up ahead (a reference, not a placement).
 fn run_together(
     policy: &str,
     base: &SimConfig,
@@ -257,11 +204,18 @@ fn run_together(
             continue;
         }
         let (p, d) = autoscaler_pair(scaler_of(policy), &cfgs[m], trace).expect("a known policy");
-        let place = ModelPlacement {
-            cluster: Rc::clone(&cluster),
+        let sim = Sim::new(&cfgs[m], trace, p, d);
+        sims.push((
             m,
-        };
-        sims.push((m, Sim::new(&cfgs[m], trace, p, d).placed(Box::new(place))));
+            if policy == "clairvoyant" {
+                sim
+            } else {
+                sim.placed(Box::new(ModelPlacement {
+                    cluster: Rc::clone(&cluster),
+                    m,
+                }))
+            },
+        ));
     }
     // always-on holds a replica per pool of a model the trace never asks for too.
     let idle_always_on: Vec<usize> = if policy == "always-on" {
@@ -271,10 +225,13 @@ fn run_together(
     } else {
         Vec::new()
     };
+    // Replicas (of g GPUs each) so held, per model.
+    let mut idle_held = vec![0u32; fleet.models.len()];
     for &m in &idle_always_on {
         let mut c = cluster.borrow_mut();
-        c.initial(m);
-        c.initial(m);
+        for _ in 0..2 {
+            idle_held[m] += u32::from(c.initial(m).is_some());
+        }
     }
     // Arrivals in time order, for the planner's demand.
     let mut arrivals: Vec<(f64, usize)> = per_model
@@ -289,7 +246,12 @@ fn run_together(
     let mut demand = vec![Demand::default(); fleet.models.len()];
     let mut fed = 0;
     let mut next_plan = if plans { 0.0 } else { f64::INFINITY };
-    let mut next_sample = 0.0;
+    // clairvoyant holds nothing on any node: no tier to sample.
+    let mut next_sample = if policy == "clairvoyant" {
+        f64::INFINITY
+    } else {
+        0.0
+    };
     let mut tiers: Vec<Vec<(f64, u8)>> = vec![Vec::new(); fleet.models.len()];
     let mut next: Vec<f64> = sims.iter().map(|(_, s)| s.next_time()).collect();
     let mut end = 0.0f64;
@@ -342,6 +304,15 @@ fn run_together(
         next[i] = sims[i].1.next_time();
     }
     let c = cluster.borrow();
+    debug_assert!(c.gpus_held <= fleet.max_gpus, "over the GPU budget");
+    debug_assert_eq!(
+        c.gpus_held,
+        c.nodes
+            .iter()
+            .map(|n| fleet.gpus_per_node - n.free_gpus)
+            .sum::<u32>(),
+        "GPUs held and GPUs taken from nodes disagree"
+    );
     let deferred = c.deferred;
     let starts: Vec<TierStarts> = c.starts.iter().map(TierStarts::from_counts).collect();
     drop(c);
@@ -354,21 +325,23 @@ fn run_together(
                 m,
                 gpu_s: report.gpu_seconds * f64::from(fleet.models[m].gpus_per_replica),
                 scores,
-                starts: starts[m],
+                starts: if policy == "clairvoyant" {
+                    TierStarts {
+                        staged: report.cold_starts,
+                        ..TierStarts::default()
+                    }
+                } else {
+                    starts[m]
+                },
                 tiers: std::mem::take(&mut tiers[m]),
             }
         })
         .collect();
     // Models the trace never asks for: always-on holds a replica per pool of each.
     for m in (0..per_model.len()).filter(|&m| per_model[m].is_empty()) {
-        let held = if idle_always_on.contains(&m) {
-            2.0
-        } else {
-            0.0
-        };
         runs.push(ModelRun {
             m,
-            gpu_s: held * f64::from(fleet.models[m].gpus_per_replica) * end,
+            gpu_s: f64::from(idle_held[m] * fleet.models[m].gpus_per_replica) * end,
             scores: Vec::new(),
             starts: TierStarts::default(),
             tiers: std::mem::take(&mut tiers[m]),
@@ -397,7 +370,7 @@ fn assemble(
     let mut starts = TierStarts::default();
     let mut by_size: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut wait_by_size: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    let mut cold_all = Vec::new();
+    let mut cold_all: Vec<f64> = Vec::new();
     let mut wait_all = Vec::new();
     let (mut ttft_ok, mut slo_ok, mut gpu_s) = (0, 0, 0.0);
     let mut per = Vec::new();
@@ -447,6 +420,7 @@ fn assemble(
         ttft_attainment: share(ttft_ok, total),
         slo_attainment: share(slo_ok, total),
         cold_requests: cold_all.len(),
+        cold_unanswered: cold_all.iter().filter(|t| t.is_nan()).count(),
         cold_ttft_p99_s: p99(cold_all),
         cold_ttft_p99_s_by_params_b: by_size
             .into_iter()

@@ -1,4 +1,5 @@
-//! The fleet's placement, the planner's choices (a table), and whole runs.
+//! The fleet's placement, a plan carried out, and whole runs (the plan's choices are
+//! table-tested with it, in `preheat_scaler::cache_plan`).
 
 use preheat_scaler::cache_plan::{self, Demand};
 
@@ -159,4 +160,82 @@ fn a_plan_carried_out_builds_each_tier_after_the_one_below_within_budgets() {
         .map(|n| n.hold.iter().map(|h| h.staged).collect())
         .collect();
     assert_eq!(before, after);
+}
+
+/// A fleet trace: model `a` busy for ten minutes, idle twenty, busy again; model `b`
+/// asked a few times; model `c` never.
+fn small_trace() -> crate::fleet_trace::FleetTrace {
+    use crate::fleet_trace::{FleetRequest, FleetTrace};
+    use crate::trace::TraceRequest;
+    let req = |model: usize, t: f64| FleetRequest {
+        model,
+        req: TraceRequest {
+            t,
+            input_tokens: 1000,
+            output_tokens: 50,
+            blocks: Vec::new(),
+        },
+    };
+    let mut requests = Vec::new();
+    for k in 0..300 {
+        requests.push(req(0, f64::from(k) * 2.0));
+        requests.push(req(0, 1800.0 + f64::from(k) * 2.0));
+    }
+    for t in [100.0, 1300.0, 2500.0] {
+        requests.push(req(1, t));
+    }
+    requests.sort_by(|a, b| a.req.t.total_cmp(&b.req.t));
+    FleetTrace {
+        models: vec!["m0".into(), "m1".into(), "m2".into()],
+        requests,
+    }
+}
+
+#[test]
+fn whole_runs_account_for_every_request_and_warm_tiers_shorten_wakes() {
+    use preheat_scaler::{PoolPolicy, Profile};
+    let mut f = fleet(3, 100.0, 64.0);
+    // Room for a replica per pool of every model, and more.
+    f.gpus_per_node = 4;
+    f.max_gpus = 8;
+    let base = crate::SimConfig::new(
+        PoolPolicy::default(),
+        PoolPolicy::default(),
+        Profile::default(),
+    );
+    let trace = small_trace();
+    let policies = super::FLEET_POLICIES;
+    let r = super::simulate(&policies, &base, &f, &trace, "t", "f", &|_| {});
+    assert_eq!(r.policies.len(), 5);
+    let by = |n: &str| r.policies.iter().find(|p| p.name == n).unwrap();
+    for p in &r.policies {
+        assert_eq!(p.per_model.len(), 3, "{}", p.name);
+        let n: usize = p.per_model.iter().map(|m| m.requests).sum();
+        assert_eq!(n, trace.requests.len(), "{}", p.name);
+        assert_eq!(p.cold_unanswered, 0, "{}", p.name);
+        assert!(p.gpu_seconds > 0.0, "{}", p.name);
+    }
+    // zero-cold fetches every start; preheat's wakes find standbys parked for them.
+    let zc = by("zero-cold").starts;
+    assert_eq!(zc.host_standby + zc.hot + zc.staged, 0);
+    assert!(zc.remote > 0);
+    let ph = by("preheat");
+    assert!(ph.starts.host_standby > 0, "{:?}", ph.starts);
+    let wait = |n: &str| by(n).cold_wait_p99_s.unwrap_or(0.0);
+    assert!(
+        wait("preheat") < wait("serverlessllm"),
+        "{} {}",
+        wait("preheat"),
+        wait("serverlessllm")
+    );
+    assert!(wait("serverlessllm") < wait("zero-cold"));
+    // Always-on holds a replica per pool of the model never asked for too.
+    assert!(by("always-on").per_model[2].gpu_seconds > 0.0);
+    assert_eq!(ph.per_model[2].gpu_seconds, 0.0);
+    // The same inputs give the same report.
+    let again = super::simulate(&policies, &base, &f, &trace, "t", "f", &|_| {});
+    for (a, b) in r.policies.iter().zip(&again.policies) {
+        assert_eq!(a.gpu_seconds, b.gpu_seconds, "{}", a.name);
+        assert_eq!(a.ttft_attainment, b.ttft_attainment, "{}", a.name);
+    }
 }

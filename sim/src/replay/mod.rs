@@ -148,13 +148,20 @@ impl<'a> Sim<'a> {
     /// The same run with its starts placed by a fleet.
     #[must_use]
     pub(crate) fn placed(mut self, mut placement: Box<dyn Placement + 'a>) -> Self {
-        // The replicas that served before the trace hold GPUs too.
-        for r in &mut self.prefill {
-            r.node = placement.initial(Pool::Prefill);
-        }
-        for r in &mut self.decode {
-            r.node = placement.initial(Pool::Decode);
-        }
+        // The replicas that served before the trace hold GPUs too; one the fleet has
+        // no GPU for was never there.
+        self.prefill.retain_mut(|r| {
+            placement
+                .initial(Pool::Prefill)
+                .map(|n| r.node = n)
+                .is_some()
+        });
+        self.decode.retain_mut(|r| {
+            placement
+                .initial(Pool::Decode)
+                .map(|n| r.node = n)
+                .is_some()
+        });
         self.placement = Some(placement);
         self
     }
@@ -221,12 +228,6 @@ impl<'a> Sim<'a> {
         self.fail_below = Some(target);
         self.run_to_end();
         (!self.hopeless).then(|| self.report())
-    }
-
-    /// Runs to the end; the report and how each request fared.
-    pub(crate) fn run_scored(mut self) -> (PolicyReport, Vec<RequestScore>) {
-        self.run_to_end();
-        self.scored_report()
     }
 
     /// Charges held replicas up to `t` when the run stops there (a fleet's give-up).

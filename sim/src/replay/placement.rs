@@ -16,8 +16,9 @@ pub(crate) trait Placement {
     /// A replica of `pool` is wanted at `t`: where and how fast it starts, or `None`
     /// when the fleet has no GPU for it (the decision is retried at the next one).
     fn start(&mut self, pool: Pool, t: f64) -> Option<Start>;
-    /// A replica serving when the run begins: the node it is on.
-    fn initial(&mut self, pool: Pool) -> u16;
+    /// A replica serving when the run begins: the node it is on, or `None` when the
+    /// fleet has no GPU for it (the pool opens without it).
+    fn initial(&mut self, pool: Pool) -> Option<u16>;
     /// A replica on `node` left (drained, or removed while starting).
     fn stop(&mut self, pool: Pool, node: u16, t: f64);
 }

@@ -138,8 +138,8 @@ fn plot(r: &FleetReport) -> String {
                     .iter()
                     .map(|&(t, level)| (t, base + f64::from(level) * 0.2))
                     .collect();
-                if let Some(&(_, y)) = points.last() {
-                    points.push((end, y));
+                if let Some(&(t, y)) = points.last() {
+                    points.push((end.max(t), y));
                 }
                 Series {
                     name: m.name.clone(),
