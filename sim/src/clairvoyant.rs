@@ -32,6 +32,9 @@ pub(crate) const MINUTE: f64 = 60.0;
 pub struct Plan {
     per_minute: Vec<u32>,
     lead_s: f64,
+    /// The fewest replicas it ever holds: 1 as a single-model reference (a pool
+    /// always ready), 0 in a fleet, whose models idle for hours.
+    floor: u32,
 }
 
 impl Plan {
@@ -41,6 +44,7 @@ impl Plan {
         Plan {
             per_minute,
             lead_s: 0.0,
+            floor: 1,
         }
     }
 
@@ -66,13 +70,13 @@ impl Autoscaler for Plan {
         false
     }
     fn decide(&mut self, v: &PoolView) -> u32 {
-        self.at(v.t).max(1)
+        self.at(v.t).max(self.floor)
     }
     fn observes(&self) -> bool {
         false
     }
     fn initial(&self) -> Option<u32> {
-        Some(self.at(0.0).max(1))
+        Some(self.at(0.0).max(self.floor))
     }
     /// It knows the load: it starts replicas ahead instead of parking standbys.
     fn keeps_standbys(&self) -> bool {
@@ -101,6 +105,7 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
         Box::new(Plan {
             per_minute: per_minute.to_vec(),
             lead_s: 0.0,
+            floor: 1,
         })
     };
     let replay = |prefill: &[u32], decode: &[u32]| -> Vec<Outcome> {
@@ -183,10 +188,38 @@ pub fn plan(cfg: &SimConfig, trace: &[TraceRequest]) -> (Plan, Plan) {
         Plan {
             per_minute: prefill,
             lead_s,
+            floor: 1,
         },
         Plan {
             per_minute: decode,
             lead_s,
+            floor: 1,
         },
     )
+}
+
+impl Plan {
+    /// The same schedule for a model of a fleet: no replica in a minute in which none
+    /// of its requests arrives nor did in the minute before (what arrived then may
+    /// still be decoding; replicas removed drain what they hold), each later minute's
+    /// replicas still started a start-up ahead.
+    #[must_use]
+    pub(crate) fn to_zero_when_idle(mut self, trace: &[TraceRequest]) -> Self {
+        let mut busy = vec![false; self.per_minute.len()];
+        for r in trace {
+            let m = (r.t / MINUTE) as usize;
+            for k in [m, m + 1] {
+                if let Some(b) = busy.get_mut(k) {
+                    *b = true;
+                }
+            }
+        }
+        for (n, b) in self.per_minute.iter_mut().zip(busy) {
+            if !b {
+                *n = 0;
+            }
+        }
+        self.floor = 0;
+        self
+    }
 }

@@ -15,7 +15,7 @@
 //! | `zero-cold` | to zero | nothing: fetched from the object store, caches not restored |
 //! | `serverlessllm` | to zero | staged and hot where the model last ran, least recently used out; placed where most local |
 //! | `preheat` | to zero (`preheat`'s policy) | the fleet cache's plan ([`preheat_scaler::cache_plan`], carried out by `planner`) |
-//! | `clairvoyant` | sized per minute in hindsight, each start one start-up ahead | staged (its start-up), nothing parked |
+//! | `clairvoyant` | sized per minute in hindsight, each start one start-up ahead, none in a minute without requests | staged (its start-up), nothing parked |
 
 mod nodes;
 mod planner;

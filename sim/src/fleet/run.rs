@@ -16,7 +16,7 @@ use super::report::{FleetPolicyReport, FleetReport, ModelReport, TierStarts};
 use crate::config::{SimConfig, StartClass};
 use crate::fleet_config::{Fleet, Tier};
 use crate::fleet_trace::FleetTrace;
-use crate::registry::autoscaler_pair;
+use crate::registry::{PolicyPair, autoscaler_pair};
 use crate::replay::{Placement, RequestScore, Sim, Start};
 use crate::trace::TraceRequest;
 
@@ -96,15 +96,10 @@ fn model_config(
     cfg
 }
 
-/// Which single-model autoscaler sizes each model's pools under a fleet policy: the
-/// serving policies all size with `preheat`'s, so that what they differ in is what
-/// their starts find (the single-model comparison measures the sizing policies).
-fn scaler_of(policy: &str) -> &'static str {
-    match policy {
-        "clairvoyant" => "clairvoyant",
-        _ => "preheat",
-    }
-}
+/// The single-model autoscaler that sizes each model's pools under every serving fleet
+/// policy: one for all, so that what they differ in is what their starts find (the
+/// single-model comparison measures the sizing policies).
+const SIZING: &str = "preheat";
 
 fn keeps_of(policy: &str) -> Keeps {
     Keeps {
@@ -203,7 +198,16 @@ fn run_together(
         if trace.is_empty() {
             continue;
         }
-        let (p, d) = autoscaler_pair(scaler_of(policy), &cfgs[m], trace).expect("a known policy");
+        let (p, d): PolicyPair = if policy == "clairvoyant" {
+            let (p, d) = crate::clairvoyant::plan(&cfgs[m], trace);
+            (
+                Box::new(p.to_zero_when_idle(trace)),
+                Box::new(d.to_zero_when_idle(trace)),
+            )
+        } else {
+            autoscaler_pair(SIZING, &cfgs[m], trace).expect("a known policy")
+        };
+
         let sim = Sim::new(&cfgs[m], trace, p, d);
         sims.push((
             m,
