@@ -223,3 +223,30 @@ impl Plan {
         self
     }
 }
+
+#[cfg(test)]
+mod fleet_tests {
+    use super::*;
+
+    fn at(t: f64) -> TraceRequest {
+        TraceRequest {
+            t,
+            input_tokens: 100,
+            output_tokens: 10,
+            blocks: Vec::new(),
+        }
+    }
+
+    /// In a fleet a model idles for hours: its schedule holds nothing in a minute with
+    /// no arrival nor one the minute before, and still starts ahead of the next.
+    #[test]
+    fn a_fleet_schedule_goes_to_zero_between_its_models_stretches() {
+        let trace = [at(10.0), at(310.0)];
+        let mut plan = Plan::per_minute(vec![2; 6]).to_zero_when_idle(&trace);
+        assert_eq!(plan.per_minute, [2, 2, 0, 0, 0, 2]);
+        assert_eq!(plan.at(150.0), 0);
+        plan.lead_s = 70.0;
+        assert_eq!(plan.at(235.0), 2, "minute 5's replicas start a lead ahead");
+        assert_eq!(plan.floor, 0);
+    }
+}
