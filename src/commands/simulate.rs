@@ -199,16 +199,25 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<ExitCode> {
     }
     let report = sim::run(&o.policies, &o.sim, &trace, &name, &progress)?;
     done(report.policies.len());
+    write_outputs(a, &report, || plot(&report))?;
+    print_table(&report)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the report to `--json` and, drawn only when asked, the plot to `--plot`.
+fn write_outputs(
+    a: &SimulateArgs,
+    report: &impl serde::Serialize,
+    plot: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
     if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&report)?;
+        let text = serde_json::to_string_pretty(report)?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &a.plot {
-        std::fs::write(path, plot(&report))
-            .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, plot()).with_context(|| format!("writing {}", path.display()))?;
     }
-    print_table(&report)?;
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 fn print_table(r: &SimReport) -> anyhow::Result<()> {

@@ -264,13 +264,20 @@ impl<'f> Cluster<'f> {
         if self.nodes[n].hold[m].hot.is_some() {
             return true;
         }
+        if !self.take_ram(n, m, pinned) {
+            return false;
+        }
+        self.nodes[n].hold[m].hot = Some(at);
+        true
+    }
+
+    /// Takes host RAM on `n` for a copy of `m`, making room unless `pinned` forbids.
+    fn take_ram(&mut self, n: usize, m: usize, pinned: &dyn Fn(usize) -> bool) -> bool {
         let bytes = self.bytes(m);
         if !self.ram_room(n, m, bytes, pinned) {
             return false;
         }
-        let node = &mut self.nodes[n];
-        node.hold[m].hot = Some(at);
-        node.ram_used += bytes;
+        self.nodes[n].ram_used += bytes;
         true
     }
 
@@ -312,13 +319,10 @@ impl<'f> Cluster<'f> {
         at: f64,
         pinned: &dyn Fn(usize) -> bool,
     ) -> bool {
-        let bytes = self.bytes(m);
-        if !self.ram_room(n, m, bytes, pinned) {
+        if !self.take_ram(n, m, pinned) {
             return false;
         }
-        let node = &mut self.nodes[n];
-        node.hold[m].host.push(at);
-        node.ram_used += bytes;
+        self.nodes[n].hold[m].host.push(at);
         true
     }
 

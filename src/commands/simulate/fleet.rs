@@ -4,7 +4,6 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use preheat_output::{Panel, Series, outln, stack, svg};
 use preheat_sim::fleet::{self, FleetReport};
 use preheat_sim::fleet_config::Fleet;
@@ -40,14 +39,7 @@ pub(super) fn run(
         policies = report.policies.len(),
         "fleet simulation done"
     );
-    if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-    }
-    if let Some(path) = &a.plot {
-        std::fs::write(path, plot(&report))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+    super::write_outputs(a, &report, || plot(&report))?;
     print_table(&report)?;
     Ok(ExitCode::SUCCESS)
 }
