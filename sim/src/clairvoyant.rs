@@ -204,7 +204,7 @@ impl Plan {
     /// still be decoding; replicas removed drain what they hold), each later minute's
     /// replicas still started a start-up ahead.
     #[must_use]
-    pub(crate) fn to_zero_when_idle(mut self, trace: &[TraceRequest]) -> Self {
+    pub(crate) fn at_zero_when_idle(mut self, trace: &[TraceRequest]) -> Self {
         let mut busy = vec![false; self.per_minute.len()];
         for r in trace {
             let m = (r.t / MINUTE) as usize;
@@ -242,7 +242,7 @@ mod fleet_tests {
     #[test]
     fn a_fleet_schedule_goes_to_zero_between_its_models_stretches() {
         let trace = [at(10.0), at(310.0)];
-        let mut plan = Plan::per_minute(vec![2; 6]).to_zero_when_idle(&trace);
+        let mut plan = Plan::per_minute(vec![2; 6]).at_zero_when_idle(&trace);
         assert_eq!(plan.per_minute, [2, 2, 0, 0, 0, 2]);
         assert_eq!(plan.at(150.0), 0);
         plan.lead_s = 70.0;

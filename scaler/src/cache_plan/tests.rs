@@ -59,9 +59,10 @@ fn parked(p: &Plan, m: usize) -> Vec<u32> {
 #[test]
 fn the_plan_fills_budgets_by_value() {
     type Check = fn(&Plan) -> Result<(), String>;
-    // (case, request period per model (0: never asked), NVMe GB, RAM GB, GPUs busy
-    // per node, what must hold).
-    let cases: [(&str, Vec<f64>, f64, f64, [u32; 2], Check); 5] = [
+    /// (case, request period per model (0: never asked), NVMe GB, RAM GB, GPUs busy
+    /// per node, what must hold).
+    type Case = (&'static str, Vec<f64>, f64, f64, [u32; 2], Check);
+    let cases: [Case; 5] = [
         (
             "a model about to be asked for gets the room for a pair of standbys",
             vec![600.0, 0.0],

@@ -201,8 +201,8 @@ fn run_together(
         let (p, d): PolicyPair = if policy == "clairvoyant" {
             let (p, d) = crate::clairvoyant::plan(&cfgs[m], trace);
             (
-                Box::new(p.to_zero_when_idle(trace)),
-                Box::new(d.to_zero_when_idle(trace)),
+                Box::new(p.at_zero_when_idle(trace)),
+                Box::new(d.at_zero_when_idle(trace)),
             )
         } else {
             autoscaler_pair(SIZING, &cfgs[m], trace).expect("a known policy")
