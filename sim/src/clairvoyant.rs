@@ -214,10 +214,16 @@ impl Plan {
                 }
             }
         }
-        for (n, b) in self.per_minute.iter_mut().zip(busy) {
+        for (n, b) in self.per_minute.iter_mut().zip(&busy) {
             if !b {
                 *n = 0;
             }
+        }
+        // The minute after the last arrival is held as every other such minute is.
+        if let Some(&last) = self.per_minute.last()
+            && busy.last() == Some(&true)
+        {
+            self.per_minute.push(last);
         }
         self.floor = 0;
         self
@@ -243,7 +249,7 @@ mod fleet_tests {
     fn a_fleet_schedule_goes_to_zero_between_its_models_stretches() {
         let trace = [at(10.0), at(310.0)];
         let mut plan = Plan::per_minute(vec![2; 6]).at_zero_when_idle(&trace);
-        assert_eq!(plan.per_minute, [2, 2, 0, 0, 0, 2]);
+        assert_eq!(plan.per_minute, [2, 2, 0, 0, 0, 2, 2]);
         assert_eq!(plan.at(150.0), 0);
         plan.lead_s = 70.0;
         assert_eq!(plan.at(235.0), 2, "minute 5's replicas start a lead ahead");

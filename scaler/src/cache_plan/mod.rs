@@ -165,7 +165,9 @@ pub fn candidates(v: &FleetView) -> Vec<Candidate> {
 /// Fills each node's budgets with the candidates in order: each goes to the node that
 /// already holds it if one does, else beside its planned staged file, else to the one
 /// with the most GPUs free (a standby is promoted only where a GPU is free); a hot
-/// copy or a standby needs the staged file on its node, planned with it when missing.
+/// copy or a standby needs the staged file on its node, planned with it when missing
+/// (and then counting as the model's staged copy). Standbys are planned only within
+/// the fleet's GPU budget left.
 /// Candidates of no value still fill room left over: the warm pool stages what fits
 /// before anything is asked for.
 #[must_use]
@@ -174,11 +176,22 @@ pub fn plan(v: &FleetView, cands: &[Candidate]) -> Plan {
     let mut plan: Plan = vec![vec![Holding::default(); v.models.len()]; n_nodes];
     let mut nvme = vec![0.0f64; n_nodes];
     let mut ram = vec![0.0f64; n_nodes];
-    // GPUs on each node left for standbys to promote into.
+    // GPUs on each node left for standbys to promote into, and in the fleet's budget.
     let mut spare: Vec<i64> = v.nodes.iter().map(|n| i64::from(n.free_gpus)).collect();
+    let mut budget = i64::from(v.max_gpus) - i64::from(v.gpus_held);
     for cand in cands {
         let m = cand.m;
         let g = i64::from(v.models[m].gpus_per_replica);
+        // A staged file planned beside a hot copy or a standby already counts as this
+        // copy: another would spend NVMe other models' first copies need.
+        if cand.kind == Kind::Staged
+            && plan.iter().filter(|node| node[m].staged).count() > cand.rank as usize
+        {
+            continue;
+        }
+        if cand.kind == Kind::Host && budget < g {
+            continue;
+        }
         let b = cand.bytes;
         let fits_nvme = |n: usize, nvme: &[f64]| nvme[n] + b <= v.nvme_bytes + 1.0;
         let fits_ram = |n: usize, ram: &[f64]| ram[n] + b <= v.ram_bytes + 1.0;
@@ -221,6 +234,7 @@ pub fn plan(v: &FleetView, cands: &[Candidate]) -> Plan {
                 entry.host += 1;
                 ram[n] += b;
                 spare[n] -= g;
+                budget -= g;
             }
         }
     }

@@ -89,7 +89,7 @@ fn the_plan_fills_budgets_by_value() {
             },
         ),
         (
-            "a hot copy or a standby has its staged file on its node",
+            "one staged copy per model while room is short, beside its hot copy and standbys",
             vec![600.0, 900.0, 0.0],
             48.0,
             64.0,
@@ -124,17 +124,16 @@ fn the_plan_fills_budgets_by_value() {
         ),
         (
             "every model's first pair before a busier model's further copies",
-            vec![600.0, 601.0, 602.0],
+            // m0 asked for every minute (due soon, worth most), m1 every 33 minutes.
+            vec![60.0, 2000.0],
             200.0,
             200.0,
             [0, 0],
             |p| {
-                // Four free GPUs: each model's pair would need six; the first two
-                // pairs take them and no model gets a third standby.
-                let per: Vec<u32> = (0..3).map(|m| parked(p, m).iter().sum()).collect();
-                (per.iter().all(|&n| n <= 2) && per.iter().sum::<u32>() == 4)
-                    .then_some(())
-                    .ok_or(format!("{per:?}"))
+                // Four free GPUs: m0's pair and m1's pair; m0's further copies, worth
+                // more than m1's first by value alone, come after it.
+                let per: Vec<u32> = (0..2).map(|m| parked(p, m).iter().sum()).collect();
+                (per == [2, 2]).then_some(()).ok_or(format!("{per:?}"))
             },
         ),
     ];
@@ -143,7 +142,10 @@ fn the_plan_fills_budgets_by_value() {
             .iter()
             .map(|&p| model(periodic(p, 3000.0 - p / 2.0), 0))
             .collect();
-        let v = view(models, nvme, ram, busy);
+        let mut v = view(models, nvme, ram, busy);
+        // Further copies are worth something only while the fleet's GPUs are in use.
+        v.max_gpus = 8;
+        v.gpus_held = 4;
         let p = plan(&v, &candidates(&v));
         if let Err(e) = check(&p) {
             panic!("{name}: {e}");
@@ -187,4 +189,13 @@ fn a_model_due_sooner_is_worth_more_and_a_serving_one_less() {
         assert!(value(0, kind) > value(1, kind), "{kind:?}");
         assert!(value(0, kind) > value(2, kind), "{kind:?}");
     }
+}
+
+#[test]
+fn standbys_stay_within_the_fleets_gpu_budget() {
+    let mut v = view(vec![model(periodic(600.0, 2700.0), 0)], 100.0, 64.0, [0, 0]);
+    v.max_gpus = 1;
+    v.gpus_held = 0;
+    let p = plan(&v, &candidates(&v));
+    assert_eq!(parked(&p, 0).iter().sum::<u32>(), 1, "{p:?}");
 }
