@@ -18,6 +18,13 @@ pub(super) fn run(
     policies: &[String],
 ) -> anyhow::Result<ExitCode> {
     let fleet = Fleet::load(fleet_path)?;
+    if let Some(m) = fleet.models.iter().find(|m| m.priority != 0) {
+        tracing::warn!(
+            model = %m.name,
+            priority = m.priority,
+            "the fleet simulator gives GPUs to starts in the order asked: `priority` is not simulated yet"
+        );
+    }
     let names: Vec<String> = fleet.models.iter().map(|m| m.name.clone()).collect();
     let trace = fleet_trace::load(&a.trace, Some(&names))?;
     let policies = fleet::fleet_policy_list(policies)?;
