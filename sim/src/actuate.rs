@@ -16,8 +16,6 @@ impl Sim<'_> {
         if desired == current {
             return;
         }
-        // GPUs given back before this decision are free for it.
-        self.flush_freed();
         let ctl = &mut self.ctl[pool];
         ctl.events += 1;
         if desired > current {
@@ -29,7 +27,7 @@ impl Sim<'_> {
             for _ in 0..add {
                 let (ready_at, node) = if let Some(place) = self.placement.as_mut() {
                     // No GPU in the fleet: the rest wait for the next decision.
-                    let Some(s) = place.start(pool, t) else {
+                    let Some(s) = place.start(t) else {
                         break;
                     };
                     ctl.measured_startup = Some(s.ready_in);
@@ -72,7 +70,11 @@ impl Sim<'_> {
                     |r| r.draining = true,
                     &mut ctl.retired_busy,
                     |r| r.busy_s,
-                    |r| self.freed.push((Pool::Prefill, r.node)),
+                    |r| {
+                        if let Some(p) = self.placement.as_mut() {
+                            p.stop(r.node);
+                        }
+                    },
                 ),
                 Pool::Decode => remove_replicas(
                     &mut self.decode,
@@ -83,7 +85,11 @@ impl Sim<'_> {
                     |r| r.draining = true,
                     &mut ctl.retired_busy,
                     |r| r.busy_s,
-                    |r| self.freed.push((Pool::Decode, r.node)),
+                    |r| {
+                        if let Some(p) = self.placement.as_mut() {
+                            p.stop(r.node);
+                        }
+                    },
                 ),
             }
         }
@@ -91,7 +97,6 @@ impl Sim<'_> {
         let ctl = &mut self.ctl[pool];
         ctl.max_replicas = ctl.max_replicas.max(n);
         self.retire_drained();
-        self.flush_freed();
     }
 }
 

@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use preheat_scaler::percentile::percentile;
-use preheat_scaler::policy::Pool;
 
 use preheat_scaler::cache_plan::{self, Demand, PLAN_S};
 
@@ -30,14 +29,14 @@ struct ModelPlacement<'f> {
 }
 
 impl Placement for ModelPlacement<'_> {
-    fn start(&mut self, _pool: Pool, t: f64) -> Option<Start> {
+    fn start(&mut self, t: f64) -> Option<Start> {
         let (node, ready_in) = self.cluster.borrow_mut().start(self.m, t)?;
         Some(Start { node, ready_in })
     }
-    fn initial(&mut self, _pool: Pool) -> Option<u16> {
+    fn initial(&mut self) -> Option<u16> {
         self.cluster.borrow_mut().initial(self.m)
     }
-    fn stop(&mut self, _pool: Pool, node: u16, _t: f64) {
+    fn stop(&mut self, node: u16) {
         self.cluster.borrow_mut().stop(self.m, node);
     }
 }
@@ -208,7 +207,7 @@ fn run_together(
             autoscaler_pair(SIZING, &cfgs[m], trace).expect("a known policy")
         };
 
-        let sim = Sim::new(&cfgs[m], trace, p, d);
+        let sim = Sim::new(&cfgs[m], trace, p, d).marking_cold();
         sims.push((
             m,
             if policy == "clairvoyant" {
@@ -257,7 +256,7 @@ fn run_together(
         0.0
     };
     let mut tiers: Vec<Vec<(f64, u8)>> = vec![Vec::new(); fleet.models.len()];
-    let mut next: Vec<f64> = sims.iter().map(|(_, s)| s.next_time()).collect();
+    let mut next: Vec<f64> = sims.iter().map(|(_, s)| s.next_event_time()).collect();
     let mut end = 0.0f64;
     loop {
         if sims.iter().all(|(_, s)| s.all_done()) {
@@ -305,7 +304,7 @@ fn run_together(
             continue;
         }
         sims[i].1.step_to(ti);
-        next[i] = sims[i].1.next_time();
+        next[i] = sims[i].1.next_event_time();
     }
     let c = cluster.borrow();
     debug_assert!(c.gpus_held <= fleet.max_gpus, "over the GPU budget");

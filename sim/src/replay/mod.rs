@@ -66,8 +66,9 @@ pub(crate) struct Sim<'a> {
     /// In a fleet: where starts go and what they take (`None`: every start takes the
     /// config's start-up time on a node of its own).
     pub(crate) placement: Option<Box<dyn Placement + 'a>>,
-    /// Nodes of replicas gone since the placement was last told, by pool.
-    pub(crate) freed: Vec<(Pool, u16)>,
+    /// Whether arrivals are marked when they find a pool they need with no replica
+    /// serving (a fleet's cold requests; the single-model report does not ask).
+    mark_cold: bool,
 }
 
 impl<'a> Sim<'a> {
@@ -141,7 +142,7 @@ impl<'a> Sim<'a> {
             hopeless: false,
             prefill_only: false,
             placement: None,
-            freed: Vec::new(),
+            mark_cold: false,
         }
     }
 
@@ -150,27 +151,20 @@ impl<'a> Sim<'a> {
     pub(crate) fn placed(mut self, mut placement: Box<dyn Placement + 'a>) -> Self {
         // The replicas that served before the trace hold GPUs too; one the fleet has
         // no GPU for was never there.
-        self.prefill.retain_mut(|r| {
-            placement
-                .initial(Pool::Prefill)
-                .map(|n| r.node = n)
-                .is_some()
-        });
-        self.decode.retain_mut(|r| {
-            placement
-                .initial(Pool::Decode)
-                .map(|n| r.node = n)
-                .is_some()
-        });
+        self.prefill
+            .retain_mut(|r| placement.initial().map(|n| r.node = n).is_some());
+        self.decode
+            .retain_mut(|r| placement.initial().map(|n| r.node = n).is_some());
         self.placement = Some(placement);
         self
     }
 
-    /// When this run's next event is (at most a second away: its tick), for a fleet
-    /// that steps many runs in time order; it keeps ticking once its requests are
-    /// done, so its pools go on scaling until the fleet's run ends.
-    pub(crate) fn next_time(&self) -> f64 {
-        self.next_event_time()
+    /// The same run marking the requests that arrive with no replica serving in a pool
+    /// they need ([`RequestScore::cold`]).
+    #[must_use]
+    pub(crate) fn marking_cold(mut self) -> Self {
+        self.mark_cold = true;
+        self
     }
 
     /// Whether every request of its trace is done.
@@ -178,22 +172,11 @@ impl<'a> Sim<'a> {
         self.finished == self.trace.len()
     }
 
-    /// Advances to `t` (no earlier than [`Sim::next_time`]'s answer) and handles what
-    /// is due then.
+    /// Advances to `t` (no earlier than [`Sim::next_event_time`]'s answer) and handles
+    /// what is due then.
     pub(crate) fn step_to(&mut self, t: f64) {
         self.advance_clock(t);
         self.process();
-    }
-
-    /// Tells the placement which replicas left.
-    pub(crate) fn flush_freed(&mut self) {
-        if let Some(p) = self.placement.as_mut() {
-            for (pool, node) in self.freed.drain(..) {
-                p.stop(pool, node, self.t);
-            }
-        } else {
-            self.freed.clear();
-        }
     }
 
     /// Simulates the prefill pool alone: a request leaves at its first token and one
@@ -276,7 +259,10 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn next_event_time(&self) -> f64 {
+    /// When this run's next event is: at most a second away (its tick), so a fleet
+    /// stepping many runs in time order keeps scaling a model's pools once its
+    /// requests are done.
+    pub(crate) fn next_event_time(&self) -> f64 {
         // Plain comparisons, not `f64::min`, whose NaN handling cost a tenth of the event
         // loop; they skip a NaN just as it does (`next` starts at a whole second).
         let mut next = self.next_second;
@@ -353,8 +339,10 @@ impl<'a> Sim<'a> {
             self.now.prompt_tokens += f64::from(r.input_tokens);
             self.now.output_tokens += f64::from(r.output_tokens);
             let on_decode = self.cfg.prefills_on_decode(r);
-            self.reqs[i].cold = !self.has_ready(Pool::Decode)
-                || !on_decode && !self.prefill_only && !self.has_ready(Pool::Prefill);
+            if self.mark_cold {
+                self.reqs[i].cold = !self.has_ready(Pool::Decode)
+                    || !on_decode && !self.prefill_only && !self.has_ready(Pool::Prefill);
+            }
             if on_decode {
                 if self.prefill_only {
                     self.finished += 1;
@@ -386,7 +374,6 @@ impl<'a> Sim<'a> {
         if t >= self.next_second {
             self.second();
         }
-        self.flush_freed();
     }
 
     /// Whether the pool has a replica serving now.
@@ -401,12 +388,14 @@ impl<'a> Sim<'a> {
     pub(crate) fn retire_drained(&mut self) {
         let mut busy = 0.0;
         let index = &mut self.prefix_index;
-        let freed = &mut self.freed;
+        let placement = &mut self.placement;
         self.prefill.retain(|r| {
             let gone = r.draining && r.is_empty();
             if gone {
                 busy += r.busy_s;
-                freed.push((Pool::Prefill, r.node));
+                if let Some(p) = placement.as_mut() {
+                    p.stop(r.node);
+                }
                 if let Some(slot) = r.slot {
                     index.release(slot, r.cache.blocks());
                 }
@@ -419,7 +408,9 @@ impl<'a> Sim<'a> {
             let gone = r.draining && r.is_idle();
             if gone {
                 busy += r.busy_s;
-                freed.push((Pool::Decode, r.node));
+                if let Some(p) = placement.as_mut() {
+                    p.stop(r.node);
+                }
             }
             !gone
         });
