@@ -163,6 +163,17 @@ impl Tier {
     }
 }
 
+/// Seconds each move of a model's weights takes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Steps {
+    /// Object store → the node's NVMe (fetched and written).
+    pub fetch_s: f64,
+    /// NVMe → page cache.
+    pub read_s: f64,
+    /// Host memory → its GPUs.
+    pub upload_s: f64,
+}
+
 /// A fleet file that cannot be used: every problem, each naming its key.
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: {}", problems.join("; "))]
@@ -202,6 +213,12 @@ impl Fleet {
         };
         if raw.models.is_empty() {
             e.push("models: the fleet has no model".into());
+        } else if raw.models.len() > crate::fleet_trace::MAX_MODELS {
+            e.push(format!(
+                "models: {} is more than the {} a fleet may hold",
+                raw.models.len(),
+                crate::fleet_trace::MAX_MODELS
+            ));
         }
         if raw.nodes == 0 || raw.nodes > MAX_NODES {
             e.push(format!(
@@ -284,16 +301,29 @@ impl Fleet {
         self.models.iter().position(|m| m.name == name)
     }
 
+    /// The steps of moving `m`'s weights between tiers, on this fleet's hardware.
+    #[must_use]
+    pub fn steps(&self, m: &FleetModel) -> Steps {
+        let h = &self.hardware;
+        let gb = m.weight_bytes() / 1e9;
+        Steps {
+            fetch_s: gb / h.object_store_gbps + gb / h.nvme_write_gbps,
+            read_s: gb / h.nvme_read_gbps,
+            upload_s: gb / (h.host_to_gpu_gbps * f64::from(m.gpus_per_replica)),
+        }
+    }
+
     /// Seconds from deciding to start a replica of `m` to its serving, from `tier`: the
     /// sum of the tier's steps on this fleet's hardware. `caches`: kernel and graph
     /// caches restored.
     #[must_use]
     pub fn start_s(&self, m: &FleetModel, tier: Tier, caches: bool) -> f64 {
         let h = &self.hardware;
-        let gb = m.weight_bytes() / 1e9;
-        let upload = gb / (h.host_to_gpu_gbps * f64::from(m.gpus_per_replica));
-        let read = gb / h.nvme_read_gbps;
-        let fetch = gb / h.object_store_gbps + gb / h.nvme_write_gbps;
+        let Steps {
+            fetch_s: fetch,
+            read_s: read,
+            upload_s: upload,
+        } = self.steps(m);
         let engine = if caches {
             h.engine_start_s
         } else {
@@ -409,6 +439,23 @@ mod tests {
             assert!(
                 e.problems.iter().any(|p| p.starts_with(&format!("{key}:"))),
                 "{key} in {all}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fleet_past_the_bounds_is_refused_naming_the_key() {
+        let list: String = (0..=crate::fleet_trace::MAX_MODELS)
+            .map(|i| format!("  - {{name: m{i}, params_b: 8, gpus_per_replica: 1}}\n"))
+            .collect();
+        let text =
+            format!("nodes: 20000\ngpus_per_node: 4\nnvme_gb: 1\nhost_ram_gb: 1\nmodels:\n{list}");
+        let e = Fleet::parse(&text, "f").unwrap_err();
+        for key in ["nodes:", "models:"] {
+            assert!(
+                e.problems.iter().any(|p| p.starts_with(key)),
+                "{key} in {:?}",
+                e.problems
             );
         }
     }

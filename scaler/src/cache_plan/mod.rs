@@ -95,7 +95,6 @@ pub struct Candidate {
     pub kind: Kind,
     pub rank: u32,
     pub value: f64,
-    pub bytes: f64,
 }
 
 /// What each node should hold: per node, per model.
@@ -143,7 +142,6 @@ pub fn candidates(v: &FleetView) -> Vec<Candidate> {
                     kind,
                     rank,
                     value: value * use_share.powi(rank as i32),
-                    bytes: m.bytes,
                 });
             }
         }
@@ -152,11 +150,12 @@ pub fn candidates(v: &FleetView) -> Vec<Candidate> {
     // serves only when the nodes holding the first are full, a first one every time
     // the model wakes. Then the most valuable per byte; among equals the smaller, the
     // colder tier (a hot copy needs its staged file).
+    let bytes = |c: &Candidate| v.models[c.m].bytes;
     out.sort_by(|a, b| {
         a.rank
             .cmp(&b.rank)
-            .then((b.value / b.bytes).total_cmp(&(a.value / a.bytes)))
-            .then(a.bytes.total_cmp(&b.bytes))
+            .then((b.value / bytes(b)).total_cmp(&(a.value / bytes(a))))
+            .then(bytes(a).total_cmp(&bytes(b)))
             .then(a.kind.cmp(&b.kind))
     });
     out
@@ -192,7 +191,7 @@ pub fn plan(v: &FleetView, cands: &[Candidate]) -> Plan {
         if cand.kind == Kind::Host && budget < g {
             continue;
         }
-        let b = cand.bytes;
+        let b = v.models[m].bytes;
         let fits_nvme = |n: usize, nvme: &[f64]| nvme[n] + b <= v.nvme_bytes + 1.0;
         let fits_ram = |n: usize, ram: &[f64]| ram[n] + b <= v.ram_bytes + 1.0;
         let held = |n: usize| {

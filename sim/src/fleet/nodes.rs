@@ -44,7 +44,8 @@ pub(crate) struct Cluster<'f> {
     pub(crate) starts: Vec<[u32; 5]>,
     /// Start times per model, for the planner's rate of starts.
     pub(crate) start_times: Vec<Vec<f64>>,
-    /// Starts that found no GPU in the fleet's budget (retried at the next decision).
+    /// Decisions that wanted a start and found no GPU within the fleet's budget (each
+    /// retried at the next decision, which counts again).
     pub(crate) deferred: u32,
     /// Replicas up per model (starting or serving), fleet-wide.
     pub(crate) replicas: Vec<u32>,
@@ -104,32 +105,35 @@ impl<'f> Cluster<'f> {
             .unwrap_or(0)
     }
 
-    /// A replica of model `m` is wanted at `t`: the node it goes to (the warmest with
-    /// a free GPU, the freest among equals) and its start-up time from the tier it
-    /// finds there, or `None` when no node has room within the fleet's GPU budget.
-    pub(crate) fn start(&mut self, m: usize, t: f64) -> Option<(u16, f64)> {
+    /// The node a replica of `m` goes to at `t`: the warmest with a free GPU, the
+    /// freest among equals; `None` when none has room within the fleet's GPU budget.
+    fn place(&self, m: usize, t: f64) -> Option<usize> {
         let g = self.fleet.models[m].gpus_per_replica;
         if self.gpus_held + g > self.fleet.max_gpus {
-            self.deferred += 1;
             return None;
         }
-        let best = (0..self.nodes.len())
+        (0..self.nodes.len())
             .filter(|&n| self.nodes[n].free_gpus >= g)
             .min_by_key(|&n| {
                 (
                     self.tier(n, m, t),
                     std::cmp::Reverse(self.nodes[n].free_gpus),
                 )
-            });
-        let Some(n) = best else {
+            })
+    }
+
+    /// A replica of model `m` is wanted at `t`: the node it goes to ([`Cluster::place`])
+    /// and its start-up time from the tier it finds there.
+    pub(crate) fn start(&mut self, m: usize, t: f64) -> Option<(u16, f64)> {
+        let Some(n) = self.place(m, t) else {
             self.deferred += 1;
             return None;
         };
+        let g = self.fleet.models[m].gpus_per_replica;
         let tier = self.tier(n, m, t);
         let fleet = self.fleet;
         let model = &fleet.models[m];
         let bytes = self.bytes(m);
-        let h = &fleet.hardware;
         let ready_in = fleet.start_s(model, tier, self.keeps.engine_caches);
         self.gpus_held += g;
         self.replicas[m] += 1;
@@ -148,8 +152,7 @@ impl<'f> Cluster<'f> {
                 }
             }
             Tier::Remote => {
-                let staged_at =
-                    t + bytes / 1e9 * (1.0 / h.object_store_gbps + 1.0 / h.nvme_write_gbps);
+                let staged_at = t + fleet.steps(model).fetch_s;
                 // What page cache holds is read from the staged file: without room
                 // on NVMe, neither stays.
                 if self.keeps.staged && self.keep_staged(n, m, staged_at) && self.keeps.hot {
@@ -170,18 +173,8 @@ impl<'f> Cluster<'f> {
     /// its first minute needs): its GPUs, and its snapshot kept as its policy keeps
     /// them.
     pub(crate) fn initial(&mut self, m: usize) -> Option<u16> {
+        let n = self.place(m, 0.0)?;
         let g = self.fleet.models[m].gpus_per_replica;
-        if self.gpus_held + g > self.fleet.max_gpus {
-            return None;
-        }
-        let n = (0..self.nodes.len())
-            .filter(|&n| self.nodes[n].free_gpus >= g)
-            .min_by_key(|&n| {
-                (
-                    self.tier(n, m, 0.0),
-                    std::cmp::Reverse(self.nodes[n].free_gpus),
-                )
-            })?;
         self.gpus_held += g;
         self.replicas[m] += 1;
         self.nodes[n].free_gpus -= g;
@@ -221,12 +214,8 @@ impl<'f> Cluster<'f> {
         let bytes = self.bytes(m);
         let cap = self.fleet.nvme_bytes;
         while self.nodes[n].nvme_used + bytes > cap + 1.0 {
-            let node = &self.nodes[n];
-            let victim = (0..node.hold.len())
-                .filter(|&v| v != m && node.hold[v].staged.is_some() && !pinned(v))
-                // Hot and parked copies are read from their staged file: they go with it.
-                .min_by(|&a, &b| node.hold[a].last_used.total_cmp(&node.hold[b].last_used));
-            let Some(v) = victim else {
+            // Hot and parked copies are read from their staged file: they go with it.
+            let Some(v) = self.least_recent(n, m, |h| h.staged.is_some(), pinned) else {
                 return false;
             };
             self.unstage(n, v);
@@ -235,6 +224,21 @@ impl<'f> Cluster<'f> {
         node.hold[m].staged = Some(at);
         node.nvme_used += bytes;
         true
+    }
+
+    /// The model other than `m` that `n` holds as `has` says, not `pinned`, started
+    /// there least recently: the one to evict for `m`.
+    fn least_recent(
+        &self,
+        n: usize,
+        m: usize,
+        has: impl Fn(&Holding) -> bool,
+        pinned: &dyn Fn(usize) -> bool,
+    ) -> Option<usize> {
+        let hold = &self.nodes[n].hold;
+        (0..hold.len())
+            .filter(|&v| v != m && has(&hold[v]) && !pinned(v))
+            .min_by(|&a, &b| hold[a].last_used.total_cmp(&hold[b].last_used))
     }
 
     fn keep_staged(&mut self, n: usize, m: usize, at: f64) -> bool {
@@ -290,11 +294,7 @@ impl<'f> Cluster<'f> {
     fn ram_room(&mut self, n: usize, m: usize, bytes: f64, pinned: &dyn Fn(usize) -> bool) -> bool {
         let cap = self.fleet.host_ram_bytes;
         while self.nodes[n].ram_used + bytes > cap + 1.0 {
-            let node = &self.nodes[n];
-            let victim = (0..node.hold.len())
-                .filter(|&v| v != m && node.hold[v].hot.is_some() && !pinned(v))
-                .min_by(|&a, &b| node.hold[a].last_used.total_cmp(&node.hold[b].last_used));
-            let Some(v) = victim else {
+            let Some(v) = self.least_recent(n, m, |h| h.hot.is_some(), pinned) else {
                 return false;
             };
             self.drop_hot(n, v);

@@ -19,7 +19,7 @@ pub(crate) fn view(c: &Cluster, demand: &[Demand], t: f64) -> FleetView {
         .iter()
         .enumerate()
         .map(|(m, model)| {
-            let gb = model.weight_bytes() / 1e9;
+            let steps = fleet.steps(model);
             let s = |tier| fleet.start_s(model, tier, true);
             ModelView {
                 bytes: model.weight_bytes(),
@@ -31,8 +31,8 @@ pub(crate) fn view(c: &Cluster, demand: &[Demand], t: f64) -> FleetView {
                     s(Tier::Remote),
                 ],
                 build_s: [
-                    gb / h.object_store_gbps + gb / h.nvme_write_gbps,
-                    gb / h.nvme_read_gbps,
+                    steps.fetch_s,
+                    steps.read_s,
                     h.pod_start_s + h.engine_start_s,
                 ],
                 replicas: c.replicas[m],
@@ -85,9 +85,8 @@ pub(crate) fn apply(c: &mut Cluster, plan: &Plan, t: f64) {
         let staged_pin = |v: usize| node_plan[v].staged;
         let ram_pin = |v: usize| node_plan[v].hot;
         for (m, &Holding { staged, hot, host }) in node_plan.iter().enumerate() {
-            let gb = fleet.models[m].weight_bytes() / 1e9;
-            let fetch = gb / h.object_store_gbps + gb / h.nvme_write_gbps;
-            let read = gb / h.nvme_read_gbps;
+            let steps = fleet.steps(&fleet.models[m]);
+            let (fetch, read) = (steps.fetch_s, steps.read_s);
             if staged && !c.stage(n, m, t + fetch, &staged_pin) {
                 continue;
             }

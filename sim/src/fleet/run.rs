@@ -66,7 +66,7 @@ fn model_config(
         }
     }
     p.kv_tokens *= scale;
-    let caches = policy != "zero-cold";
+    let caches = keeps_of(policy).engine_caches;
     p.startup_s.cold = fleet.start_s(fm, Tier::Remote, caches);
     p.startup_s.staged = fleet.start_s(fm, Tier::Staged, caches);
     p.startup_s.hot = fleet.start_s(fm, Tier::Hot, caches);
@@ -135,9 +135,9 @@ pub fn simulate(
     let runs = crate::on_cores::run_ordered(policies.len(), &order, |i| {
         progress(policies[i]);
         let started = std::time::Instant::now();
-        let runs = run_together(policies[i], base, fleet, &per_model);
-        let mut r = assemble(policies[i], fleet, &per_model, &runs);
-        r.1.wall_s = started.elapsed().as_secs_f64();
+        let (runs, deferred) = run_together(policies[i], base, fleet, &per_model);
+        let mut r = assemble(policies[i], fleet, &per_model, &runs, deferred);
+        r.wall_s = started.elapsed().as_secs_f64();
         r
     });
     FleetReport {
@@ -150,7 +150,7 @@ pub fn simulate(
         gpus_per_node: fleet.gpus_per_node,
         max_gpus: fleet.max_gpus,
         profile_source: base.profile.source.clone(),
-        policies: runs.into_iter().map(|(_, r)| r).collect(),
+        policies: runs,
     }
 }
 
@@ -220,22 +220,17 @@ fn run_together(
             },
         ));
     }
-    // always-on holds a replica per pool of a model the trace never asks for too.
-    let idle_always_on: Vec<usize> = if policy == "always-on" {
-        (0..per_model.len())
-            .filter(|&m| per_model[m].is_empty())
-            .collect()
-    } else {
-        Vec::new()
-    };
-    // Replicas (of g GPUs each) so held, per model.
-    let mut idle_held = vec![0u32; fleet.models.len()];
-    for &m in &idle_always_on {
-        let mut c = cluster.borrow_mut();
-        for _ in 0..2 {
-            idle_held[m] += u32::from(c.initial(m).is_some());
-        }
-    }
+    // always-on holds a replica per pool of a model the trace never asks for too:
+    // the replicas (of g GPUs each) so held, per model.
+    let idle_held: Vec<u32> = (0..per_model.len())
+        .map(|m| {
+            let held = policy == "always-on" && per_model[m].is_empty();
+            let mut c = cluster.borrow_mut();
+            (0..2)
+                .map(|_| u32::from(held && c.initial(m).is_some()))
+                .sum()
+        })
+        .collect();
     // Arrivals in time order, for the planner's demand.
     let mut arrivals: Vec<(f64, usize)> = per_model
         .iter()
@@ -366,8 +361,9 @@ fn assemble(
     policy: &str,
     fleet: &Fleet,
     per_model: &[Vec<TraceRequest>],
-    (runs, deferred): &(Vec<ModelRun>, u32),
-) -> (String, FleetPolicyReport) {
+    runs: &[ModelRun],
+    deferred: u32,
+) -> FleetPolicyReport {
     let total: usize = per_model.iter().map(Vec::len).sum();
     let share = |n: usize, of: usize| if of == 0 { 1.0 } else { n as f64 / of as f64 };
     let mut starts = TierStarts::default();
@@ -388,19 +384,14 @@ fn assemble(
             .filter(|s| s.cold)
             .map(|s| s.ttft - s.compute_s)
             .collect();
-        wait_by_size
-            .entry(format!("{}", fm.params_b))
-            .or_default()
-            .extend(&wait);
+        let size = format!("{}", fm.params_b);
+        wait_by_size.entry(size.clone()).or_default().extend(&wait);
         wait_all.extend(&wait);
         ttft_ok += n_ttft;
         slo_ok += n_slo;
         gpu_s += r.gpu_s;
         starts.add(&r.starts);
-        by_size
-            .entry(format!("{}", fm.params_b))
-            .or_default()
-            .extend(&cold);
+        by_size.entry(size).or_default().extend(&cold);
         cold_all.extend(&cold);
         per.push(ModelReport {
             name: fm.name.clone(),
@@ -417,7 +408,7 @@ fn assemble(
         });
     }
     per.sort_by_key(|p| fleet.model_index(&p.name));
-    let report = FleetPolicyReport {
+    FleetPolicyReport {
         name: policy.to_owned(),
         gpu_seconds: gpu_s,
         ttft_attainment: share(ttft_ok, total),
@@ -435,9 +426,8 @@ fn assemble(
             .filter_map(|(k, v)| p99(v).map(|p| (k, p)))
             .collect(),
         starts,
-        deferred_starts: *deferred,
+        deferred_starts: deferred,
         wall_s: 0.0,
         per_model: per,
-    };
-    (policy.to_owned(), report)
+    }
 }
